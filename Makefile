@@ -1,0 +1,75 @@
+# Everything a user or CI runs. `make up STACK=dev` deploys, `make test` proves.
+STACK ?= dev
+PYTHON ?= python3
+VENV := venv
+BIN := $(CURDIR)/$(VENV)/bin
+# Used only when no backend is configured (no `pulumi login`, no PULUMI_BACKEND_URL).
+LOCAL_BACKEND ?= file://$(HOME)/.pulumi-llm-platform
+
+.PHONY: help install install-dev up preview destroy render test lint unit e2e clean
+
+help:
+	@echo "make up STACK=dev|prod       deploy a stack (creates the venv, logs in, selects the stack)"
+	@echo "make preview STACK=dev|prod  show what would change"
+	@echo "make destroy STACK=dev|prod  tear a stack down (the model bucket and ECR repo are retained)"
+	@echo "make render STACK=dev|prod   offline render under mocks into build/render/<stack>/"
+	@echo "make test                    lint, type-check and every test, the real server included"
+
+$(VENV)/.program: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.program requirements-dev.txt workloads/requirements-e2e.txt scripts/install-test-deps.sh
+	bash scripts/install-test-deps.sh $(BIN)
+	touch $@
+
+install: $(VENV)/.program
+install-dev: $(VENV)/.dev
+
+# Picks a backend when none is configured, selects or creates the stack,
+# and makes sure the API keys secret exists before Pulumi runs.
+define with_stack
+	@command -v pulumi >/dev/null || { echo "the Pulumi CLI is required: https://www.pulumi.com/docs/install/"; exit 1; }
+	@pulumi whoami >/dev/null 2>&1 || { echo "no Pulumi backend configured: using $(LOCAL_BACKEND)"; \
+		mkdir -p "$(HOME)/.pulumi-llm-platform"; pulumi login "$(LOCAL_BACKEND)"; }
+	@pulumi stack select $(STACK) 2>/dev/null || pulumi stack init $(STACK)
+	@pulumi config get llm-platform:api_keys --stack $(STACK) >/dev/null 2>&1 || { \
+		echo "generating an API key for $(STACK): read it with 'pulumi config get llm-platform:api_keys'"; \
+		pulumi config set --secret llm-platform:api_keys "$$(openssl rand -hex 32)" --stack $(STACK); }
+endef
+
+up: $(VENV)/.program
+	$(with_stack)
+	pulumi up --stack $(STACK)
+
+preview: $(VENV)/.program
+	$(with_stack)
+	pulumi preview --diff --stack $(STACK)
+
+destroy: $(VENV)/.program
+	$(with_stack)
+	pulumi destroy --stack $(STACK)
+
+render: $(VENV)/.program
+	$(BIN)/python -m infra.render --stack $(STACK)
+
+lint: $(VENV)/.dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/hadolint workloads/Dockerfile
+	@if [ -d .github/workflows ]; then $(BIN)/actionlint; fi
+
+unit: $(VENV)/.dev
+	$(BIN)/python -m pytest -q -m "not e2e"
+
+e2e: $(VENV)/.dev
+	$(BIN)/python -m pytest -q -m e2e
+
+test: lint $(VENV)/.dev
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf build .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,55 @@
+"""What the AWS layer hands to the layers below it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from infra.scheduling import GpuPlacement, Placement
+
+
+@dataclass(frozen=True)
+class PodIdentity:
+    """A Kubernetes service account and the IAM role its pods assume.
+
+    The AWS layer names the service account (the pod identity association
+    binds exactly that name); the layer that creates the account reads the
+    name from here. `role_arn` is None where no role is made here (an
+    existing cluster).
+    """
+
+    namespace: str
+    service_account: str
+    role_arn: pulumi.Output[str] | None
+
+
+@dataclass(frozen=True)
+class RedisEndpoint:
+    """The external Redis that keeps the Ray GCS state across head restarts."""
+
+    address: pulumi.Output[str]  # host:port
+    password: pulumi.Output[str]  # secret
+    tls: bool = True
+
+
+@dataclass(frozen=True)
+class AwsLayer:
+    """Everything the platform and serving layers need from AWS."""
+
+    provider: k8s.Provider
+    cluster_name: pulumi.Output[str]
+    kubeconfig: pulumi.Output[str] | None
+    system: Placement
+    gpu: dict[str, GpuPlacement]
+    node_group_names: dict[str, pulumi.Output[str]]
+    model_bucket: pulumi.Output[str]
+    image: pulumi.Output[str]
+    model_reader: PodIdentity
+    cluster_autoscaler: PodIdentity
+    load_balancer_controller: PodIdentity
+    redis: RedisEndpoint | None
+    vpc_id: pulumi.Output[str] | None
+    # What in-cluster resources wait for: node groups and core add-ons.
+    cluster_ready: list[pulumi.Resource] = field(default_factory=list)

@@ -1,0 +1,30 @@
+"""What the platform layer hands to the serving layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+
+
+@dataclass(frozen=True)
+class PlatformLayer:
+    """In-cluster services the serving layer builds on.
+
+    Each `*_crds` is the resource that installs a CRD group, so custom
+    resources of that group depend on it; None where the cluster already has
+    the CRDs (cluster.mode existing with that part switched off).
+    """
+
+    ray_crds: pulumi.Resource | None
+    monitoring_crds: pulumi.Resource | None
+    keda_crds: pulumi.Resource | None
+    monitoring_namespace: str
+    # Label the Grafana sidecar watches ConfigMaps for (key, value).
+    dashboard_label: tuple[str, str]
+    # Label Prometheus' rule/monitor selectors match; empty when they are open.
+    prometheus_selector_labels: dict[str, str]
+    grafana_service: str  # "namespace/name:port"
+    prometheus_url: str  # in-cluster URL, for Ray's dashboard
+    grafana_url: str  # in-cluster URL, for Ray's dashboard
+    storage_class: str

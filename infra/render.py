@@ -1,0 +1,262 @@
+"""Offline render: run the whole program under Pulumi's mocks and write what it declares.
+
+    python -m infra.render --stack dev [--out DIR] [--config FILE]
+
+No cloud, no Pulumi CLI. Writes to DIR (default build/render/<stack>/):
+resources.json (every resource in creation order), manifests.yaml (every
+Kubernetes object as it would reach the API server), helm.yaml (every Helm
+release with its values) and outputs.json (the stack outputs). Secret
+values are written as "[secret]". Same input, same bytes out. A config
+error prints one line per problem and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+SECRET = "[secret]"
+# A stand-in for the API keys secret when the stack file does not carry it
+# (each user sets it with `pulumi config set --secret`); never a real key.
+PLACEHOLDER_API_KEYS = "render-placeholder-key-0000000000000000"
+_NOT_MANIFESTS = ("kubernetes:helm.sh/", "kubernetes:yaml", "kubernetes:kustomize")
+_HELM_RELEASE = "kubernetes:helm.sh/v3:Release"
+
+
+@dataclass
+class Rendered:
+    """What one render produced."""
+
+    resources: list[dict[str, Any]]
+    manifests: list[dict[str, Any]]
+    helm: list[dict[str, Any]]
+    outputs: dict[str, Any]
+
+
+def read_stack_file(path: Path) -> tuple[dict[str, str], list[str]]:
+    """Pulumi config (key -> value as the CLI passes it) and its secret keys.
+
+    Structured values reach a program as JSON strings, scalars as strings;
+    `secure:` values can not be decrypted offline and become placeholders.
+    """
+    doc = yaml.safe_load(path.read_text()) or {}
+    raw = doc.get("config") or {}
+    config: dict[str, str] = {}
+    secrets: list[str] = []
+    for key, value in raw.items():
+        if isinstance(value, dict) and set(value) == {"secure"}:
+            config[key] = PLACEHOLDER_API_KEYS
+            secrets.append(key)
+        elif isinstance(value, (dict, list)):
+            config[key] = json.dumps(value)
+        elif isinstance(value, bool):
+            config[key] = "true" if value else "false"
+        else:
+            config[key] = "" if value is None else str(value)
+    return config, secrets
+
+
+def _clean(value: Any) -> Any:
+    from pulumi.runtime import rpc
+
+    if isinstance(value, dict):
+        if value.get(rpc._special_sig_key) == rpc._special_secret_sig:
+            return SECRET
+        return {k: _clean(v) for k, v in sorted(value.items()) if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if value is rpc.UNKNOWN:
+        return "[unknown]"
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def _manifest(inputs: dict[str, Any]) -> dict[str, Any]:
+    head = {k: inputs[k] for k in ("apiVersion", "kind", "metadata") if k in inputs}
+    return {**head, **{k: v for k, v in inputs.items() if k not in head}}
+
+
+def _helm(inputs: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": inputs.get("name"),
+        "namespace": inputs.get("namespace"),
+        "chart": inputs.get("chart"),
+        "version": inputs.get("version"),
+        "repository": (inputs.get("repositoryOpts") or {}).get("repo"),
+        "values": inputs.get("values") or {},
+    }
+
+
+def _make_monitor(mocks: Any) -> Any:
+    from pulumi.runtime import rpc
+    from pulumi.runtime.mocks import MockMonitor
+
+    class RecordingMonitor(MockMonitor):  # type: ignore[misc]
+        """Keeps each registration's parent, dependencies and raw inputs."""
+
+        def __init__(self) -> None:
+            super().__init__(mocks)
+            self.records: list[dict[str, Any]] = []
+            self.names: dict[str, str] = {}
+            self.lock = threading.Lock()
+
+        def RegisterResource(self, request: Any) -> Any:  # noqa: N802 - the gRPC method name
+            response = super().RegisterResource(request)
+            if request.type != "pulumi:pulumi:Stack":
+                with self.lock:
+                    self.names[response.urn] = request.name
+                    self.records.append(
+                        {
+                            "type": request.type,
+                            "name": request.name,
+                            "parent": request.parent,
+                            "depends_on": list(request.dependencies),
+                            "inputs": rpc.deserialize_properties(request.object),
+                            "protect": bool(request.protect),
+                            "retain_on_delete": bool(request.retainOnDelete),
+                        }
+                    )
+            return response
+
+    return RecordingMonitor()
+
+
+def _print_config_error(err: Exception) -> None:
+    print(str(err), file=sys.stderr)
+
+
+def render(stack: str, config_file: Path | None = None) -> Rendered:
+    """Run the program for `stack` under mocks and return what it declared.
+
+    Raises infra.config.ConfigError for a bad config.
+    """
+    import pulumi
+    from pulumi.runtime import mocks as pulumi_mocks
+    from pulumi.runtime import settings
+
+    from infra import mocks as platform_mocks
+
+    path = config_file or ROOT / f"Pulumi.{stack}.yaml"
+    config, secret_keys = read_stack_file(path)
+    api_keys = "llm-platform:api_keys"
+    if api_keys not in config:
+        config[api_keys] = PLACEHOLDER_API_KEYS
+        secret_keys.append(api_keys)
+
+    mock = platform_mocks.PlatformMocks(region=config.get("aws:region", "us-east-1"))
+    monitor = _make_monitor(mock)
+    # Registrations run on the loop's default executor; one worker keeps
+    # them in program order so the render is byte-for-byte repeatable.
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
+    asyncio.set_event_loop(loop)
+    settings.set_root_resource(None)  # type: ignore[arg-type]  # a fresh stack for every render
+    pulumi_mocks.set_mocks(mock, project="llm-platform", stack=stack, preview=False, monitor=monitor)
+    pulumi.runtime.set_all_config(config, secret_keys)
+
+    from infra.config import load
+
+    loaded = load()
+
+    from infra.stack import build_stack
+
+    outputs: dict[str, Any] = {}
+
+    async def program() -> None:
+        build_stack(loaded)
+        root = settings.get_root_resource()
+        for name, value in sorted(root.outputs.items()):  # type: ignore[union-attr]
+            out = pulumi.Output.from_input(value)
+            resolved = await out.future()
+            outputs[name] = SECRET if await out.is_secret() else _clean(resolved)
+
+    loop.run_until_complete(pulumi_mocks.run_pulumi_func(lambda: loop.create_task(program())))
+    # run_pulumi_func waits for every outstanding registration.
+
+    names = monitor.names
+    resources = [
+        {
+            "type": r["type"],
+            "name": r["name"],
+            "parent": names.get(r["parent"]),
+            "inputs": _clean(r["inputs"]),
+            "depends_on": sorted({names[u] for u in r["depends_on"] if u in names}),
+            "protect": r["protect"],
+            "retain_on_delete": r["retain_on_delete"],
+        }
+        for r in monitor.records
+    ]
+    manifests = [
+        _manifest(r["inputs"])
+        for r in resources
+        if r["type"].startswith("kubernetes:") and not r["type"].startswith(_NOT_MANIFESTS)
+    ]
+    helm = [_helm(r["inputs"]) for r in resources if r["type"] == _HELM_RELEASE]
+    return Rendered(resources=resources, manifests=manifests, helm=helm, outputs=outputs)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style for multi-line strings so serveConfigV2 and rules stay readable."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def write(rendered: Rendered, out: Path) -> None:
+    """Write the four render files."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "resources.json").write_text(json.dumps(rendered.resources, indent=2) + "\n")
+    (out / "outputs.json").write_text(json.dumps(rendered.outputs, indent=2, sort_keys=True) + "\n")
+    for name, docs in (("manifests.yaml", rendered.manifests), ("helm.yaml", rendered.helm)):
+        text = yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
+        (out / name).write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point."""
+    parser = argparse.ArgumentParser(prog="python -m infra.render", description=__doc__.split("\n")[0])
+    parser.add_argument("--stack", required=True, help="stack name; reads Pulumi.<stack>.yaml")
+    parser.add_argument("--out", type=Path, help="output folder (default build/render/<stack>)")
+    parser.add_argument("--config", type=Path, help="render this stack config file instead")
+    args = parser.parse_args(argv)
+    path = args.config or ROOT / f"Pulumi.{args.stack}.yaml"
+    if not path.is_file():
+        print(f"config error: {path}: no such stack config file", file=sys.stderr)
+        return 2
+
+    from infra.config import ConfigError
+
+    try:
+        rendered = render(args.stack, path)
+    except ConfigError as err:
+        _print_config_error(err)
+        return 2
+    out = args.out or ROOT / "build" / "render" / args.stack
+    write(rendered, out)
+    print(
+        f"rendered {args.stack}: {len(rendered.resources)} resources, {len(rendered.manifests)} manifests, "
+        f"{len(rendered.helm)} helm releases -> {out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""Wires the layers: config -> aws -> platform -> serving -> outputs."""
+
+from __future__ import annotations
+
+import pulumi
+
+from infra.aws.build import build_aws
+from infra.config import LoadedConfig
+from infra.platform.build import build_platform
+from infra.serving.build import build_serving
+
+
+def build_stack(loaded: LoadedConfig) -> None:
+    """Declare the whole stack and export its outputs."""
+    cfg = loaded.stack
+    aws = build_aws(cfg)
+    platform = build_platform(cfg, aws)
+    serving = build_serving(cfg, loaded.api_keys, aws, platform)
+
+    pulumi.export("endpoint", serving.endpoint)
+    pulumi.export("models", serving.models)
+    pulumi.export("grafana_url", platform.grafana_url)
+    pulumi.export("ray_dashboard", serving.ray_dashboards)
+    pulumi.export("image", aws.image)
+    pulumi.export("cluster_name", aws.cluster_name)
+    if aws.kubeconfig is not None:
+        pulumi.export("kubeconfig", pulumi.Output.secret(aws.kubeconfig))
+    pulumi.export("model_bucket", aws.model_bucket)
+    pulumi.export("node_groups", aws.node_group_names)
