@@ -5,6 +5,9 @@ VENV := venv
 BIN := $(CURDIR)/$(VENV)/bin
 # Used only when no backend is configured (no `pulumi login`, no PULUMI_BACKEND_URL).
 LOCAL_BACKEND ?= file://$(HOME)/.pulumi-llm-platform
+# The policy pack runs in its own venv, as the CLI runs it.
+POLICY_VENV := policy/venv
+POLICY_FLAGS = --policy-pack policy --policy-pack-config policy/config/$(STACK).json
 
 .PHONY: help install install-dev up preview destroy render test lint unit e2e clean
 
@@ -21,7 +24,12 @@ $(VENV)/.program: requirements.txt
 	$(BIN)/pip install -q -r requirements.txt
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.program requirements-dev.txt workloads/requirements-e2e.txt scripts/install-test-deps.sh
+$(POLICY_VENV)/.installed: policy/requirements.txt
+	$(PYTHON) -m venv $(POLICY_VENV)
+	$(POLICY_VENV)/bin/pip install -q -r policy/requirements.txt
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.program requirements-dev.txt workloads/requirements-e2e.txt policy/requirements.txt scripts/install-test-deps.sh
 	bash scripts/install-test-deps.sh $(BIN)
 	touch $@
 
@@ -40,17 +48,18 @@ define with_stack
 		pulumi config set --secret llm-platform:api_keys "$$(openssl rand -hex 32)" --stack $(STACK); }
 endef
 
-up: $(VENV)/.program
+up: $(VENV)/.program $(POLICY_VENV)/.installed
 	$(with_stack)
-	pulumi up --stack $(STACK)
+	pulumi up $(POLICY_FLAGS) --stack $(STACK)
 
-preview: $(VENV)/.program
+preview: $(VENV)/.program $(POLICY_VENV)/.installed
 	$(with_stack)
-	pulumi preview --diff --stack $(STACK)
+	pulumi preview --diff $(POLICY_FLAGS) --stack $(STACK)
 
+# The model bucket and the ECR repository are protected: destroy leaves them.
 destroy: $(VENV)/.program
 	$(with_stack)
-	pulumi destroy --stack $(STACK)
+	pulumi destroy --exclude-protected --stack $(STACK)
 
 render: $(VENV)/.program
 	$(BIN)/python -m infra.render --stack $(STACK)
@@ -60,16 +69,17 @@ lint: $(VENV)/.dev
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/hadolint workloads/Dockerfile
-	@if [ -d .github/workflows ]; then $(BIN)/actionlint; fi
+	$(BIN)/actionlint
 
 unit: $(VENV)/.dev
 	$(BIN)/python -m pytest -q -m "not e2e"
 
+# E2E_REQUIRED: a missing vLLM/Ray fails the run instead of skipping the server test.
 e2e: $(VENV)/.dev
-	$(BIN)/python -m pytest -q -m e2e
+	E2E_REQUIRED=1 $(BIN)/python -m pytest -q -m e2e
 
 test: lint $(VENV)/.dev
-	$(BIN)/python -m pytest -q
+	E2E=1 E2E_REQUIRED=1 $(BIN)/python -m pytest -q
 
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache

@@ -125,6 +125,10 @@ class Network(_Model):
     nat_gateways: Literal["single", "one_per_zone"] = "single"
 
 
+LogType = Literal["api", "audit", "authenticator", "controllerManager", "scheduler"]
+_DEFAULT_LOG_TYPES: tuple[LogType, ...] = ("api", "audit", "authenticator")
+
+
 class Cluster(_Model):
     """The Kubernetes cluster: created here (`eks`) or an existing one."""
 
@@ -135,9 +139,7 @@ class Cluster(_Model):
     endpoint_private_access: bool = True
     public_access_cidrs: list[IPv4Network] = Field(default_factory=list)
     admin_principal_arns: list[str] = Field(default_factory=list)
-    log_types: list[Literal["api", "audit", "authenticator", "controllerManager", "scheduler"]] = Field(
-        default_factory=lambda: ["api", "audit", "authenticator"]
-    )
+    log_types: list[LogType] = Field(default_factory=lambda: list(_DEFAULT_LOG_TYPES))
     kubeconfig_context: str | None = None
 
 
@@ -212,7 +214,12 @@ class Ray(_Model):
 
     gcs_fault_tolerance: GcsFaultTolerance = GcsFaultTolerance()
     idle_timeout_seconds: int = Field(default=300, ge=30)
-    upgrade_strategy: Literal["NewClusterWithIncrementalUpgrade", "NewCluster"] = "NewCluster"
+    # NewCluster: a full second cluster, traffic switched when it is ready
+    # (zero downtime, twice the GPUs while upgrading). None: cluster changes
+    # are not rolled out (serveConfigV2 still updates in place). KubeRay's
+    # incremental upgrade needs a Gateway API implementation the platform
+    # does not install, so it is not offered.
+    upgrade_strategy: Literal["NewCluster", "None"] = "NewCluster"
     head_cpu: str = "2"
     head_memory: str = "8Gi"
 
@@ -518,7 +525,9 @@ def _check_access(cfg: StackConfig) -> Iterable[Problem]:
     ep = cfg.endpoint
     if ep.scheme == "internet-facing":
         if cfg.is_prod and not ep.allowed_cidrs:
-            yield Problem("endpoint.allowed_cidrs", "prod may not use an internet-facing endpoint without an allow-list")
+            yield Problem(
+                "endpoint.allowed_cidrs", "prod may not use an internet-facing endpoint without an allow-list"
+            )
         if cfg.is_prod and everywhere in ep.allowed_cidrs:
             yield Problem("endpoint.allowed_cidrs", "prod may not allow 0.0.0.0/0 on an internet-facing endpoint")
         if not ep.certificate_arn:
@@ -567,8 +576,8 @@ def _check_network(cfg: StackConfig) -> Iterable[Problem]:
             yield Problem(f"network.zones[{i}]", f"'{zone}' is not a zone of region {cfg.region}")
     if len(set(cfg.network.zones)) != len(cfg.network.zones):
         yield Problem("network.zones", "zones must be distinct")
-    if cfg.is_prod and cfg.cluster.mode == "eks" and len(cfg.network.zones) < 2:
-        yield Problem("network.zones", "prod spreads over at least two zones")
+    if cfg.cluster.mode == "eks" and len(cfg.network.zones) < 2:
+        yield Problem("network.zones", "EKS needs subnets in at least two zones")
     if cfg.cluster.kubernetes_version != versions.KUBERNETES_VERSION and not re.match(
         r"^1\.\d+$", cfg.cluster.kubernetes_version
     ):
@@ -681,8 +690,11 @@ def load() -> LoadedConfig:
         ns, _, name = key.partition(":")
         if ns == NAMESPACE and name != SECRET_API_KEYS:
             raw[name] = _decode(value)
-    raw["region"] = pulumi.Config("aws").get("region")
+    region = pulumi.Config("aws").get("region")
     problems: list[Problem] = []
+    if region is None:
+        problems.append(Problem("aws:region", "required: pulumi config set aws:region <region>"))
+    raw["region"] = region or "unset"
     try:
         cfg = parse(raw)
     except ConfigError as err:

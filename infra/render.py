@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from infra.config import ConfigError, Problem
+
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "[secret]"
 # A stand-in for the API keys secret when the stack file does not carry it
@@ -49,8 +51,15 @@ def read_stack_file(path: Path) -> tuple[dict[str, str], list[str]]:
     Structured values reach a program as JSON strings, scalars as strings;
     `secure:` values can not be decrypted offline and become placeholders.
     """
-    doc = yaml.safe_load(path.read_text()) or {}
-    raw = doc.get("config") or {}
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError([Problem(str(path), f"not valid YAML{where}")]) from None
+    raw = doc.get("config") if isinstance(doc, dict) else None
+    if not isinstance(raw, dict):
+        raise ConfigError([Problem(str(path), "needs a `config:` mapping")])
     config: dict[str, str] = {}
     secrets: list[str] = []
     for key, value in raw.items():
@@ -85,7 +94,7 @@ def _clean(value: Any) -> Any:
 
 
 def _manifest(inputs: dict[str, Any]) -> dict[str, Any]:
-    head = {k: inputs[k] for k in ("apiVersion", "kind", "metadata") if k in inputs}
+    head: dict[str, Any] = {k: inputs[k] for k in ("apiVersion", "kind", "metadata") if k in inputs}
     return {**head, **{k: v for k, v in inputs.items() if k not in head}}
 
 
@@ -104,7 +113,7 @@ def _make_monitor(mocks: Any) -> Any:
     from pulumi.runtime import rpc
     from pulumi.runtime.mocks import MockMonitor
 
-    class RecordingMonitor(MockMonitor):  # type: ignore[misc]
+    class RecordingMonitor(MockMonitor):
         """Keeps each registration's parent, dependencies and raw inputs."""
 
         def __init__(self) -> None:
@@ -114,7 +123,7 @@ def _make_monitor(mocks: Any) -> Any:
             self.lock = threading.Lock()
 
         def RegisterResource(self, request: Any) -> Any:  # noqa: N802 - the gRPC method name
-            response = super().RegisterResource(request)
+            response = super().RegisterResource(request)  # type: ignore[no-untyped-call]
             if request.type != "pulumi:pulumi:Stack":
                 with self.lock:
                     self.names[response.urn] = request.name
@@ -134,6 +143,27 @@ def _make_monitor(mocks: Any) -> Any:
     return RecordingMonitor()
 
 
+@dataclass
+class _Declared:
+    original: Any
+    order: dict[tuple[str, str], int]
+
+
+def _record_declaration_order() -> _Declared:
+    """Number every resource as the program constructs it."""
+    import pulumi
+
+    original = pulumi.Resource.__init__
+    order: dict[tuple[str, str], int] = {}
+
+    def init(self: pulumi.Resource, t: str, name: str, *args: Any, **kwargs: Any) -> None:
+        order.setdefault((t, name), len(order))
+        original(self, t, name, *args, **kwargs)
+
+    pulumi.Resource.__init__ = init  # type: ignore[method-assign]
+    return _Declared(original=original, order=order)
+
+
 def _print_config_error(err: Exception) -> None:
     print(str(err), file=sys.stderr)
 
@@ -146,6 +176,7 @@ def render(stack: str, config_file: Path | None = None) -> Rendered:
     import pulumi
     from pulumi.runtime import mocks as pulumi_mocks
     from pulumi.runtime import settings
+    from pulumi.runtime.stack import run_pulumi_func
 
     from infra import mocks as platform_mocks
 
@@ -174,6 +205,7 @@ def render(stack: str, config_file: Path | None = None) -> Rendered:
     from infra.stack import build_stack
 
     outputs: dict[str, Any] = {}
+    declared = _record_declaration_order()
 
     async def program() -> None:
         build_stack(loaded)
@@ -183,8 +215,14 @@ def render(stack: str, config_file: Path | None = None) -> Rendered:
             resolved = await out.future()
             outputs[name] = SECRET if await out.is_secret() else _clean(resolved)
 
-    loop.run_until_complete(pulumi_mocks.run_pulumi_func(lambda: loop.create_task(program())))
-    # run_pulumi_func waits for every outstanding registration.
+    try:
+        # run_pulumi_func waits for every outstanding registration.
+        loop.run_until_complete(run_pulumi_func(lambda: loop.create_task(program())))
+    finally:
+        pulumi.Resource.__init__ = declared.original  # type: ignore[method-assign]
+    # Registrations reach the monitor as their inputs resolve, an order that
+    # varies with thread timing; the order the program declared them does not.
+    records = sorted(monitor.records, key=lambda r: declared.order.get((r["type"], r["name"]), len(declared.order)))
 
     names = monitor.names
     resources = [
@@ -197,7 +235,7 @@ def render(stack: str, config_file: Path | None = None) -> Rendered:
             "protect": r["protect"],
             "retain_on_delete": r["retain_on_delete"],
         }
-        for r in monitor.records
+        for r in records
     ]
     manifests = [
         _manifest(r["inputs"])
@@ -241,8 +279,6 @@ def main(argv: list[str] | None = None) -> int:
     if not path.is_file():
         print(f"config error: {path}: no such stack config file", file=sys.stderr)
         return 2
-
-    from infra.config import ConfigError
 
     try:
         rendered = render(args.stack, path)

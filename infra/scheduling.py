@@ -16,6 +16,13 @@ from infra.config import GpuNodeGroup, StackConfig, Taint
 LABEL_PREFIX = "llm-platform"
 NODE_GROUP_LABEL = f"{LABEL_PREFIX}/node-group"
 GPU_MODEL_LABEL = f"{LABEL_PREFIX}/gpu-model"
+# cluster-autoscaler's AWS provider reads this label to know a new node
+# will have GPUs, so it waits for the device plugin instead of scaling up a
+# second time while the first node's GPUs are not yet allocatable.
+AUTOSCALER_GPU_LABEL = "k8s.amazonaws.com/accelerator"
+# Bottlerocket's NVIDIA variants ship their own device plugin; the GPU
+# Operator skips nodes that carry this label set to "false".
+GPU_OPERATOR_DEVICE_PLUGIN_LABEL = "nvidia.com/gpu.deploy.device-plugin"
 # The taint the NVIDIA device plugin's users conventionally tolerate: only
 # pods that ask for GPUs land on GPU nodes.
 GPU_TAINT = Taint(key="nvidia.com/gpu", value="true", effect="NoSchedule")
@@ -35,9 +42,7 @@ class Placement:
 
     def tolerations(self) -> list[dict[str, str]]:
         """Tolerates exactly this group's taints."""
-        return [
-            {"key": t.key, "operator": "Equal", "value": t.value, "effect": t.effect} for t in self.taints
-        ]
+        return [{"key": t.key, "operator": "Equal", "value": t.value, "effect": t.effect} for t in self.taints]
 
     def pod_scheduling(self) -> dict[str, Any]:
         """`nodeSelector` and `tolerations` for a pod spec."""
@@ -70,7 +75,14 @@ def system_placement(cfg: StackConfig) -> Placement:
 def gpu_placement(group: GpuNodeGroup) -> GpuPlacement:
     """One GPU group's placement: its labels, the GPU taint and its own taints."""
     instance = group.instance()
-    labels = {**group.labels, NODE_GROUP_LABEL: group.name, GPU_MODEL_LABEL: instance.gpu_model}
+    labels = {
+        **group.labels,
+        NODE_GROUP_LABEL: group.name,
+        GPU_MODEL_LABEL: instance.gpu_model,
+        AUTOSCALER_GPU_LABEL: f"nvidia-{instance.gpu_model.lower()}",
+    }
+    if group.ami == "bottlerocket_nvidia":
+        labels[GPU_OPERATOR_DEVICE_PLUGIN_LABEL] = "false"
     taints = (GPU_TAINT, *(t for t in group.taints if t != GPU_TAINT))
     return GpuPlacement(group=group.name, labels=labels, taints=taints, instance=instance, ami=group.ami)
 

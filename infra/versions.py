@@ -31,9 +31,7 @@ KEDA = HelmChart("keda", "2.20.2", "https://kedacore.github.io/charts")
 # The autoscaler's minor must match the cluster's: 9.59.0 ships 1.35.0.
 CLUSTER_AUTOSCALER = HelmChart("cluster-autoscaler", "9.59.0", "https://kubernetes.github.io/autoscaler")
 CLUSTER_AUTOSCALER_IMAGE_TAG = "v1.35.0"
-AWS_LOAD_BALANCER_CONTROLLER = HelmChart(
-    "aws-load-balancer-controller", "3.5.0", "https://aws.github.io/eks-charts"
-)
+AWS_LOAD_BALANCER_CONTROLLER = HelmChart("aws-load-balancer-controller", "3.5.0", "https://aws.github.io/eks-charts")
 
 HELM_CHARTS: tuple[HelmChart, ...] = (
     GPU_OPERATOR,
@@ -58,3 +56,10 @@ EKS_ADDONS: dict[str, str] = {
 RAY_VERSION = "2.60.0"
 VLLM_VERSION = "0.29.0"
 RAY_LLM_BASE_IMAGE = f"rayproject/ray-llm:{RAY_VERSION}-py311-cu128"
+
+# The placeholder that holds warm GPU nodes before a scheduled peak
+# (the serving layer's pre-scaler); it only sleeps.
+PAUSE_IMAGE = "registry.k8s.io/pause:3.10@sha256:ee6521f290b2168b6e0935a181d4cff9be1ac3f505666ef0e3c98fae8199917a"
+
+# ElastiCache engine of the Redis that keeps the Ray GCS state (prod).
+ELASTICACHE_REDIS_VERSION = "7.1"

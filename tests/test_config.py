@@ -258,7 +258,7 @@ def test_several_problems_give_one_line_each() -> None:
 
 def test_type_errors_name_the_value() -> None:
     assert problems(broken("dev", _set("models.0.max_model_len", "lots"))) == [
-        'config error: models[0].max_model_len: Input should be a valid integer, unable to parse string as an '
+        "config error: models[0].max_model_len: Input should be a valid integer, unable to parse string as an "
         'integer (got "lots")'
     ]
 
@@ -316,3 +316,29 @@ def test_missing_stack_file_is_a_config_error(tmp_path: Path) -> None:
     result = _render_cli("--stack", "nope", "--config", str(tmp_path / "Pulumi.nope.yaml"))
     assert result.returncode == 2
     assert result.stderr.strip().endswith("no such stack config file")
+
+
+def test_eks_needs_two_zones() -> None:
+    assert problems(broken("dev", _set("network.zones", ["us-west-2a"]))) == [
+        "config error: network.zones: EKS needs subnets in at least two zones"
+    ]
+
+
+def test_invalid_yaml_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "Pulumi.bad.yaml"
+    path.write_text("config:\n  llm-platform:models: [\n")
+    result = _render_cli("--stack", "bad", "--config", str(path))
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"config error: {path}: not valid YAML line 3"]
+
+
+def test_missing_region_names_the_key(tmp_path: Path) -> None:
+    raw = raw_config("dev")
+    path = _stack_file(tmp_path, "dev", raw)
+    doc = yaml.safe_load(path.read_text())
+    del doc["config"]["aws:region"]
+    path.write_text(yaml.safe_dump(doc))
+    result = _render_cli("--stack", "dev", "--config", str(path))
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert lines[0] == "config error: aws:region: required: pulumi config set aws:region <region>"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulumi
 
@@ -14,3 +14,7 @@ class ServingLayer:
     endpoint: pulumi.Output[str]  # the OpenAI base URL, ending in /v1
     models: list[str]  # served model ids
     ray_dashboards: dict[str, str]  # RayService name -> how to reach its dashboard
+    # RayService name -> its own OpenAI base URL (one load balancer each).
+    endpoints: dict[str, pulumi.Output[str]] = field(default_factory=dict)
+    # RayService name -> the model ids it serves.
+    service_models: dict[str, list[str]] = field(default_factory=dict)

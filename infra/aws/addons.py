@@ -1,0 +1,56 @@
+"""EKS managed add-ons, each pinned to the version in infra/versions.py."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_aws as aws
+
+from infra import versions
+
+
+@dataclass(frozen=True)
+class AddonsArgs:
+    """Which add-ons to install on which cluster."""
+
+    cluster_name: pulumi.Input[str]
+    names: Sequence[str]
+    # What every add-on waits for (a component's own depends_on does not
+    # reach its children).
+    after: Sequence[pulumi.Resource] = ()
+
+
+class EksAddons(pulumi.ComponentResource):
+    """A set of EKS managed add-ons at pinned versions.
+
+    Installed in two steps by the layer: the ones a node needs to join and
+    run pods (vpc-cni, kube-proxy, eks-pod-identity-agent) with the cluster,
+    and the ones that run as Deployments (coredns, aws-ebs-csi-driver) after
+    the node groups: EKS reports those DEGRADED until a node can run them,
+    and the create would wait on that until it times out.
+    """
+
+    addons: dict[str, aws.eks.Addon]
+
+    def __init__(self, name: str, args: AddonsArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("llm-platform:aws:EksAddons", name, None, opts)
+        unknown = [n for n in args.names if n not in versions.EKS_ADDONS]
+        if unknown:
+            raise ValueError(f"add-ons {unknown} have no pinned version in infra/versions.py EKS_ADDONS")
+        self.addons = {
+            addon: aws.eks.Addon(
+                addon,
+                cluster_name=args.cluster_name,
+                addon_name=addon,
+                addon_version=versions.EKS_ADDONS[addon],
+                # The program owns these add-ons' settings: a manual edit in
+                # the cluster is put back on the next update.
+                resolve_conflicts_on_create="OVERWRITE",
+                resolve_conflicts_on_update="OVERWRITE",
+                opts=pulumi.ResourceOptions(parent=self, depends_on=list(args.after)),
+            )
+            for addon in args.names
+        }
+        self.register_outputs({"versions": {n: a.addon_version for n, a in self.addons.items()}})

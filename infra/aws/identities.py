@@ -1,0 +1,174 @@
+"""IAM roles for pods through EKS Pod Identity, one role per service account."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_aws as aws
+
+from infra.aws import policies
+from infra.aws.layer import PodIdentity
+
+KUBE_SYSTEM = "kube-system"
+# The service accounts the roles are bound to. The layers that create the
+# accounts (platform: Helm releases; serving: the model pods) read these
+# names from the PodIdentity objects, never from here.
+MODEL_READER_SA = "model-reader"
+CLUSTER_AUTOSCALER_SA = "cluster-autoscaler"
+LOAD_BALANCER_CONTROLLER_SA = "aws-load-balancer-controller"
+# Fixed by the aws-ebs-csi-driver add-on, which creates the account itself.
+EBS_CSI_SA = "ebs-csi-controller-sa"
+
+
+def model_reader_identity(namespace: str, role_arn: pulumi.Output[str] | None = None) -> PodIdentity:
+    """The model pods' identity: read the model bucket."""
+    return PodIdentity(namespace=namespace, service_account=MODEL_READER_SA, role_arn=role_arn)
+
+
+def cluster_autoscaler_identity(role_arn: pulumi.Output[str] | None = None) -> PodIdentity:
+    """cluster-autoscaler's identity."""
+    return PodIdentity(namespace=KUBE_SYSTEM, service_account=CLUSTER_AUTOSCALER_SA, role_arn=role_arn)
+
+
+def load_balancer_controller_identity(role_arn: pulumi.Output[str] | None = None) -> PodIdentity:
+    """The AWS load balancer controller's identity."""
+    return PodIdentity(namespace=KUBE_SYSTEM, service_account=LOAD_BALANCER_CONTROLLER_SA, role_arn=role_arn)
+
+
+@dataclass(frozen=True)
+class IdentitiesArgs:
+    """What the policies name: the cluster, the bucket and its key, the models' prefixes."""
+
+    cluster_name: pulumi.Output[str]
+    region: str
+    serving_namespace: str
+    bucket_arn: pulumi.Output[str]
+    bucket_key_arn: pulumi.Output[str]
+    model_prefixes: Sequence[str]
+    # The group the nodes' ENIs carry; the load balancer controller may open it.
+    node_security_group_id: pulumi.Output[str] | None = None
+    # The gp3 StorageClass' customer key, if any: the EBS CSI driver then
+    # needs grants on it.
+    ebs_kms_key_arn: str | None = None
+
+
+# (partition, region, account, cluster) -> policy document
+PolicyFn = Callable[[str, str, str, str], policies.Policy]
+
+
+class PodIdentities(pulumi.ComponentResource):
+    """Least-privilege roles for the model reader, cluster-autoscaler, the load balancer controller
+    and the EBS CSI driver, each bound to one service account by a Pod Identity association.
+
+    Every role's trust policy admits only its own cluster, namespace and
+    service account; every permission names the ARNs it needs.
+    """
+
+    model_reader: PodIdentity
+    cluster_autoscaler: PodIdentity
+    load_balancer_controller: PodIdentity
+    ebs_csi: PodIdentity
+    associations: list[aws.eks.PodIdentityAssociation]
+
+    def __init__(self, name: str, args: IdentitiesArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("llm-platform:aws:PodIdentities", name, None, opts)
+        self._args = args
+        self._partition = aws.get_partition_output().partition
+        self._account = aws.get_caller_identity_output().account_id
+        self.associations = []
+        region = args.region
+
+        reader = model_reader_identity(args.serving_namespace)
+        prefixes = list(args.model_prefixes)
+        reader_arn = self._role(
+            f"{name}-model-reader",
+            reader,
+            "Reads model weights from the model bucket",
+            inline=pulumi.Output.all(args.bucket_arn, args.bucket_key_arn).apply(
+                lambda a: policies.model_reader(a[0], prefixes, a[1], region)
+            ),
+        )
+        self.model_reader = model_reader_identity(args.serving_namespace, reader_arn)
+
+        self.cluster_autoscaler = cluster_autoscaler_identity(
+            self._role(
+                f"{name}-cluster-autoscaler",
+                cluster_autoscaler_identity(),
+                "Scales this cluster's node groups",
+                inline=self._scoped(policies.cluster_autoscaler),
+            )
+        )
+        self.load_balancer_controller = load_balancer_controller_identity(
+            self._role(
+                f"{name}-load-balancer-controller",
+                load_balancer_controller_identity(),
+                "Manages this cluster's load balancers",
+                inline=pulumi.Output.all(
+                    self._partition, self._account, args.cluster_name, args.node_security_group_id
+                ).apply(lambda a: policies.load_balancer_controller(a[0], region, a[1], a[2], a[3])),
+            )
+        )
+        ebs_key = args.ebs_kms_key_arn
+        ebs = PodIdentity(namespace=KUBE_SYSTEM, service_account=EBS_CSI_SA, role_arn=None)
+        self.ebs_csi = PodIdentity(
+            namespace=KUBE_SYSTEM,
+            service_account=EBS_CSI_SA,
+            role_arn=self._role(
+                f"{name}-ebs-csi",
+                ebs,
+                "Creates and attaches this cluster's EBS volumes",
+                managed=self._partition.apply(lambda p: policies.EBS_CSI_MANAGED_POLICY.format(partition=p)),
+                inline=(pulumi.Output.from_input(policies.kms_grants_for_ebs(ebs_key, region)) if ebs_key else None),
+            ),
+        )
+        self.register_outputs(
+            {
+                "model_reader_role_arn": self.model_reader.role_arn,
+                "cluster_autoscaler_role_arn": self.cluster_autoscaler.role_arn,
+                "load_balancer_controller_role_arn": self.load_balancer_controller.role_arn,
+                "ebs_csi_role_arn": self.ebs_csi.role_arn,
+            }
+        )
+
+    def _scoped(self, fn: PolicyFn) -> pulumi.Output[policies.Policy]:
+        region = self._args.region
+        return pulumi.Output.all(self._partition, self._account, self._args.cluster_name).apply(
+            lambda a: fn(a[0], region, a[1], a[2])
+        )
+
+    def _role(
+        self,
+        name: str,
+        identity: PodIdentity,
+        description: str,
+        *,
+        inline: pulumi.Output[policies.Policy] | None = None,
+        managed: pulumi.Output[str] | None = None,
+    ) -> pulumi.Output[str]:
+        child = pulumi.ResourceOptions(parent=self)
+        trust = pulumi.Output.all(self._account, self._args.cluster_name).apply(
+            lambda a: policies.pod_identity_trust(a[0], a[1], identity.namespace, identity.service_account)
+        )
+        role = aws.iam.Role(
+            name,
+            description=f"{description} ({identity.namespace}/{identity.service_account})",
+            assume_role_policy=pulumi.Output.json_dumps(trust),
+            opts=child,
+        )
+        if inline is not None:
+            aws.iam.RolePolicy(name, role=role.id, policy=pulumi.Output.json_dumps(inline), opts=child)
+        if managed is not None:
+            aws.iam.RolePolicyAttachment(name, role=role.name, policy_arn=managed, opts=child)
+        self.associations.append(
+            aws.eks.PodIdentityAssociation(
+                name,
+                cluster_name=self._args.cluster_name,
+                namespace=identity.namespace,
+                service_account=identity.service_account,
+                role_arn=role.arn,
+                opts=child,
+            )
+        )
+        return role.arn

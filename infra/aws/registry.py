@@ -1,0 +1,219 @@
+"""The serving image: an ECR repository, and the image built from workloads/ and pinned by digest."""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pulumi
+import pulumi_aws as aws
+import pulumi_docker_build as docker_build
+
+from infra import versions
+
+WORKLOADS = Path(__file__).resolve().parents[2] / "workloads"
+CACHE_TAG = "buildcache"
+UNTAGGED_EXPIRY_DAYS = 7
+KEEP_IMAGES = 30
+
+
+def _dockerignore(root: Path) -> list[tuple[bool, str]]:
+    path = root / ".dockerignore"
+    if not path.is_file():
+        return []
+    rules = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            negated = line.startswith("!")
+            rules.append((negated, line.removeprefix("!").strip("/")))
+    return rules
+
+
+def _excluded(rel: str, rules: list[tuple[bool, str]]) -> bool:
+    # .dockerignore semantics: the last pattern that matches the path or one
+    # of its parent directories decides; `**/` also matches no directory.
+    parts = rel.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    excluded = False
+    for negated, pattern in rules:
+        candidates = {pattern, pattern.replace("**/", "")}
+        if any(fnmatch.fnmatchcase(p, c) for p in prefixes for c in candidates):
+            excluded = not negated
+    return excluded
+
+
+def content_hash(root: Path = WORKLOADS) -> str:
+    """A hash of what the build sends: the Dockerfile and the context after .dockerignore.
+
+    The same sources give the same tag; a file the build never sees does not
+    move it.
+    """
+    digest = hashlib.sha256()
+    if root.is_dir():
+        rules = _dockerignore(root)
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            rel = path.relative_to(root).as_posix()
+            if rel == "Dockerfile" or not _excluded(rel, rules):
+                digest.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def image_tag(root: Path = WORKLOADS) -> str:
+    """`<ray version>-<12 hex of the content hash>`: names what is inside, never moves."""
+    return f"{versions.RAY_VERSION}-{content_hash(root)[:12]}"
+
+
+def lifecycle_policy() -> str:
+    """Expire untagged images after a week; keep the newest images beyond that."""
+    return json.dumps(
+        {
+            "rules": [
+                {
+                    "rulePriority": 1,
+                    "description": f"expire untagged images after {UNTAGGED_EXPIRY_DAYS} days",
+                    "selection": {
+                        "tagStatus": "untagged",
+                        "countType": "sinceImagePushed",
+                        "countUnit": "days",
+                        "countNumber": UNTAGGED_EXPIRY_DAYS,
+                    },
+                    "action": {"type": "expire"},
+                },
+                {
+                    "rulePriority": 2,
+                    "description": f"keep the last {KEEP_IMAGES} images",
+                    "selection": {"tagStatus": "any", "countType": "imageCountMoreThan", "countNumber": KEEP_IMAGES},
+                    "action": {"type": "expire"},
+                },
+            ]
+        },
+        sort_keys=True,
+    )
+
+
+def _cache_lifecycle_policy() -> str:
+    # Each build moves the cache tag; the manifests it leaves are garbage.
+    return json.dumps(
+        {
+            "rules": [
+                {
+                    "rulePriority": 1,
+                    "description": "expire superseded cache manifests",
+                    "selection": {
+                        "tagStatus": "untagged",
+                        "countType": "sinceImagePushed",
+                        "countUnit": "days",
+                        "countNumber": 1,
+                    },
+                    "action": {"type": "expire"},
+                }
+            ]
+        },
+        sort_keys=True,
+    )
+
+
+@dataclass(frozen=True)
+class RegistryArgs:
+    """Where the image goes and whether to build it."""
+
+    repository_name: str
+    # A digest-pinned reference from config: use it and build nothing.
+    reference: str | None = None
+    context: Path = WORKLOADS
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+class ServingImage(pulumi.ComponentResource):
+    """The ECR repository and the serving image, exported as `repository@sha256:...`.
+
+    The repository's tags are immutable and scanned on push; the build cache
+    lives in a second, mutable repository, because a registry cache rewrites
+    one tag on every build, which an immutable repository refuses. The image
+    is not built during preview (the CUDA base image is many GB); the
+    reference is pinned to the digest the push returned, never to a tag.
+    """
+
+    repository_url: pulumi.Output[str]
+    reference: pulumi.Output[str]
+
+    def __init__(self, name: str, args: RegistryArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("llm-platform:aws:ServingImage", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        # Running RayServices pull by digest from here: the repository must
+        # survive a destroy or a rename of the stack.
+        keep = pulumi.ResourceOptions(parent=self, protect=True, retain_on_delete=True)
+
+        self.repository = aws.ecr.Repository(
+            name,
+            name=args.repository_name,
+            image_tag_mutability="IMMUTABLE",
+            image_scanning_configuration=aws.ecr.RepositoryImageScanningConfigurationArgs(scan_on_push=True),
+            encryption_configurations=[aws.ecr.RepositoryEncryptionConfigurationArgs(encryption_type="KMS")],
+            force_delete=False,
+            tags=args.tags,
+            opts=keep,
+        )
+        aws.ecr.LifecyclePolicy(name, repository=self.repository.name, policy=lifecycle_policy(), opts=child)
+        self.repository_url = self.repository.repository_url
+
+        if args.reference is not None:
+            self.reference = pulumi.Output.from_input(args.reference)
+            self.register_outputs({"repository_url": self.repository_url, "reference": self.reference})
+            return
+
+        self.cache_repository = aws.ecr.Repository(
+            f"{name}-cache",
+            name=f"{args.repository_name}-cache",
+            image_tag_mutability="MUTABLE",
+            encryption_configurations=[aws.ecr.RepositoryEncryptionConfigurationArgs(encryption_type="KMS")],
+            force_delete=True,
+            tags=args.tags,
+            opts=child,
+        )
+        aws.ecr.LifecyclePolicy(
+            f"{name}-cache",
+            repository=self.cache_repository.name,
+            policy=_cache_lifecycle_policy(),
+            opts=child,
+        )
+
+        token = aws.ecr.get_authorization_token_output(registry_id=self.repository.registry_id)
+        registry = self.repository_url.apply(lambda url: url.split("/", 1)[0])
+        cache_ref = self.cache_repository.repository_url.apply(lambda url: f"{url}:{CACHE_TAG}")
+        tag = image_tag(args.context)
+        self.image = docker_build.Image(
+            name,
+            context=docker_build.BuildContextArgs(location=str(args.context)),
+            dockerfile=docker_build.DockerfileArgs(location=str(args.context / "Dockerfile")),
+            platforms=[docker_build.Platform.LINUX_AMD64],
+            tags=[self.repository_url.apply(lambda url: f"{url}:{tag}")],
+            push=True,
+            build_on_preview=False,
+            registries=[
+                docker_build.RegistryArgs(
+                    address=registry,
+                    username=token.user_name,
+                    password=pulumi.Output.secret(token.password),
+                )
+            ],
+            cache_from=[docker_build.CacheFromArgs(registry=docker_build.CacheFromRegistryArgs(ref=cache_ref))],
+            cache_to=[
+                docker_build.CacheToArgs(
+                    registry=docker_build.CacheToRegistryArgs(
+                        ref=cache_ref,
+                        mode=docker_build.CacheMode.MAX,
+                        # ECR stores a cache only as an OCI image manifest.
+                        image_manifest=True,
+                        oci_media_types=True,
+                    )
+                )
+            ],
+            opts=child,
+        )
+        self.reference = pulumi.Output.all(self.repository_url, self.image.digest).apply(lambda a: f"{a[0]}@{a[1]}")
+        self.register_outputs({"repository_url": self.repository_url, "reference": self.reference, "tag": tag})

@@ -1,0 +1,225 @@
+"""kube-prometheus-stack: Prometheus, Alertmanager, Grafana and the operator.
+
+The release installs the monitoring.coreos.com CRDs, so every ServiceMonitor,
+PodMonitor and PrometheusRule (the charts' and the serving layer's) waits
+for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pulumi
+import pulumi_kubernetes as k8s
+import pulumi_random as random
+
+from infra import versions
+from infra.config import Observability
+from infra.platform.helm import PSA_PRIVILEGED, helm_fullname, namespace, release
+from infra.scheduling import Placement
+
+NAMESPACE = "monitoring"
+RELEASE_NAME = "kube-prometheus-stack"
+# kube-prometheus-stack truncates its fullname to 26 characters.
+_FULLNAME_LIMIT = 26
+PROMETHEUS_PORT = 9090
+# The grafana subchart's `service.port` default; the parent chart's
+# values.yaml does not expose it, so it is not set here, only read.
+GRAFANA_PORT = 80
+GRAFANA_ADMIN_USER = "admin"
+GRAFANA_SECRET_USER_KEY = "admin-user"
+GRAFANA_SECRET_PASSWORD_KEY = "admin-password"
+DASHBOARD_LABEL = ("grafana_dashboard", "1")
+# Prometheus trims the oldest blocks beyond this share of the volume, so a
+# burst of series fills the retention window instead of the disk.
+_RETENTION_SIZE_SHARE = 0.85
+ALERTMANAGER_STORAGE_GIB = 10
+
+
+def prometheus_fullname(release_name: str = RELEASE_NAME) -> str:
+    """The chart's fullname, the prefix of every object it renders."""
+    return helm_fullname(release_name, "kube-prometheus-stack", limit=_FULLNAME_LIMIT)
+
+
+def grafana_service_name(release_name: str = RELEASE_NAME) -> str:
+    """The Grafana Service the subchart renders."""
+    return helm_fullname(release_name, "grafana")
+
+
+def prometheus_url(ns: str = NAMESPACE, release_name: str = RELEASE_NAME) -> str:
+    """In-cluster URL of the Prometheus Service."""
+    return f"http://{prometheus_fullname(release_name)}-prometheus.{ns}.svc:{PROMETHEUS_PORT}"
+
+
+def grafana_url(ns: str = NAMESPACE, release_name: str = RELEASE_NAME) -> str:
+    """In-cluster URL of the Grafana Service."""
+    return f"http://{grafana_service_name(release_name)}.{ns}.svc:{GRAFANA_PORT}"
+
+
+def grafana_service(ns: str = NAMESPACE, release_name: str = RELEASE_NAME) -> str:
+    """The Grafana Service as "namespace/name:port"."""
+    return f"{ns}/{grafana_service_name(release_name)}:{GRAFANA_PORT}"
+
+
+def _volume_claim(storage_class: str, gib: int) -> dict[str, Any]:
+    return {
+        "volumeClaimTemplate": {
+            "spec": {
+                "storageClassName": storage_class,
+                "accessModes": ["ReadWriteOnce"],
+                "resources": {"requests": {"storage": f"{gib}Gi"}},
+            }
+        }
+    }
+
+
+def monitoring_values(
+    obs: Observability,
+    *,
+    storage_class: str,
+    system: Placement,
+    admin_secret: str,
+    highly_available: bool,
+) -> dict[str, Any]:
+    """The chart values: retention and storage from config, selectors open."""
+    scheduling: dict[str, Any] = {"nodeSelector": system.node_selector()}
+    if system.taints:
+        scheduling["tolerations"] = system.tolerations()
+    retention_size = int(obs.prometheus_storage_gib * _RETENTION_SIZE_SHARE)
+    return {
+        "crds": {"enabled": True},
+        "alertmanager": {
+            "enabled": True,
+            "alertmanagerSpec": {
+                **scheduling,
+                # Alertmanager replicas gossip silences and dedupe
+                # notifications, so three survive a node loss.
+                "replicas": 3 if highly_available else 1,
+                "storage": _volume_claim(storage_class, ALERTMANAGER_STORAGE_GIB),
+            },
+        },
+        "grafana": {
+            "enabled": True,
+            "admin": {
+                "existingSecret": admin_secret,
+                "userKey": GRAFANA_SECRET_USER_KEY,
+                "passwordKey": GRAFANA_SECRET_PASSWORD_KEY,
+            },
+            "sidecar": {
+                "dashboards": {
+                    "enabled": True,
+                    "label": DASHBOARD_LABEL[0],
+                    "labelValue": DASHBOARD_LABEL[1],
+                    "searchNamespace": "ALL",
+                }
+            },
+        },
+        "prometheusOperator": {"enabled": True, **scheduling},
+        "prometheus": {
+            "enabled": True,
+            "service": {"port": PROMETHEUS_PORT},
+            "prometheusSpec": {
+                **scheduling,
+                "retention": obs.prometheus_retention,
+                "retentionSize": f"{retention_size}GB",
+                "storageSpec": _volume_claim(storage_class, obs.prometheus_storage_gib),
+                # Open selectors: monitors and rules from every namespace
+                # are picked up without carrying this release's label.
+                "ruleSelectorNilUsesHelmValues": False,
+                "serviceMonitorSelectorNilUsesHelmValues": False,
+                "podMonitorSelectorNilUsesHelmValues": False,
+                "probeSelectorNilUsesHelmValues": False,
+                "scrapeConfigSelectorNilUsesHelmValues": False,
+            },
+        },
+    }
+
+
+@dataclass(frozen=True)
+class MonitoringArgs:
+    """What the monitoring stack is built from."""
+
+    observability: Observability
+    version: str
+    storage_class: str
+    system: Placement
+    highly_available: bool
+    provider: k8s.Provider
+    depends_on: Sequence[pulumi.Resource]
+
+
+class Monitoring(pulumi.ComponentResource):
+    """kube-prometheus-stack with Grafana's admin password as a secret."""
+
+    release: k8s.helm.v3.Release
+    namespace: str
+    prometheus_url: str
+    grafana_url: str
+    grafana_service: str
+    admin_password: pulumi.Output[str]
+
+    def __init__(self, name: str, args: MonitoringArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("llm-platform:platform:Monitoring", name, None, opts)
+        self.namespace = NAMESPACE
+        # node-exporter needs the host's network and PID namespaces.
+        ns = namespace(
+            NAMESPACE, parent=self, provider=args.provider, labels=PSA_PRIVILEGED, depends_on=args.depends_on
+        )
+        password = random.RandomPassword(
+            f"{name}-grafana-admin-password",
+            length=32,
+            special=False,
+            opts=pulumi.ResourceOptions(parent=self),
+        )
+        # Marked secret here too, not only by the provider: it must never
+        # reach a plain output or the render.
+        generated: pulumi.Output[str] = password.result
+        self.admin_password = pulumi.Output.secret(generated)
+        secret_name = f"{grafana_service_name()}-admin"
+        secret = k8s.core.v1.Secret(
+            f"{name}-grafana-admin",
+            metadata=k8s.meta.v1.ObjectMetaArgs(name=secret_name, namespace=NAMESPACE),
+            type="Opaque",
+            string_data={
+                GRAFANA_SECRET_USER_KEY: GRAFANA_ADMIN_USER,
+                GRAFANA_SECRET_PASSWORD_KEY: self.admin_password,
+            },
+            opts=pulumi.ResourceOptions(
+                parent=self,
+                provider=args.provider,
+                depends_on=[ns] if ns else [],
+                additional_secret_outputs=["stringData", "data"],
+            ),
+        )
+        values = monitoring_values(
+            args.observability,
+            storage_class=args.storage_class,
+            system=args.system,
+            admin_secret=secret_name,
+            highly_available=args.highly_available,
+        )
+        self.release = release(
+            f"{name}-release",
+            chart=versions.KUBE_PROMETHEUS_STACK,
+            version=args.version,
+            release_name=RELEASE_NAME,
+            namespace=NAMESPACE,
+            values=values,
+            parent=self,
+            provider=args.provider,
+            depends_on=[*args.depends_on, secret, *([ns] if ns else [])],
+            timeout_seconds=900,
+        )
+        self.prometheus_url = prometheus_url()
+        self.grafana_url = grafana_url()
+        self.grafana_service = grafana_service()
+        self.register_outputs(
+            {
+                "namespace": self.namespace,
+                "prometheus_url": self.prometheus_url,
+                "grafana_url": self.grafana_url,
+                "grafana_admin_password": self.admin_password,
+            }
+        )

@@ -1,0 +1,100 @@
+"""Checks that every Helm value the program sets is a key of the pinned chart.
+
+Helm ignores a key a chart does not read: a misspelled `serviceMonitor`
+switch installs fine and monitors nothing. This walks the values the
+program builds against the chart's own `values.yaml` and names each path the
+chart does not have.
+
+Rules:
+- a mapping the program sets is compared key by key with the chart's default;
+- below a key whose default is an empty map (`{}`), an empty value (`~`), or
+  whose name marks a free-form map (node selectors, labels, annotations,
+  resources, extra arguments), any children are allowed;
+- a list, scalar or unresolved Pulumi output is a leaf (lists replace lists);
+- a mapping set where the chart's default is a list or scalar is reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Keys whose children are free-form by their meaning, whatever their default
+# (e.g. the GPU Operator's `operator.nodeSelector` defaults to one label, the
+# cluster-autoscaler's `extraArgs` to three flags).
+FREE_FORM_KEYS = frozenset(
+    {
+        "nodeSelector",
+        "labels",
+        "annotations",
+        "podAnnotations",
+        "podLabels",
+        "additionalLabels",
+        "commonLabels",
+        "resources",
+        "extraArgs",
+    }
+)
+
+# Where each chart's pinned values.yaml lies inside the reference folder.
+REFERENCE_VALUES: dict[str, str] = {
+    "gpu-operator": "gpu-operator/chart-values.yaml",
+    "kuberay-operator": "kuberay/operator-chart-values.yaml",
+    "kube-prometheus-stack": "kube-prometheus-stack/chart-values.yaml",
+    "keda": "keda/chart-values.yaml",
+    "cluster-autoscaler": "cluster-autoscaler/chart-values.yaml",
+    "aws-load-balancer-controller": "aws-load-balancer-controller/chart-values.yaml",
+}
+
+
+def load_chart_values(reference_dir: Path, chart: str) -> dict[str, Any]:
+    """The pinned chart's default values from the reference folder."""
+    with (reference_dir / REFERENCE_VALUES[chart]).open() as f:
+        loaded = yaml.safe_load(f)
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{chart}: values file is not a mapping")
+    return loaded
+
+
+def _type_name(value: Any) -> str:
+    return "list" if isinstance(value, list) else type(value).__name__
+
+
+def unknown_keys(
+    values: Mapping[str, Any],
+    defaults: Mapping[str, Any],
+    free_form: Iterable[str] = FREE_FORM_KEYS,
+    _prefix: str = "",
+) -> list[str]:
+    """Every key path in `values` that the chart defaults do not allow."""
+    free = frozenset(free_form)
+    problems: list[str] = []
+    for key, value in values.items():
+        path = f"{_prefix}.{key}" if _prefix else str(key)
+        if key not in defaults:
+            problems.append(f"{path}: not a key of the chart's values.yaml")
+            continue
+        default = defaults[key]
+        if not isinstance(value, Mapping):
+            continue
+        if default is None or default == {} or key in free:
+            continue
+        if not isinstance(default, Mapping):
+            problems.append(f"{path}: a map is set where the chart's default is a {_type_name(default)}")
+            continue
+        problems += unknown_keys(value, default, free, path)
+    return problems
+
+
+def key_paths(values: Mapping[str, Any], _prefix: str = "") -> list[str]:
+    """Every key path a values mapping sets (for reports and tests)."""
+    out: list[str] = []
+    for key, value in values.items():
+        path = f"{_prefix}.{key}" if _prefix else str(key)
+        out.append(path)
+        if isinstance(value, Mapping):
+            out += key_paths(value, path)
+    return out

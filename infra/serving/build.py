@@ -1,0 +1,132 @@
+"""Builds the serving layer: namespace, autoscaling, RayServices, alerts, dashboards, endpoint."""
+
+from __future__ import annotations
+
+import pulumi
+
+from infra.aws.layer import AwsLayer
+from infra.config import StackConfig
+from infra.platform.layer import PlatformLayer
+from infra.serving import kuberay
+from infra.serving.alerts import ServingAlerts, ServingAlertsArgs
+from infra.serving.autoscaling import ServingAutoscaling, ServingAutoscalingArgs
+from infra.serving.dashboards import ServingDashboards, ServingDashboardsArgs
+from infra.serving.endpoint import ServingEndpoint, ServingEndpointArgs, base_url, serve_service
+from infra.serving.layer import ServingLayer
+from infra.serving.namespace import ServingNamespace, ServingNamespaceArgs
+from infra.serving.ports import RAY_PORTS
+from infra.serving.ray_service import VllmRayService, VllmRayServiceArgs
+
+
+def dashboard_access(namespace: str, ray_service: str) -> str:
+    """How a user reaches a RayService's Ray dashboard (it is never exposed)."""
+    port = RAY_PORTS.dashboard.number
+    return f"kubectl -n {namespace} port-forward svc/{kuberay.head_service(ray_service)} {port}"
+
+
+def build_serving(
+    cfg: StackConfig, api_keys: pulumi.Output[str], aws: AwsLayer, platform: PlatformLayer
+) -> ServingLayer:
+    """Declare the serving layer on the cluster the AWS layer made or found."""
+    namespace = cfg.serving.namespace
+    ns = ServingNamespace(
+        "serving",
+        ServingNamespaceArgs(
+            namespace=namespace,
+            model_reader=aws.model_reader,
+            api_keys=api_keys,
+            redis=aws.redis,
+            provider=aws.provider,
+            depends_on=list(aws.cluster_ready),
+        ),
+    )
+    services = cfg.services()
+    autoscaling = ServingAutoscaling(
+        "serving-autoscaling",
+        ServingAutoscalingArgs(
+            namespace=namespace,
+            prescale=list(cfg.autoscaling.prescale),
+            gpu=aws.gpu,
+            services=services,
+            provider=aws.provider,
+            depends_on=list(ns.ready),
+            keda_crds=platform.keda_crds,
+        ),
+    )
+    ray_crds = [platform.ray_crds] if platform.ray_crds is not None else []
+    # The load balancer controller's webhook must see the serve Service KubeRay creates.
+    lb_controller = [platform.load_balancer_controller] if platform.load_balancer_controller is not None else []
+    ray_services = {}
+    for name, models in services.items():
+        rs = VllmRayService(
+            name,
+            VllmRayServiceArgs(
+                cfg=cfg,
+                name=name,
+                models=models,
+                namespace=namespace,
+                image=aws.image,
+                system=aws.system,
+                gpu=aws.gpu,
+                model_reader_service_account=ns.service_account,
+                api_keys_secret=ns.api_keys_secret,
+                storage_class=platform.storage_class,
+                prometheus_url=platform.prometheus_url,
+                grafana_url=platform.grafana_url,
+                serving_priority_class=autoscaling.serving_priority_class,
+                serve_service=serve_service(name, namespace, cfg.endpoint),
+                redis=aws.redis,
+                redis_secret=ns.redis_secret,
+                depends_on=[*ns.ready, *autoscaling.priority_classes, *ray_crds, *lb_controller],
+            ),
+            provider=aws.provider,
+        )
+        ray_services[name] = rs.ray_service
+
+    ServingAlerts(
+        "serving-alerts",
+        ServingAlertsArgs(
+            namespace=namespace,
+            slo=cfg.observability.slo,
+            prometheus_selector_labels=dict(platform.prometheus_selector_labels),
+            provider=aws.provider,
+            depends_on=list(ns.ready),
+            monitoring_crds=platform.monitoring_crds,
+        ),
+    )
+    ServingDashboards(
+        "serving-dashboards",
+        ServingDashboardsArgs(
+            monitoring_namespace=platform.monitoring_namespace,
+            dashboard_label=platform.dashboard_label,
+            provider=aws.provider,
+            depends_on=list(aws.cluster_ready),
+        ),
+    )
+    endpoint = ServingEndpoint(
+        "serving-endpoint",
+        ServingEndpointArgs(
+            namespace=namespace,
+            monitoring_namespace=platform.monitoring_namespace,
+            endpoint=cfg.endpoint,
+            ray_services=ray_services,
+            provider=aws.provider,
+            depends_on=list(ns.ready),
+        ),
+    )
+    # The first RayService in config order is the stack's `endpoint`; with
+    # `endpoint.hostname` set, clients use that name (a DNS record for it
+    # points at that RayService's load balancer).
+    first = next(iter(services))
+    main_url = (
+        pulumi.Output.from_input(base_url(cfg.endpoint.hostname, cfg.endpoint))
+        if cfg.endpoint.hostname
+        else endpoint.urls[first]
+    )
+    return ServingLayer(
+        endpoint=main_url,
+        models=[m.model_id for m in cfg.models],
+        ray_dashboards={name: dashboard_access(namespace, name) for name in services},
+        endpoints=endpoint.urls,
+        service_models={name: [m.model_id for m in models] for name, models in services.items()},
+    )

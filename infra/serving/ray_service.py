@@ -1,0 +1,349 @@
+"""`VllmRayService`: one KubeRay RayService serving one or more catalogue models.
+
+The manifest is built by plain functions from typed inputs (config models,
+placement objects, the ports object), so tests can check every value without
+running Pulumi; the component only declares it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from infra import versions
+from infra.aws.layer import RedisEndpoint
+from infra.config import RAY_SERVICE_NAME_MAX, Model, StackConfig
+from infra.scheduling import GpuPlacement, Placement
+from infra.serving.namespace import PART_OF, REDIS_PASSWORD_KEY
+from infra.serving.ports import RAY_PORTS, Port
+from infra.serving.serve_config import MOUNTS, serve_config_yaml
+
+RAY_SERVICE_TYPE = "kubernetes:ray.io/v1:RayService"
+RAY_CONTAINER = "ray"
+INGRESS_GROUP = "ingress"
+
+# Pulumi waits for Ready; model download and engine start dominate. Big
+# models stream tens of GiB from S3 and compile CUDA graphs.
+WAIT_FOR_READY = 'jsonpath={.status.conditions[?(@.type=="Ready")].status}=True'
+BIG_MODEL_GIB = 40.0
+TIMEOUT_SMALL_SECONDS = 1800
+TIMEOUT_BIG_SECONDS = 3600
+
+# What a node keeps for itself: kubelet/system reserve and the daemonsets
+# (CNI, kube-proxy, EBS CSI, DCGM exporter, device plugin, node exporter).
+NODE_RESERVED_CPU = 1.0
+NODE_RESERVED_MEMORY_GIB = 4.0
+NODE_ALLOCATABLE_SHARE = 0.9
+# Ray puts its object store in /dev/shm; vLLM's tensor-parallel workers use
+# it for NCCL. Memory-backed, so it counts against the pod's memory.
+SHM_SHARE = 0.3
+
+INGRESS_CPU = 2
+INGRESS_MEMORY_GIB = 4
+INGRESS_MAX_REPLICAS = 4
+
+
+@dataclass(frozen=True)
+class GpuShape:
+    """How one Serve replica of a model lands on a GPU group's nodes."""
+
+    gpus_per_host: int
+    hosts: int
+    cpu: int
+    memory_gib: int
+    shm_gib: int
+
+
+def gpu_shape(model: Model, placement: GpuPlacement) -> GpuShape:
+    """GPUs per pod (TP x PP when one node holds it, else TP with PP hosts) and the pod's share of the node."""
+    per_node = placement.gpus_per_node
+    total = model.tensor_parallel_size * model.pipeline_parallel_size
+    if total <= per_node:
+        gpus, hosts = total, 1
+    else:
+        # The config rules make each pipeline stage fill a whole node.
+        gpus, hosts = model.tensor_parallel_size, model.pipeline_parallel_size
+    share = gpus / per_node
+    inst = placement.instance
+    cpu = max(1, math.floor((inst.vcpus * NODE_ALLOCATABLE_SHARE - NODE_RESERVED_CPU) * share))
+    memory = max(4, math.floor((inst.memory_gib * NODE_ALLOCATABLE_SHARE - NODE_RESERVED_MEMORY_GIB) * share))
+    return GpuShape(gpus, hosts, cpu, memory, max(1, math.floor(memory * SHM_SHARE)))
+
+
+def worker_group_name(model: Model) -> str:
+    """The GPU worker group of a model (also its pods' `ray.io/group` label)."""
+    return f"gpu-{model.name}"
+
+
+@dataclass(frozen=True)
+class VllmRayServiceArgs:
+    """Everything one RayService is made from."""
+
+    cfg: StackConfig
+    name: str
+    models: list[Model]
+    namespace: str
+    image: pulumi.Input[str]
+    system: Placement
+    gpu: dict[str, GpuPlacement]
+    model_reader_service_account: str
+    api_keys_secret: str
+    storage_class: str
+    prometheus_url: str
+    grafana_url: str
+    serving_priority_class: str
+    serve_service: dict[str, Any]
+    redis: RedisEndpoint | None = None
+    redis_secret: str | None = None
+    depends_on: list[pulumi.Resource] = field(default_factory=list)
+
+
+def _ports(ports: list[Port]) -> list[dict[str, object]]:
+    return [p.container_port() for p in ports]
+
+
+def _api_keys_volume(args: VllmRayServiceArgs) -> tuple[dict[str, Any], dict[str, Any]]:
+    volume = {"name": "api-keys", "secret": {"secretName": args.api_keys_secret, "defaultMode": 0o444}}
+    mount = {"name": "api-keys", "mountPath": MOUNTS.api_keys_dir, "readOnly": True}
+    return volume, mount
+
+
+def _head(args: VllmRayServiceArgs) -> dict[str, Any]:
+    cfg = args.cfg
+    keys_volume, keys_mount = _api_keys_volume(args)
+    resources = {"cpu": cfg.ray.head_cpu, "memory": cfg.ray.head_memory}
+    return {
+        "rayStartParams": {
+            # No Ray tasks or replicas on the head: it holds the GCS and the
+            # Serve controller, and losing it to an OOM loses the cluster.
+            "num-cpus": "0",
+            "dashboard-host": "0.0.0.0",
+            "metrics-export-port": str(RAY_PORTS.metrics.number),
+        },
+        "template": {
+            "metadata": {"labels": dict(PART_OF)},
+            "spec": {
+                **args.system.pod_scheduling(),
+                "containers": [
+                    {
+                        "name": RAY_CONTAINER,
+                        "image": args.image,
+                        "ports": _ports(RAY_PORTS.head()),
+                        "env": [
+                            {"name": "RAY_PROMETHEUS_HOST", "value": args.prometheus_url},
+                            {"name": "RAY_GRAFANA_HOST", "value": args.grafana_url},
+                        ],
+                        "resources": {"requests": resources, "limits": resources},
+                        "volumeMounts": [keys_mount],
+                    }
+                ],
+                "volumes": [keys_volume],
+            },
+        },
+    }
+
+
+def _ingress_group(args: VllmRayServiceArgs) -> dict[str, Any]:
+    keys_volume, keys_mount = _api_keys_volume(args)
+    resources = {"cpu": str(INGRESS_CPU), "memory": f"{INGRESS_MEMORY_GIB}Gi"}
+    minimum = 2 if args.cfg.is_prod else 1
+    return {
+        "groupName": INGRESS_GROUP,
+        # Serve's OpenAI ingress replicas (CPU only) and a proxy that takes traffic.
+        "minReplicas": minimum,
+        "maxReplicas": max(minimum, INGRESS_MAX_REPLICAS),
+        "replicas": minimum,
+        "rayStartParams": {"metrics-export-port": str(RAY_PORTS.metrics.number)},
+        "template": {
+            "metadata": {"labels": dict(PART_OF)},
+            "spec": {
+                **args.system.pod_scheduling(),
+                "containers": [
+                    {
+                        "name": RAY_CONTAINER,
+                        "image": args.image,
+                        "ports": _ports(RAY_PORTS.worker()),
+                        "resources": {"requests": resources, "limits": resources},
+                        "volumeMounts": [keys_mount],
+                    }
+                ],
+                "volumes": [keys_volume],
+            },
+        },
+    }
+
+
+def _gpu_group(args: VllmRayServiceArgs, model: Model) -> dict[str, Any]:
+    placement = args.gpu[model.gpu_group]
+    shape = gpu_shape(model, placement)
+    keys_volume, keys_mount = _api_keys_volume(args)
+    scaling = model.autoscaling
+    limits = {
+        "cpu": str(shape.cpu),
+        "memory": f"{shape.memory_gib}Gi",
+        "nvidia.com/gpu": str(shape.gpus_per_host),
+    }
+    group: dict[str, Any] = {
+        "groupName": worker_group_name(model),
+        # KubeRay counts a multi-host replica once (numOfHosts pods), so the
+        # group's bounds are Serve's replica bounds.
+        "minReplicas": scaling.min_replicas,
+        "maxReplicas": scaling.max_replicas,
+        "replicas": scaling.initial_replicas if scaling.initial_replicas is not None else scaling.min_replicas,
+        "rayStartParams": {
+            # Advertised before the node exists, so the autoscaler knows this
+            # group can place an `accelerator_type:<GPU>` bundle when at zero.
+            "resources": json.dumps({f"accelerator_type:{placement.instance.ray_accelerator_type}": 1}),
+            "metrics-export-port": str(RAY_PORTS.metrics.number),
+        },
+        "template": {
+            "metadata": {"labels": dict(PART_OF)},
+            "spec": {
+                **placement.pod_scheduling(),
+                "serviceAccountName": args.model_reader_service_account,
+                "priorityClassName": args.serving_priority_class,
+                "containers": [
+                    {
+                        "name": RAY_CONTAINER,
+                        "image": args.image,
+                        "ports": _ports(RAY_PORTS.worker()),
+                        # Equal requests and limits: GPUs can not be overcommitted and
+                        # Ray sizes its CPU and memory resources from the limits.
+                        "resources": {"requests": dict(limits), "limits": dict(limits)},
+                        "volumeMounts": [
+                            {"name": "dshm", "mountPath": "/dev/shm"},
+                            {"name": "model-cache", "mountPath": MOUNTS.model_cache_dir},
+                            keys_mount,
+                        ],
+                    }
+                ],
+                "volumes": [
+                    {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shape.shm_gib}Gi"}},
+                    {
+                        # A per-pod gp3 volume: weights are fetched or streamed once
+                        # per pod without filling the node's root disk.
+                        "name": "model-cache",
+                        "ephemeral": {
+                            "volumeClaimTemplate": {
+                                "metadata": {"labels": dict(PART_OF)},
+                                "spec": {
+                                    "accessModes": ["ReadWriteOnce"],
+                                    "storageClassName": args.storage_class,
+                                    "resources": {"requests": {"storage": f"{args.cfg.storage.model_cache_gib}Gi"}},
+                                },
+                            }
+                        },
+                    },
+                    keys_volume,
+                ],
+            },
+        },
+    }
+    if shape.hosts > 1:
+        group["numOfHosts"] = shape.hosts
+    return group
+
+
+def upgrade_strategy(cfg: StackConfig) -> dict[str, Any]:
+    """The RayService's upgrade strategy, always explicit.
+
+    `NewCluster` starts a complete second cluster and moves the serve
+    Service to it once it is ready: zero downtime, at the price of twice the
+    GPUs during every `rayClusterConfig` change (size GPU node groups'
+    max_size for it). `None` never replaces the cluster. Changes to
+    `serveConfigV2` alone are applied in place either way.
+    """
+    return {"type": cfg.ray.upgrade_strategy}
+
+
+def redis_address(redis: RedisEndpoint) -> pulumi.Output[str]:
+    """The GCS's Redis URL; `rediss://` makes Ray speak TLS to ElastiCache."""
+    scheme = "rediss" if redis.tls else "redis"
+    return redis.address.apply(lambda a: f"{scheme}://{a}")
+
+
+def timeout_seconds(models: list[Model]) -> int:
+    """How long Pulumi waits for Ready: long enough to load the biggest model."""
+    biggest = max(m.weights_gib() for m in models)
+    return TIMEOUT_BIG_SECONDS if biggest >= BIG_MODEL_GIB else TIMEOUT_SMALL_SECONDS
+
+
+def ray_service_manifest(args: VllmRayServiceArgs) -> dict[str, Any]:
+    """The RayService object."""
+    if len(args.name) > RAY_SERVICE_NAME_MAX:
+        raise ValueError(f"RayService name '{args.name}' is longer than {RAY_SERVICE_NAME_MAX} characters")
+    cfg = args.cfg
+    cluster: dict[str, Any] = {
+        "rayVersion": versions.RAY_VERSION,
+        "enableInTreeAutoscaling": True,
+        "autoscalerOptions": {
+            "version": "v2",
+            "idleTimeoutSeconds": cfg.ray.idle_timeout_seconds,
+            # Add all pods a pending demand needs at once: a model replica is
+            # useless until every one of its GPU pods is up.
+            "upscalingMode": "Default",
+        },
+        "headGroupSpec": _head(args),
+        "workerGroupSpecs": [_ingress_group(args)] + [_gpu_group(args, m) for m in args.models],
+    }
+    if args.redis is not None:
+        if args.redis_secret is None:
+            raise ValueError("GCS fault tolerance needs the Redis password Secret")
+        cluster["gcsFaultToleranceOptions"] = {
+            "redisAddress": redis_address(args.redis),
+            "redisPassword": {"valueFrom": {"secretKeyRef": {"name": args.redis_secret, "key": REDIS_PASSWORD_KEY}}},
+        }
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayService",
+        "metadata": {
+            "name": args.name,
+            "namespace": args.namespace,
+            "labels": {**PART_OF, "app.kubernetes.io/name": args.name},
+            "annotations": {
+                "pulumi.com/waitFor": WAIT_FOR_READY,
+                "pulumi.com/timeoutSeconds": str(timeout_seconds(args.models)),
+            },
+        },
+        "spec": {
+            # Serve's proxies on the workers take traffic; the head (no CPUs
+            # for replicas) stays out of the serve Service.
+            "excludeHeadPodFromServeSvc": True,
+            "upgradeStrategy": upgrade_strategy(cfg),
+            "serveService": args.serve_service,
+            "serveConfigV2": serve_config_yaml(cfg, args.name, args.models),
+            "rayClusterConfig": cluster,
+        },
+    }
+
+
+class VllmRayService(pulumi.ComponentResource):
+    """A RayService running Ray Serve LLM (vLLM) for the models of one `service`."""
+
+    name: str
+    ray_service: k8s.apiextensions.CustomResource
+
+    def __init__(
+        self,
+        name: str,
+        args: VllmRayServiceArgs,
+        provider: k8s.Provider,
+        opts: pulumi.ResourceOptions | None = None,
+    ) -> None:
+        super().__init__("llm-platform:serving:VllmRayService", name, None, opts)
+        self.name = args.name
+        manifest = ray_service_manifest(args)
+        self.ray_service = k8s.apiextensions.CustomResource(
+            name,
+            api_version=manifest["apiVersion"],
+            kind=manifest["kind"],
+            metadata=manifest["metadata"],
+            spec=manifest["spec"],
+            opts=pulumi.ResourceOptions(parent=self, provider=provider, depends_on=args.depends_on),
+        )
+        self.register_outputs({"name": self.name, "ray_service": self.ray_service.id})

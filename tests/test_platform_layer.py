@@ -1,0 +1,638 @@
+"""The platform layer under mocks: releases, ordering, identities, toggles.
+
+Builds the layer with a hand-made AwsLayer (the placements and pod
+identities the AWS layer would hand down) so it is tested on its own, for
+the dev and prod stack files and variants of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pulumi
+import pulumi_kubernetes as k8s
+import pulumi_random as random
+import pytest
+import yaml
+
+from infra import versions
+from infra.aws.layer import AwsLayer, PodIdentity
+from infra.config import StackConfig, parse
+from infra.platform import monitoring
+from infra.render import ROOT, SECRET, _clean, _make_monitor, read_stack_file
+from infra.scheduling import GPU_OPERATOR_DEVICE_PLUGIN_LABEL, GPU_TAINT, gpu_placements, system_placement
+
+CLUSTER_READY = "cluster-ready"
+CA_IDENTITY = PodIdentity("kube-system", "cluster-autoscaler", None)
+LBC_IDENTITY = PodIdentity("kube-system", "aws-load-balancer-controller", None)
+CRD_GROUPS = {
+    "ray.io": "kuberay-operator",
+    "monitoring.coreos.com": "kube-prometheus-stack",
+    "keda.sh": "keda",
+}
+
+
+@dataclass
+class PlatformRender:
+    """What building the platform layer declared."""
+
+    resources: list[dict[str, Any]]
+    layer: dict[str, Any]
+
+    def releases(self) -> dict[str, dict[str, Any]]:
+        """Helm releases by chart name."""
+        return {r["inputs"]["chart"]: r for r in self.resources if r["type"] == "kubernetes:helm.sh/v3:Release"}
+
+    def values(self, chart: str) -> dict[str, Any]:
+        """The values one release sets."""
+        values: dict[str, Any] = self.releases()[chart]["inputs"].get("values", {})
+        return values
+
+    def of_type(self, token: str) -> list[dict[str, Any]]:
+        """Resources of one type."""
+        return [r for r in self.resources if r["type"] == token]
+
+
+def stack_config(stack: str, edit: Any = None) -> StackConfig:
+    """The validated config of a committed stack file, optionally edited."""
+    doc = yaml.safe_load((ROOT / f"Pulumi.{stack}.yaml").read_text())
+    if edit is not None:
+        doc = copy.deepcopy(doc)
+        edit(doc["config"])
+    flat, _ = read_stack_file_from_doc(doc)
+    raw: dict[str, Any] = {}
+    for key, value in flat.items():
+        ns, _, name = key.partition(":")
+        if ns == "llm-platform" and name != "api_keys":
+            raw[name] = json.loads(value) if value[:1] in "{[" else value
+    raw["region"] = flat["aws:region"]
+    return parse(raw)
+
+
+def read_stack_file_from_doc(doc: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
+    """read_stack_file for a document in memory."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "Pulumi.x.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return read_stack_file(path)
+
+
+def fake_aws(cfg: StackConfig, **changes: Any) -> AwsLayer:
+    """The AwsLayer the AWS layer would hand down, made by hand."""
+    provider = k8s.Provider("k8s", kubeconfig="{}")
+    ready = random.RandomId(CLUSTER_READY, byte_length=4)
+    aws = AwsLayer(
+        provider=provider,
+        cluster_name=pulumi.Output.from_input(cfg.cluster.name),
+        kubeconfig=None,
+        system=system_placement(cfg),
+        gpu=gpu_placements(cfg),
+        node_group_names={},
+        model_bucket=pulumi.Output.from_input(cfg.storage.model_bucket),
+        image=pulumi.Output.from_input("registry/image@sha256:" + "0" * 64),
+        model_reader=PodIdentity(cfg.serving.namespace, "model-reader", None),
+        cluster_autoscaler=CA_IDENTITY,
+        load_balancer_controller=LBC_IDENTITY,
+        redis=None,
+        vpc_id=pulumi.Output.from_input("vpc-0123456789abcdef0"),
+        cluster_ready=[ready],
+    )
+    return replace(aws, **changes)
+
+
+def render_platform(cfg: StackConfig, **aws_changes: Any) -> PlatformRender:
+    """Run build_platform under the project's mocks and record what it declared."""
+    from pulumi.runtime import mocks as pulumi_mocks
+    from pulumi.runtime import settings
+
+    from infra.mocks import PlatformMocks
+    from infra.platform.build import build_platform
+
+    mock = PlatformMocks(region=cfg.region)
+    monitor = _make_monitor(mock)
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
+    asyncio.set_event_loop(loop)
+    settings.set_root_resource(None)  # type: ignore[arg-type]
+    pulumi_mocks.set_mocks(mock, project="llm-platform", stack="test", preview=False, monitor=monitor)
+    layer: dict[str, Any] = {}
+
+    async def program() -> None:
+        result = build_platform(cfg, fake_aws(cfg, **aws_changes))
+        for name, value in vars(result).items():
+            if isinstance(value, pulumi.Resource):
+                layer[name] = await value.urn.future()
+            elif isinstance(value, pulumi.Output):
+                layer[name] = SECRET if await value.is_secret() else await value.future()
+            elif name == "releases":
+                layer[name] = {k: await v.urn.future() for k, v in value.items()}
+            else:
+                layer[name] = value
+
+    loop.run_until_complete(pulumi_mocks.run_pulumi_func(lambda: loop.create_task(program())))
+    names = monitor.names
+    resources = [
+        {
+            "type": r["type"],
+            "name": r["name"],
+            "parent": names.get(r["parent"]),
+            "inputs": _clean(r["inputs"]),
+            "depends_on": sorted({names[u] for u in r["depends_on"] if u in names}),
+        }
+        for r in monitor.records
+    ]
+    layer = {k: names.get(v, v) if isinstance(v, str) else v for k, v in layer.items()}
+    if "releases" in layer:
+        layer["releases"] = {k: names[v] for k, v in layer["releases"].items()}
+    return PlatformRender(resources=resources, layer=layer)
+
+
+_CACHE: dict[str, PlatformRender] = {}
+
+
+def stack_render(stack: str) -> PlatformRender:
+    """The platform layer of a committed stack (cached, read-only)."""
+    if stack not in _CACHE:
+        _CACHE[stack] = render_platform(stack_config(stack))
+    return _CACHE[stack]
+
+
+def _existing(parts_off: list[str]) -> Any:
+    def edit(c: dict[str, Any]) -> None:
+        c["llm-platform:cluster"]["mode"] = "existing"
+        c["llm-platform:cluster"]["kubeconfig_context"] = "ops"
+        c["llm-platform:ray"] = {**c.get("llm-platform:ray", {}), "gcs_fault_tolerance": {"enabled": False}}
+        c["llm-platform:platform"] = {p: {"enabled": False} for p in parts_off}
+
+    return edit
+
+
+STACKS = ["dev", "prod"]
+ALL_CHARTS = {c.chart for c in versions.HELM_CHARTS}
+
+
+# --- versions --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_every_chart_is_released_at_its_pinned_exact_version(stack: str) -> None:
+    releases = stack_render(stack).releases()
+    assert set(releases) == ALL_CHARTS
+    for chart in versions.HELM_CHARTS:
+        inputs = releases[chart.chart]["inputs"]
+        assert inputs["version"] == chart.version
+        assert inputs["repositoryOpts"]["repo"] == chart.repository
+        assert re.fullmatch(r"v?\d+\.\d+\.\d+", inputs["version"]), f"{chart.chart}: not an exact version"
+
+
+def test_pinned_versions_are_the_ones_the_issue_names() -> None:
+    # Bumping any of these is a reviewed change that also needs the CRD step.
+    assert versions.GPU_OPERATOR.version == "v26.7.0"
+    assert versions.KUBERAY_OPERATOR.version == "1.7.0"
+    assert versions.KUBE_PROMETHEUS_STACK.version == "88.5.3"
+    assert versions.KEDA.version == "2.20.2"
+    assert versions.CLUSTER_AUTOSCALER.version == "9.59.0"
+    assert versions.AWS_LOAD_BALANCER_CONTROLLER.version == "3.5.0"
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_releases_have_fixed_names_and_own_namespaces(stack: str) -> None:
+    render = stack_render(stack)
+    namespaces = {n["inputs"]["metadata"]["name"] for n in render.of_type("kubernetes:core/v1:Namespace")}
+    expected = {
+        "gpu-operator": "gpu-operator",
+        "kuberay-operator": "kuberay",
+        "kube-prometheus-stack": "monitoring",
+        "keda": "keda",
+        "cluster-autoscaler": CA_IDENTITY.namespace,
+        "aws-load-balancer-controller": LBC_IDENTITY.namespace,
+    }
+    for chart, release in render.releases().items():
+        assert release["inputs"]["namespace"] == expected[chart]
+        assert release["inputs"]["name"] == chart
+        assert release["inputs"]["createNamespace"] is False
+        if expected[chart] != "kube-system":
+            assert expected[chart] in namespaces
+            assert f"{expected[chart]}-namespace" in release["depends_on"]
+    assert "kube-system" not in namespaces
+
+
+# --- ordering --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_every_release_waits_for_the_cluster(stack: str) -> None:
+    for chart, release in stack_render(stack).releases().items():
+        assert CLUSTER_READY in release["depends_on"], chart
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_charts_with_service_monitors_wait_for_the_monitoring_crds(stack: str) -> None:
+    releases = stack_render(stack).releases()
+    monitoring = releases["kube-prometheus-stack"]["name"]
+    for chart in ALL_CHARTS - {"kube-prometheus-stack"}:
+        assert monitoring in releases[chart]["depends_on"], f"{chart} renders a ServiceMonitor before its CRD exists"
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_services_are_created_after_the_load_balancer_webhook(stack: str) -> None:
+    releases = stack_render(stack).releases()
+    lbc = releases["aws-load-balancer-controller"]["name"]
+    for chart in ALL_CHARTS - {"kube-prometheus-stack", "aws-load-balancer-controller"}:
+        assert lbc in releases[chart]["depends_on"], chart
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_layer_hands_down_the_release_installing_each_crd_group(stack: str) -> None:
+    render = stack_render(stack)
+    releases = {chart: r["name"] for chart, r in render.releases().items()}
+    assert render.layer["ray_crds"] == releases[CRD_GROUPS["ray.io"]]
+    assert render.layer["monitoring_crds"] == releases[CRD_GROUPS["monitoring.coreos.com"]]
+    assert render.layer["keda_crds"] == releases[CRD_GROUPS["keda.sh"]]
+    assert render.layer["releases"] == releases
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_custom_resources_depend_on_the_release_installing_their_crd(stack: str) -> None:
+    render = stack_render(stack)
+    releases = {chart: r["name"] for chart, r in render.releases().items()}
+    for r in render.resources:
+        group = r["type"].removeprefix("kubernetes:").split("/")[0]
+        if group in CRD_GROUPS:
+            assert releases[CRD_GROUPS[group]] in r["depends_on"], r["name"]
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_prometheus_waits_for_its_storage_class(stack: str) -> None:
+    render = stack_render(stack)
+    assert "storage-class-class" in render.releases()["kube-prometheus-stack"]["depends_on"]
+
+
+# --- identities, placement ---------------------------------------------------
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_service_accounts_are_the_pod_identities(stack: str) -> None:
+    render = stack_render(stack)
+    ca = render.releases()["cluster-autoscaler"]
+    assert ca["inputs"]["namespace"] == CA_IDENTITY.namespace
+    assert ca["inputs"]["values"]["rbac"]["serviceAccount"] == {
+        "create": True,
+        "name": CA_IDENTITY.service_account,
+    }
+    lbc = render.releases()["aws-load-balancer-controller"]
+    assert lbc["inputs"]["namespace"] == LBC_IDENTITY.namespace
+    assert lbc["inputs"]["values"]["serviceAccount"] == {"create": True, "name": LBC_IDENTITY.service_account}
+    # Pod Identity binds the role: no IRSA annotation anywhere.
+    assert "annotations" not in ca["inputs"]["values"]["rbac"]["serviceAccount"]
+
+
+def test_identities_in_another_namespace_are_followed_and_declared_once() -> None:
+    ca = PodIdentity("platform-system", "ca", None)
+    lbc = PodIdentity("platform-system", "lbc", None)
+    render = render_platform(stack_config("dev"), cluster_autoscaler=ca, load_balancer_controller=lbc)
+    releases = render.releases()
+    assert releases["cluster-autoscaler"]["inputs"]["namespace"] == "platform-system"
+    assert releases["cluster-autoscaler"]["inputs"]["values"]["rbac"]["serviceAccount"]["name"] == "ca"
+    assert releases["aws-load-balancer-controller"]["inputs"]["values"]["serviceAccount"]["name"] == "lbc"
+    names = [n["inputs"]["metadata"]["name"] for n in render.of_type("kubernetes:core/v1:Namespace")]
+    assert names.count("platform-system") == 1
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_cluster_autoscaler_settings_come_from_config(stack: str) -> None:
+    cfg = stack_config(stack)
+    values = stack_render(stack).values("cluster-autoscaler")
+    assert values["autoDiscovery"]["clusterName"] == cfg.cluster.name
+    assert values["awsRegion"] == cfg.region
+    assert values["image"]["tag"] == versions.CLUSTER_AUTOSCALER_IMAGE_TAG
+    auto = cfg.autoscaling.cluster
+    assert values["extraArgs"] == {
+        "expander": auto.expander,
+        "balance-similar-node-groups": True,
+        "scale-down-unneeded-time": auto.scale_down_unneeded_time,
+        "scale-down-delay-after-add": auto.scale_down_delay_after_add,
+        "max-node-provision-time": auto.max_node_provision_time,
+        "skip-nodes-with-local-storage": False,
+        "emit-per-nodegroup-metrics": True,
+    }
+    assert values["serviceMonitor"]["enabled"] is True
+
+
+def test_prod_scale_down_timing_differs_from_the_default() -> None:
+    # prod sets 15m: the value must travel, not the model's default.
+    assert stack_render("prod").values("cluster-autoscaler")["extraArgs"]["scale-down-unneeded-time"] == "15m"
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_load_balancer_controller_knows_cluster_region_and_vpc(stack: str) -> None:
+    cfg = stack_config(stack)
+    values = stack_render(stack).values("aws-load-balancer-controller")
+    assert values["clusterName"] == cfg.cluster.name
+    assert values["region"] == cfg.region
+    assert values["vpcId"] == "vpc-0123456789abcdef0"
+    assert stack_render(stack).layer["ingress_class"] == values["ingressClass"]
+
+
+def test_without_a_known_vpc_the_controller_is_not_given_one() -> None:
+    values = render_platform(stack_config("dev"), vpc_id=None).values("aws-load-balancer-controller")
+    assert "vpcId" not in values
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_controllers_run_on_system_nodes(stack: str) -> None:
+    selector = system_placement(stack_config(stack)).node_selector()
+    render = stack_render(stack)
+    assert render.values("kuberay-operator")["nodeSelector"] == selector
+    assert render.values("keda")["nodeSelector"] == selector
+    assert render.values("cluster-autoscaler")["nodeSelector"] == selector
+    assert render.values("aws-load-balancer-controller")["nodeSelector"] == selector
+    assert render.values("gpu-operator")["operator"]["nodeSelector"] == selector
+    prom = render.values("kube-prometheus-stack")
+    assert prom["prometheus"]["prometheusSpec"]["nodeSelector"] == selector
+    assert prom["alertmanager"]["alertmanagerSpec"]["nodeSelector"] == selector
+    assert prom["prometheusOperator"]["nodeSelector"] == selector
+
+
+def test_a_tainted_system_group_is_tolerated_by_every_controller() -> None:
+    def edit(c: dict[str, Any]) -> None:
+        c["llm-platform:node_groups"]["system"]["taints"] = [{"key": "dedicated", "value": "system"}]
+
+    cfg = stack_config("dev", edit)
+    expected = system_placement(cfg).tolerations()
+    assert expected  # the edit took
+    render = render_platform(cfg)
+    assert render.values("kuberay-operator")["tolerations"] == expected
+    assert render.values("keda")["tolerations"] == expected
+    assert render.values("cluster-autoscaler")["tolerations"] == expected
+    assert render.values("aws-load-balancer-controller")["tolerations"] == expected
+    assert render.values("gpu-operator")["operator"]["tolerations"] == expected
+    assert render.values("kube-prometheus-stack")["prometheus"]["prometheusSpec"]["tolerations"] == expected
+
+
+# --- GPU Operator --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_gpu_operator_leaves_the_ami_driver_and_toolkit_alone(stack: str) -> None:
+    values = stack_render(stack).values("gpu-operator")
+    assert values["driver"]["enabled"] is False
+    assert values["toolkit"]["enabled"] is False
+    assert values["devicePlugin"]["enabled"] is True
+    assert values["nfd"]["enabled"] is True
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_dcgm_exporter_is_scraped_with_its_own_labels(stack: str) -> None:
+    dcgm = stack_render(stack).values("gpu-operator")["dcgmExporter"]
+    assert dcgm["enabled"] is True
+    assert dcgm["serviceMonitor"] == {"enabled": True, "interval": "15s", "honorLabels": True}
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_gpu_daemonsets_tolerate_exactly_the_gpu_groups_taints(stack: str) -> None:
+    cfg = stack_config(stack)
+    values = stack_render(stack).values("gpu-operator")
+    expected = []
+    for placement in gpu_placements(cfg).values():
+        expected += [t for t in placement.tolerations() if t not in expected]
+    assert values["daemonsets"]["tolerations"] == expected
+    assert values["node-feature-discovery"]["worker"]["tolerations"] == expected
+    gpu_taint = {"key": GPU_TAINT.key, "operator": "Equal", "value": GPU_TAINT.value, "effect": GPU_TAINT.effect}
+    assert gpu_taint in expected
+
+
+def test_a_gpu_groups_own_taint_is_tolerated_too() -> None:
+    def edit(c: dict[str, Any]) -> None:
+        c["llm-platform:node_groups"]["gpu"][0]["taints"] = [{"key": "team", "value": "ml", "effect": "NoExecute"}]
+
+    values = render_platform(stack_config("dev", edit)).values("gpu-operator")
+    assert {"key": "team", "operator": "Equal", "value": "ml", "effect": "NoExecute"} in values["daemonsets"][
+        "tolerations"
+    ]
+
+
+@pytest.mark.parametrize("strategy", ["none", "single", "mixed"])
+def test_mig_strategy_comes_from_config(strategy: str) -> None:
+    def edit(c: dict[str, Any]) -> None:
+        c["llm-platform:platform"] = {"gpu_operator": {"mig_strategy": strategy}}
+
+    values = render_platform(stack_config("dev", edit)).values("gpu-operator")
+    assert values["mig"]["strategy"] == strategy
+    assert values["migManager"]["enabled"] is (strategy != "none")
+
+
+def _bottlerocket(groups: list[int]) -> Any:
+    def edit(c: dict[str, Any]) -> None:
+        for i in groups:
+            c["llm-platform:node_groups"]["gpu"][i]["ami"] = "bottlerocket_nvidia"
+
+    return edit
+
+
+def test_all_bottlerocket_groups_use_their_own_device_plugin() -> None:
+    values = render_platform(stack_config("prod", _bottlerocket([0, 1]))).values("gpu-operator")
+    assert values["devicePlugin"]["enabled"] is False
+    assert values["driver"]["enabled"] is False
+
+
+def test_mixed_amis_keep_the_device_plugin_and_bottlerocket_nodes_opt_out() -> None:
+    cfg = stack_config("prod", _bottlerocket([1]))
+    placements = gpu_placements(cfg)
+    assert placements["l40s-4x"].labels[GPU_OPERATOR_DEVICE_PLUGIN_LABEL] == "false"
+    assert GPU_OPERATOR_DEVICE_PLUGIN_LABEL not in placements["l40s-1x"].labels
+    values = render_platform(cfg).values("gpu-operator")
+    assert values["devicePlugin"]["enabled"] is True
+
+
+# --- monitoring ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_prometheus_selectors_are_open(stack: str) -> None:
+    render = stack_render(stack)
+    spec = render.values("kube-prometheus-stack")["prometheus"]["prometheusSpec"]
+    for kind in ("rule", "serviceMonitor", "podMonitor", "probe", "scrapeConfig"):
+        assert spec[f"{kind}SelectorNilUsesHelmValues"] is False, kind
+    assert render.layer["prometheus_selector_labels"] == {}
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_prometheus_retention_and_storage_come_from_config(stack: str) -> None:
+    cfg = stack_config(stack)
+    spec = stack_render(stack).values("kube-prometheus-stack")["prometheus"]["prometheusSpec"]
+    assert spec["retention"] == cfg.observability.prometheus_retention
+    claim = spec["storageSpec"]["volumeClaimTemplate"]["spec"]
+    assert claim["storageClassName"] == cfg.storage.storage_class.name
+    assert claim["resources"]["requests"]["storage"] == f"{cfg.observability.prometheus_storage_gib}Gi"
+    size = int(spec["retentionSize"].removesuffix("GB"))
+    assert 0 < size < cfg.observability.prometheus_storage_gib
+
+
+def test_prod_keeps_alertmanager_highly_available() -> None:
+    am = stack_render("prod").values("kube-prometheus-stack")["alertmanager"]
+    assert am["enabled"] is True
+    assert am["alertmanagerSpec"]["replicas"] == 3
+    assert stack_render("dev").values("kube-prometheus-stack")["alertmanager"]["alertmanagerSpec"]["replicas"] == 1
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_grafana_loads_dashboards_from_every_namespace(stack: str) -> None:
+    render = stack_render(stack)
+    dashboards = render.values("kube-prometheus-stack")["grafana"]["sidecar"]["dashboards"]
+    assert dashboards["enabled"] is True
+    assert dashboards["searchNamespace"] == "ALL"
+    assert (dashboards["label"], dashboards["labelValue"]) == render.layer["dashboard_label"]
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_grafana_admin_password_is_a_secret_in_a_secret(stack: str) -> None:
+    render = stack_render(stack)
+    admin = render.values("kube-prometheus-stack")["grafana"]["admin"]
+    secrets = [
+        s
+        for s in render.of_type("kubernetes:core/v1:Secret")
+        if s["inputs"]["metadata"]["name"] == admin["existingSecret"]
+    ]
+    assert len(secrets) == 1
+    secret = secrets[0]["inputs"]
+    assert secret["metadata"]["namespace"] == "monitoring"
+    # The whole stringData is secret once one value in it is.
+    assert secret["stringData"] == SECRET
+    assert (admin["userKey"], admin["passwordKey"]) == (
+        monitoring.GRAFANA_SECRET_USER_KEY,
+        monitoring.GRAFANA_SECRET_PASSWORD_KEY,
+    )
+    assert render.layer["grafana_admin_password"] == SECRET
+    assert secrets[0]["name"] in render.releases()["kube-prometheus-stack"]["depends_on"]
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_in_cluster_addresses_follow_the_release_name(stack: str) -> None:
+    render = stack_render(stack)
+    release = render.releases()["kube-prometheus-stack"]["inputs"]
+    name, ns = release["name"], release["namespace"]
+    port = release["values"]["prometheus"]["service"]["port"]
+    assert render.layer["prometheus_url"] == f"http://{name}-prometheus.{ns}.svc:{port}"
+    assert render.layer["grafana_url"] == f"http://{name}-grafana.{ns}.svc:80"
+    assert render.layer["grafana_service"] == f"{ns}/{name}-grafana:80"
+    assert render.layer["monitoring_namespace"] == ns
+
+
+def test_helm_fullname_follows_the_chart_convention() -> None:
+    from infra.platform.helm import helm_fullname
+
+    assert helm_fullname("kube-prometheus-stack", "kube-prometheus-stack", limit=26) == "kube-prometheus-stack"
+    assert helm_fullname("kube-prometheus-stack", "grafana") == "kube-prometheus-stack-grafana"
+    assert helm_fullname("monitoring", "kube-prometheus-stack", limit=26) == "monitoring-kube-prometheus"
+    assert helm_fullname("x", "y", override="z") == "z"
+
+
+# --- storage -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_default_storage_class_is_encrypted_gp3(stack: str) -> None:
+    cfg = stack_config(stack)
+    render = stack_render(stack)
+    (sc,) = render.of_type("kubernetes:storage.k8s.io/v1:StorageClass")
+    inputs = sc["inputs"]
+    assert inputs["metadata"]["name"] == cfg.storage.storage_class.name == render.layer["storage_class"]
+    assert inputs["metadata"]["annotations"] == {"storageclass.kubernetes.io/is-default-class": "true"}
+    assert inputs["provisioner"] == "ebs.csi.aws.com"
+    assert inputs["parameters"] == {"type": "gp3", "encrypted": "true", "iops": "3000", "throughput": "125"}
+    assert inputs["volumeBindingMode"] == "WaitForFirstConsumer"
+    assert inputs["allowVolumeExpansion"] is True
+    assert CLUSTER_READY in sc["depends_on"]
+
+
+def test_storage_class_uses_the_configured_kms_key_and_performance() -> None:
+    key = "arn:aws:kms:us-west-2:123456789012:key/abcd"
+
+    def edit(c: dict[str, Any]) -> None:
+        c["llm-platform:storage"]["storage_class"] = {
+            "name": "fast",
+            "iops": 6000,
+            "throughput_mibps": 500,
+            "kms_key_arn": key,
+        }
+
+    (sc,) = render_platform(stack_config("dev", edit)).of_type("kubernetes:storage.k8s.io/v1:StorageClass")
+    assert sc["inputs"]["metadata"]["name"] == "fast"
+    assert sc["inputs"]["parameters"] == {
+        "type": "gp3",
+        "encrypted": "true",
+        "iops": "6000",
+        "throughput": "500",
+        "kmsKeyId": key,
+    }
+
+
+# --- existing cluster -----------------------------------------------------------------
+
+
+def test_existing_cluster_with_every_part_on_installs_everything() -> None:
+    render = render_platform(stack_config("dev", _existing([])))
+    assert set(render.releases()) == ALL_CHARTS
+
+
+@pytest.mark.parametrize(
+    ("part", "chart", "crds"),
+    [
+        ("gpu_operator", "gpu-operator", None),
+        ("kuberay", "kuberay-operator", "ray_crds"),
+        ("monitoring", "kube-prometheus-stack", "monitoring_crds"),
+        ("keda", "keda", "keda_crds"),
+        ("cluster_autoscaler", "cluster-autoscaler", None),
+        ("load_balancer_controller", "aws-load-balancer-controller", None),
+    ],
+)
+def test_existing_cluster_part_switched_off_is_not_installed(part: str, chart: str, crds: str | None) -> None:
+    render = render_platform(stack_config("dev", _existing([part])))
+    assert set(render.releases()) == ALL_CHARTS - {chart}
+    if crds is not None:
+        assert render.layer[crds] is None
+    others = {"ray_crds", "monitoring_crds", "keda_crds"} - {crds}
+    assert all(render.layer[o] is not None for o in others)
+
+
+def test_existing_cluster_without_monitoring_targets_the_clusters_stack() -> None:
+    render = render_platform(stack_config("dev", _existing(["monitoring"])))
+    assert render.layer["prometheus_selector_labels"] == {"release": "kube-prometheus-stack"}
+    assert render.layer["grafana_admin_password"] is None
+    assert not render.of_type("random:index/randomPassword:RandomPassword")
+    # The other charts' monitors then rely on the cluster's own CRDs.
+    assert CLUSTER_READY in render.releases()["keda"]["depends_on"]
+
+
+def test_existing_cluster_with_everything_off_keeps_only_the_storage_class() -> None:
+    parts = ["gpu_operator", "kuberay", "monitoring", "keda", "cluster_autoscaler", "load_balancer_controller"]
+    render = render_platform(stack_config("dev", _existing(parts)))
+    assert render.releases() == {}
+    assert len(render.of_type("kubernetes:storage.k8s.io/v1:StorageClass")) == 1
+    assert render.layer["releases"] == {}
+
+
+def test_components_are_typed_and_parented() -> None:
+    render = stack_render("dev")
+    components = {r["name"]: r["type"] for r in render.resources if r["type"].startswith("llm-platform:platform:")}
+    assert set(components.values()) == {
+        "llm-platform:platform:StorageClass",
+        "llm-platform:platform:Monitoring",
+        "llm-platform:platform:LoadBalancerController",
+        "llm-platform:platform:GpuOperator",
+        "llm-platform:platform:KubeRayOperator",
+        "llm-platform:platform:Keda",
+        "llm-platform:platform:ClusterAutoscaler",
+    }
+    for release in render.releases().values():
+        assert release["parent"] in components

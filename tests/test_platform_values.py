@@ -1,0 +1,138 @@
+"""Every Helm value the program sets is a key of the pinned chart's values.yaml.
+
+Helm silently ignores a key a chart does not read, so a typo ships as a
+working install that does the wrong thing. The pinned charts' values files
+live beside the project in ../shared/reference/ (not part of the project):
+these tests skip, saying so, when that folder is absent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infra import versions
+from infra.platform.values_keys import REFERENCE_VALUES, key_paths, load_chart_values, unknown_keys
+from tests.test_platform_layer import PlatformRender, render_platform, stack_config, stack_render
+
+REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
+needs_reference = pytest.mark.skipif(
+    not REFERENCE.is_dir(),
+    reason=f"pinned chart values not found at {REFERENCE} (kept beside the project, not in it)",
+)
+
+
+def _variants() -> dict[str, PlatformRender]:
+    def mig_mixed_tainted(c: dict[str, Any]) -> None:
+        c["llm-platform:platform"] = {"gpu_operator": {"mig_strategy": "mixed"}}
+        c["llm-platform:node_groups"]["system"]["taints"] = [{"key": "dedicated", "value": "system"}]
+
+    return {
+        "dev": stack_render("dev"),
+        "prod": stack_render("prod"),
+        "dev+mig+tainted-system": render_platform(stack_config("dev", mig_mixed_tainted)),
+        "dev+no-vpc": render_platform(stack_config("dev"), vpc_id=None),
+    }
+
+
+# --- the checker itself (no reference needed) ---------------------------------
+
+
+DEFAULTS: dict[str, Any] = {
+    "nodeSelector": {"kubernetes.io/os": "linux"},
+    "extraArgs": {"v": 4},
+    "storageSpec": {},
+    "clusterName": None,
+    "serviceMonitor": {"enabled": False, "interval": "30s"},
+    "tolerations": [],
+    "env": [],
+}
+
+
+def test_checker_names_a_misspelled_nested_key() -> None:
+    assert unknown_keys({"serviceMonitor": {"enabeld": True}}, DEFAULTS) == [
+        "serviceMonitor.enabeld: not a key of the chart's values.yaml"
+    ]
+
+
+def test_checker_names_an_unknown_top_level_key() -> None:
+    assert unknown_keys({"nodeSelectors": {"a": "b"}}, DEFAULTS) == [
+        "nodeSelectors: not a key of the chart's values.yaml"
+    ]
+
+
+def test_checker_allows_free_form_maps_and_empty_defaults() -> None:
+    values = {
+        "nodeSelector": {"llm-platform/node-group": "system"},
+        "extraArgs": {"expander": "least-waste"},
+        "storageSpec": {"volumeClaimTemplate": {"spec": {"storageClassName": "gp3"}}},
+        "clusterName": "c",
+        "tolerations": [{"key": "k"}],
+        "serviceMonitor": {"enabled": True},
+    }
+    assert unknown_keys(values, DEFAULTS) == []
+
+
+def test_checker_rejects_a_map_where_the_chart_has_a_list() -> None:
+    assert unknown_keys({"env": {"A": "1"}}, DEFAULTS) == ["env: a map is set where the chart's default is a list"]
+
+
+def test_every_chart_has_a_reference_values_file_mapped() -> None:
+    assert {c.chart for c in versions.HELM_CHARTS} == set(REFERENCE_VALUES)
+
+
+# --- the program's values against the pinned charts ---------------------------
+
+
+@needs_reference
+@pytest.mark.parametrize("chart", sorted(REFERENCE_VALUES))
+def test_every_value_set_is_a_key_of_the_pinned_chart(chart: str) -> None:
+    defaults = load_chart_values(REFERENCE, chart)
+    problems: list[str] = []
+    checked = 0
+    for variant, render in _variants().items():
+        if chart not in render.releases():
+            continue
+        values = render.values(chart)
+        checked += len(key_paths(values))
+        problems += [f"{variant}: {chart}: {p}" for p in unknown_keys(values, defaults)]
+    assert checked > 0, f"no values of {chart} were checked"
+    assert not problems, "\n".join(problems)
+
+
+@needs_reference
+def test_reference_is_the_pinned_chart_version() -> None:
+    import yaml
+
+    charts = {
+        "kuberay-operator": "kuberay/operator-chart.yaml",
+        "kube-prometheus-stack": "kube-prometheus-stack/chart-chart.yaml",
+        "keda": "keda/chart-chart.yaml",
+        "cluster-autoscaler": "cluster-autoscaler/chart-chart.yaml",
+        "aws-load-balancer-controller": "aws-load-balancer-controller/chart-chart.yaml",
+    }
+    pinned = {c.chart: c.version for c in versions.HELM_CHARTS}
+    for chart, path in charts.items():
+        meta = yaml.safe_load((REFERENCE / path).read_text())
+        assert meta["version"] == pinned[chart], f"{chart}: reference is {meta['version']}, pinned {pinned[chart]}"
+    # The GPU Operator's Chart.yaml at a git tag carries a development
+    # version; its source note names the tag instead.
+    source = (REFERENCE / "gpu-operator" / "SOURCE.txt").read_text()
+    assert pinned["gpu-operator"] in source
+
+
+@needs_reference
+@pytest.mark.parametrize("stack", ["dev", "prod"])
+def test_whole_program_render_sets_only_chart_keys(stack: str) -> None:
+    from tests.harness import render_stack
+
+    rendered = render_stack(stack)
+    assert {h["chart"] for h in rendered.helm} == set(REFERENCE_VALUES)
+    problems: list[str] = []
+    for release in rendered.helm:
+        assert release["version"] == {c.chart: c.version for c in versions.HELM_CHARTS}[release["chart"]]
+        defaults = load_chart_values(REFERENCE, release["chart"])
+        problems += [f"{release['chart']}: {p}" for p in unknown_keys(release["values"], defaults)]
+    assert not problems, "\n".join(problems)

@@ -1,0 +1,118 @@
+"""The whole program under mocks, for every committed stack: the render contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra.render import PLACEHOLDER_API_KEYS, ROOT
+from tests.harness import STACKS, render_stack
+
+EXPECTED_OUTPUTS = {
+    "endpoint",
+    "models",
+    "grafana_url",
+    "ray_dashboard",
+    "image",
+    "cluster_name",
+    "kubeconfig",
+    "model_bucket",
+    "node_groups",
+}
+
+
+def _cli_render(stack: str, out: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "infra.render", "--stack", stack, "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+
+
+def test_every_stack_file_is_rendered() -> None:
+    assert {"dev", "prod"} <= set(STACKS)
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_cli_writes_four_files_and_is_repeatable(stack: str, tmp_path: Path) -> None:
+    first, second = tmp_path / "a", tmp_path / "b"
+    _cli_render(stack, first)
+    _cli_render(stack, second)
+    names = ["resources.json", "manifests.yaml", "helm.yaml", "outputs.json"]
+    assert sorted(p.name for p in first.iterdir()) == sorted(names)
+    for name in names:
+        assert (first / name).read_bytes() == (second / name).read_bytes(), f"{name} differs between two renders"
+        assert PLACEHOLDER_API_KEYS not in (first / name).read_text(), f"the API key leaked into {name}"
+    resources = json.loads((first / "resources.json").read_text())
+    assert all(set(r) >= {"type", "name", "parent", "inputs", "depends_on"} for r in resources)
+    for doc in yaml.safe_load_all((first / "manifests.yaml").read_text()):
+        assert set(doc) >= {"apiVersion", "kind", "metadata"}
+        assert doc["metadata"].get("name"), f"{doc['kind']} without an explicit name"
+    for doc in yaml.safe_load_all((first / "helm.yaml").read_text()):
+        assert set(doc) == {"name", "namespace", "chart", "version", "repository", "values"}
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_outputs(stack: str) -> None:
+    outputs = render_stack(stack).outputs
+    assert set(outputs) >= EXPECTED_OUTPUTS
+    assert outputs["kubeconfig"] == "[secret]"
+    assert outputs["endpoint"].endswith("/v1")
+    assert outputs["image"].split("@")[1].startswith("sha256:")
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_parents_come_first_and_every_resource_sits_in_a_component(stack: str) -> None:
+    resources = render_stack(stack).resources
+    seen: set[str] = set()
+    components = {r["name"] for r in resources if r["type"].startswith("llm-platform:")}
+    for r in resources:
+        if r["parent"] is not None:
+            assert r["parent"] in seen, f"{r['name']} declared before its parent {r['parent']}"
+        elif not r["type"].startswith("llm-platform:"):
+            pytest.fail(f"{r['type']} {r['name']} is not inside a component")
+        seen.add(r["name"])
+    assert components, "no components"
+
+
+def test_program_runs_the_way_the_cli_runs_it(tmp_path: Path) -> None:
+    """`main: infra/` puts infra/ first on sys.path; the program must still import as `infra`.
+
+    The cwd is elsewhere and the project root is not on sys.path, so only
+    infra/__main__.py's own path handling can make `import infra` work.
+    """
+    script = f"""
+import importlib.util, json, runpy, sys
+import pulumi, yaml
+from pulumi.runtime import mocks, settings
+spec = importlib.util.spec_from_file_location("render_mocks", {str(ROOT / "infra" / "mocks.py")!r})
+render_mocks = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(render_mocks)
+doc = yaml.safe_load(open({str(ROOT / "Pulumi.dev.yaml")!r}))["config"]
+config = {{k: json.dumps(v) if isinstance(v, (dict, list)) else str(v) for k, v in doc.items()}}
+config["llm-platform:api_keys"] = {PLACEHOLDER_API_KEYS!r}
+mocks.set_mocks(render_mocks.PlatformMocks("us-west-2"), project="llm-platform", stack="dev", preview=False)
+pulumi.runtime.set_all_config(config, ["llm-platform:api_keys"])
+# As the language host does: run the folder, which puts infra/ first on sys.path.
+runpy.run_path({str(ROOT / "infra")!r}, run_name="__main__")
+import platform
+assert "infra" not in platform.__file__, platform.__file__
+print(sorted(settings.get_root_resource().outputs))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "'endpoint'" in result.stdout

@@ -1,0 +1,286 @@
+"""The RayService: shape, placement, autoscaler, upgrades, GCS FT and serveConfigV2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from infra import versions
+from infra.config import RAY_SERVICE_NAME_MAX
+from infra.scheduling import gpu_placements, system_placement
+from infra.serving import kuberay
+from infra.serving.ports import RAY_PORTS
+from infra.serving.ray_service import (
+    INGRESS_GROUP,
+    gpu_shape,
+    ray_service_manifest,
+    worker_group_name,
+)
+from infra.serving.serve_config import IMPORT_PATH, MOUNTS
+from tests.harness import REFERENCE, manifests_of, render_stack
+from tests.test_serving_support import config, group, ray_service_args, ray_services
+
+STACKS = ["dev", "prod"]
+
+
+def _container(pod_template: dict[str, Any]) -> dict[str, Any]:
+    containers = pod_template["spec"]["containers"]
+    assert len(containers) == 1
+    container: dict[str, Any] = containers[0]
+    return container
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_one_ray_service_per_service_with_short_names(stack: str) -> None:
+    cfg = config(stack)
+    found = {rs["metadata"]["name"]: rs for rs in ray_services(stack)}
+    assert set(found) == set(cfg.services())
+    for name, rs in found.items():
+        assert len(name) <= RAY_SERVICE_NAME_MAX
+        assert rs["metadata"]["namespace"] == cfg.serving.namespace
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_gpu_groups_ask_for_tp_x_pp_gpus_and_tolerate_exactly_the_group_taints(stack: str) -> None:
+    cfg = config(stack)
+    placements = gpu_placements(cfg)
+    for rs in ray_services(stack):
+        for model in cfg.services()[rs["metadata"]["name"]]:
+            g = group(rs, worker_group_name(model))
+            placement = placements[model.gpu_group]
+            limits = _container(g["template"])["resources"]["limits"]
+            requests = _container(g["template"])["resources"]["requests"]
+            assert int(limits["nvidia.com/gpu"]) * g.get("numOfHosts", 1) == (
+                model.tensor_parallel_size * model.pipeline_parallel_size
+            )
+            assert requests == limits
+            spec = g["template"]["spec"]
+            assert spec["tolerations"] == placement.tolerations()
+            assert {t["key"] for t in spec["tolerations"]} == {t.key for t in placement.taints}
+            assert spec["nodeSelector"] == placement.node_selector()
+            assert spec["serviceAccountName"] == "model-reader"
+            accel = json.loads(g["rayStartParams"]["resources"])
+            assert accel == {f"accelerator_type:{placement.instance.ray_accelerator_type}": 1}
+            assert model.accelerator_type == placement.instance.ray_accelerator_type
+            assert (g["minReplicas"], g["maxReplicas"]) == (
+                model.autoscaling.min_replicas,
+                model.autoscaling.max_replicas,
+            )
+            # The pod fits its node with room for daemonsets.
+            inst = placement.instance
+            share = int(limits["nvidia.com/gpu"]) / inst.gpus
+            assert int(limits["cpu"]) < inst.vcpus * share
+            assert int(limits["memory"].removesuffix("Gi")) < inst.memory_gib * share
+            volumes = {v["name"]: v for v in spec["volumes"]}
+            assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+            claim = volumes["model-cache"]["ephemeral"]["volumeClaimTemplate"]["spec"]
+            assert claim["resources"]["requests"]["storage"] == f"{cfg.storage.model_cache_gib}Gi"
+
+
+def test_tensor_parallel_70b_takes_the_whole_node() -> None:
+    cfg = config("prod")
+    model = next(m for m in cfg.models if m.tensor_parallel_size == 4)
+    shape = gpu_shape(model, gpu_placements(cfg)[model.gpu_group])
+    assert (shape.gpus_per_host, shape.hosts) == (4, 1)
+
+
+def test_pipeline_stages_beyond_one_node_become_hosts() -> None:
+    cfg = config("prod")
+    base = next(m for m in cfg.models if m.tensor_parallel_size == 4)
+    model = base.model_copy(update={"pipeline_parallel_size": 2})
+    shape = gpu_shape(model, gpu_placements(cfg)[model.gpu_group])
+    assert (shape.gpus_per_host, shape.hosts) == (4, 2)
+    rs = ray_service_manifest(ray_service_args(cfg, base.service_name, models=[model]))
+    g = group(rs, worker_group_name(model))
+    assert g["numOfHosts"] == 2
+    assert _container(g["template"])["resources"]["limits"]["nvidia.com/gpu"] == "4"
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_head_holds_no_replicas_and_runs_on_system_nodes(stack: str) -> None:
+    cfg = config(stack)
+    system = system_placement(cfg)
+    for rs in ray_services(stack):
+        spec = rs["spec"]
+        cluster = spec["rayClusterConfig"]
+        head = cluster["headGroupSpec"]
+        assert head["rayStartParams"]["num-cpus"] == "0"
+        assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+        assert head["rayStartParams"]["metrics-export-port"] == str(RAY_PORTS.metrics.number)
+        assert head["template"]["spec"]["nodeSelector"] == system.node_selector()
+        container = _container(head["template"])
+        assert {(p["name"], p["containerPort"]) for p in container["ports"]} == {
+            ("gcs-server", 6379),
+            ("dashboard", 8265),
+            ("client", 10001),
+            ("serve", 8000),
+            ("metrics", 8080),
+            ("as-metrics", 44217),
+            ("dash-metrics", 44227),
+        }
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env["RAY_PROMETHEUS_HOST"].startswith("http://")
+        assert env["RAY_GRAFANA_HOST"].startswith("http://")
+        assert spec["excludeHeadPodFromServeSvc"] is True
+        assert cluster["rayVersion"] == versions.RAY_VERSION
+        assert container["image"].partition("@")[2].startswith("sha256:")
+        ingress = group(rs, INGRESS_GROUP)
+        assert "nvidia.com/gpu" not in _container(ingress["template"])["resources"]["limits"]
+        assert ingress["template"]["spec"]["nodeSelector"] == system.node_selector()
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_autoscaler_v2_with_the_configured_idle_timeout(stack: str) -> None:
+    cfg = config(stack)
+    for rs in ray_services(stack):
+        cluster = rs["spec"]["rayClusterConfig"]
+        assert cluster["enableInTreeAutoscaling"] is True
+        assert cluster["autoscalerOptions"]["version"] == "v2"
+        assert cluster["autoscalerOptions"]["idleTimeoutSeconds"] == cfg.ray.idle_timeout_seconds
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_no_deprecated_kuberay_fields_and_a_ready_wait(stack: str) -> None:
+    for rs in ray_services(stack):
+        spec = rs["spec"]
+        assert "serviceUnhealthySecondThreshold" not in spec
+        assert "deploymentUnhealthySecondThreshold" not in spec
+        annotations = rs["metadata"]["annotations"]
+        assert annotations["pulumi.com/waitFor"] == 'jsonpath={.status.conditions[?(@.type=="Ready")].status}=True'
+        assert int(annotations["pulumi.com/timeoutSeconds"]) >= 1800
+
+
+def test_big_models_get_an_hour_to_load() -> None:
+    by_name = {rs["metadata"]["name"]: rs for rs in ray_services("prod")}
+    assert by_name["llama-33-70b"]["metadata"]["annotations"]["pulumi.com/timeoutSeconds"] == "3600"
+    assert by_name["llama-31-8b"]["metadata"]["annotations"]["pulumi.com/timeoutSeconds"] == "1800"
+
+
+def test_prod_keeps_gcs_state_in_redis_over_tls_with_a_secret_password() -> None:
+    for rs in ray_services("prod"):
+        ft = rs["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+        assert ft["redisAddress"].startswith("rediss://")
+        assert ft["redisPassword"] == {"valueFrom": {"secretKeyRef": {"name": "ray-gcs-redis", "key": "password"}}}
+    for rs in ray_services("dev"):
+        assert "gcsFaultToleranceOptions" not in rs["spec"]["rayClusterConfig"]
+
+
+@pytest.mark.parametrize("stack", ["dev", "prod"])
+def test_upgrade_strategy_is_explicit_and_from_config(stack: str) -> None:
+    for rs in ray_services(stack):
+        assert rs["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
+    cfg = config(stack).model_copy(update={"ray": config(stack).ray.model_copy(update={"upgrade_strategy": "None"})})
+    name = cfg.models[0].service_name
+    assert ray_service_manifest(ray_service_args(cfg, name))["spec"]["upgradeStrategy"] == {"type": "None"}
+
+
+def test_api_keys_are_a_secret_mounted_read_only_where_the_catalogue_says() -> None:
+    rendered = render_stack("prod")
+    secrets = {s["metadata"]["name"]: s for s in manifests_of(rendered, "Secret")}
+    keys = secrets["inference-api-keys"]
+    assert keys["stringData"] == "[secret]"
+    assert "render-placeholder-key" not in json.dumps(rendered.manifests)
+    for rs in ray_services("prod"):
+        cluster = rs["spec"]["rayClusterConfig"]
+        templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+        for template in templates:
+            volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+            assert volumes["api-keys"]["secret"]["secretName"] == "inference-api-keys"
+            mounts = {m["name"]: m for m in _container(template)["volumeMounts"]}
+            assert mounts["api-keys"] == {"name": "api-keys", "mountPath": MOUNTS.api_keys_dir, "readOnly": True}
+        args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+        assert args["api_keys_file"] == f"{MOUNTS.api_keys_dir}/{MOUNTS.api_keys_key}"
+
+
+def test_api_key_file_has_one_key_per_line() -> None:
+    from infra.serving.namespace import api_keys_file
+
+    assert api_keys_file("a" * 24 + ", " + "b" * 24) == "a" * 24 + "\n" + "b" * 24 + "\n"
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_serve_config_comes_from_the_catalogue(stack: str) -> None:
+    cfg = config(stack)
+    for rs in ray_services(stack):
+        doc = yaml.safe_load(rs["spec"]["serveConfigV2"])
+        (app,) = doc["applications"]
+        assert app["import_path"] == IMPORT_PATH
+        models = cfg.services()[rs["metadata"]["name"]]
+        assert [m["model_id"] for m in app["args"]["models"]] == [m.model_id for m in models]
+        for entry, model in zip(app["args"]["models"], models, strict=True):
+            assert entry["autoscaling"] == model.autoscaling.model_dump(mode="json")
+            assert "gpu_group" not in entry and "name" not in entry
+        assert app["args"]["limits"] == cfg.serving.limits.model_dump()
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_serve_config_is_valid_for_ray_serve_and_serve_llm(stack: str) -> None:
+    schema = pytest.importorskip("ray.serve.schema", reason="ray[serve]==2.60.0 is not installed")
+    from workloads.inference_server.catalog import Catalog
+
+    for rs in ray_services(stack):
+        doc = yaml.safe_load(rs["spec"]["serveConfigV2"])
+        schema.ServeDeploySchema.model_validate(doc)
+        catalog = Catalog.model_validate(doc["applications"][0]["args"])
+        try:
+            from ray.serve.llm import LLMConfig
+
+            from workloads.inference_server.engine import llm_config_kwargs
+        except ImportError as err:  # pragma: no cover - depends on the environment
+            pytest.skip(f"ray.serve.llm or the server package is not importable: {err}")
+        for entry in catalog.models:
+            config_ = LLMConfig(**llm_config_kwargs(entry, catalog))
+            assert config_.accelerator_type == entry.accelerator_type
+            deployment = config_.deployment_config
+            scaling = deployment["autoscaling_config"]
+            assert scaling["target_ongoing_requests"] == entry.autoscaling.target_ongoing_requests
+            assert deployment["max_ongoing_requests"] == entry.autoscaling.max_ongoing_requests
+
+
+def _crd_schema(name: str) -> dict[str, Any]:
+    path = REFERENCE / "kuberay" / name
+    if not path.exists():
+        pytest.skip(f"{path} is absent (the pinned CRDs live outside the project)")
+    crd = yaml.safe_load(path.read_text())
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    schema: dict[str, Any] = v1["schema"]["openAPIV3Schema"]
+    return schema
+
+
+def _unknown_keys(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Keys a structural schema does not declare (the API server would prune them)."""
+    out: list[str] = []
+    if isinstance(value, dict) and "properties" in schema:
+        for key, sub in value.items():
+            if key not in schema["properties"]:
+                if not schema.get("x-kubernetes-preserve-unknown-fields"):
+                    out.append(f"{path}.{key}")
+            else:
+                out += _unknown_keys(sub, schema["properties"][key], f"{path}.{key}")
+    elif isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            out += _unknown_keys(item, schema["items"], f"{path}[{i}]")
+    return out
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_ray_services_match_the_pinned_crd(stack: str) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = _crd_schema("crd-rayservices.yaml")
+    for rs in ray_services(stack):
+        assert _unknown_keys(rs, schema) == []
+        jsonschema.Draft7Validator(schema).validate(rs)
+
+
+def test_labels_kuberay_puts_on_pods_exist_in_kuberay() -> None:
+    # The label keys the budgets, policies and monitors select on.
+    assert kuberay.pods_of("x") == {
+        "ray.io/originated-from-cr-name": "x",
+        "ray.io/originated-from-crd": "RayService",
+    }
+    assert kuberay.serve_service("x") == "x-serve-svc"
+    assert Path(__file__).name.startswith("test_serving_")

@@ -1,0 +1,198 @@
+"""The Ray Serve application: Ray Serve LLM's OpenAI app behind API keys and request limits.
+
+``serveConfigV2`` names ``inference_server.app:build_app`` as the import path
+and passes the catalogue as ``args``. Ray Serve LLM does the serving (OpenAI
+routes, streaming, engine lifecycle, placement groups); this module only maps
+the catalogue onto ``LLMConfig`` and puts :class:`~inference_server.guard.ApiGuard`
+in front of the ingress' routes.
+
+Two ingress layouts, both from Ray Serve LLM's own builder:
+
+* default: an ``OpenAiIngress`` deployment routes to one ``LLMServer``
+  deployment per model. The guard runs in the ingress replica.
+* ``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1`` (one model): the ``LLMServer``
+  itself serves vLLM's FastAPI app. The guard runs in that replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from ray.serve.deployment import Application
+from ray.serve.llm import LLMConfig, build_openai_app
+from ray.serve.llm.deployment import LLMServer as _RayLLMServer
+from ray.serve.llm.ingress import OpenAiIngress
+
+from .catalog import Catalog, RequestLimits
+from .engine import llm_config_kwargs
+from .guard import CHAT_PATH, ApiGuard, ApiKeys
+
+logger = logging.getLogger(__name__)
+
+# Where the guard settings ride along in an LLMConfig for the direct-streaming layout.
+GUARD_CONFIG_KEY = "inference_server_guard"
+
+
+class GuardSettings(BaseModel):
+    """What a replica needs to build its guard. Holds key locations, never keys."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_keys_file: str | None
+    api_keys_env: str
+    limits: RequestLimits
+
+    @classmethod
+    def from_catalog(cls, catalog: Catalog) -> GuardSettings:
+        return cls(api_keys_file=catalog.api_keys_file, api_keys_env=catalog.api_keys_env, limits=catalog.limits)
+
+    def keys(self) -> ApiKeys:
+        keys = ApiKeys(self.api_keys_file, self.api_keys_env)
+        if not len(keys):
+            logger.warning(
+                "No API keys found in %s or $%s: every request will be refused", self.api_keys_file, self.api_keys_env
+            )
+        return keys
+
+
+def _tokenize_request(model_id: str, path: str, body: dict[str, Any]) -> list[Any]:
+    """Tokenize requests that measure a generation request's prompt(s)."""
+    # Ray Serve LLM 2.60 exports no public alias for the tokenize models; these
+    # are the ones its own ingress and LLMServer.tokenize take.
+    from ray.llm._internal.serve.core.configs.openai_api_models import (
+        TokenizeChatRequest,
+        TokenizeCompletionRequest,
+    )
+
+    if path == CHAT_PATH:
+        continue_final = bool(body.get("continue_final_message", False))
+        return [
+            TokenizeChatRequest(
+                model=model_id,
+                messages=body["messages"],
+                add_generation_prompt=body.get("add_generation_prompt", not continue_final),
+                continue_final_message=continue_final,
+                tools=body.get("tools"),
+                chat_template_kwargs=body.get("chat_template_kwargs"),
+            )
+        ]
+    prompt = body["prompt"]
+    prompts = prompt if isinstance(prompt, list) else [prompt]
+    return [TokenizeCompletionRequest(model=model_id, prompt=p) for p in prompts]
+
+
+def _install_guard(app: Any, settings: GuardSettings, counter: Any) -> None:
+    """Put the guard outermost on a FastAPI app, even one whose stack is built."""
+    app.middleware_stack = None  # let Starlette rebuild the stack with the guard
+    app.add_middleware(ApiGuard, keys=settings.keys(), limits=settings.limits, count_prompt_tokens=counter)
+
+
+class GuardedOpenAiIngress(OpenAiIngress):
+    """Ray Serve LLM's OpenAI ingress with the guard in front of its routes."""
+
+    def __init__(self, llm_deployments: Any, model_cards: Any, *, guard: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(llm_deployments, model_cards, **kwargs)
+        self._guard_settings = GuardSettings.model_validate(guard)
+
+    async def _count_prompt_tokens(self, path: str, body: dict[str, Any]) -> int | None:
+        model_id = await self._get_model_id(body.get("model"))
+        counts = []
+        for request in _tokenize_request(model_id, path, body):
+            async for response in self._get_response(body=request, call_method="tokenize"):
+                count = getattr(response, "count", None)
+                if count is None:
+                    return None
+                counts.append(count)
+                break
+        return max(counts) if counts else None
+
+    async def __serve_build_asgi_app__(self) -> Any:
+        # Serve calls this hook once per replica, after __init__ and before
+        # the first request: the app is ours to wrap here.
+        app = self.app
+        _install_guard(app, self._guard_settings, self._count_prompt_tokens)
+        return app
+
+
+class LLMServer(_RayLLMServer):
+    """Ray Serve LLM's model server, plus two things.
+
+    * Ray 2.60 looks up vLLM's tokenization service under the name vLLM used
+      before 0.29 (``openai_serving_tokenization``; vLLM 0.29 calls it
+      ``serving_tokenization``), so ``tokenize`` always failed. The exact
+      prompt count of the guard needs it: :meth:`start` wires it up.
+    * In the direct-streaming layout this server is the ingress and carries
+      the guard in front of vLLM's own FastAPI app.
+
+    Named ``LLMServer`` like its base so deployments stay "LLMServer:<model>"
+    in Serve's metrics and dashboards.
+    """
+
+    async def start(self) -> None:
+        await super().start()
+        engine = self.engine
+        if engine is not None and getattr(engine, "_oai_serving_tokenization", False) is None:
+            state = getattr(engine, "_app_state", None)
+            engine._oai_serving_tokenization = getattr(state, "serving_tokenization", None)
+
+    async def _count_prompt_tokens(self, path: str, body: dict[str, Any]) -> int | None:
+        counts = []
+        for request in _tokenize_request(self._llm_config.model_id, path, body):
+            async for response in self.engine.tokenize(request):
+                count = getattr(response, "count", None)
+                if count is None:
+                    return None
+                counts.append(count)
+                break
+        return max(counts) if counts else None
+
+    async def __serve_build_asgi_app__(self) -> Any:
+        # Called by Serve only when this deployment is the ingress (direct streaming).
+        app = await super().__serve_build_asgi_app__()
+        guard = self._llm_config.experimental_configs.get(GUARD_CONFIG_KEY)
+        if guard is None:
+            raise RuntimeError("the direct-streaming ingress needs guard settings in experimental_configs")
+        _install_guard(app, GuardSettings.model_validate(guard), self._count_prompt_tokens)
+        return app
+
+
+def direct_streaming_enabled() -> bool:
+    """Whether Ray Serve LLM runs the direct-streaming layout (read by Ray at import)."""
+    return os.environ.get("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", "0") == "1"
+
+
+def llm_configs(catalog: Catalog, *, direct_streaming: bool = False) -> list[LLMConfig]:
+    configs = []
+    for entry in catalog.models:
+        kwargs = llm_config_kwargs(entry, catalog)
+        kwargs["server_cls"] = LLMServer
+        if direct_streaming:
+            # The model server is the ingress: it carries the guard itself.
+            kwargs["experimental_configs"] = {GUARD_CONFIG_KEY: GuardSettings.from_catalog(catalog).model_dump()}
+        configs.append(LLMConfig(**kwargs))
+    return configs
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Ray Serve application builder: ``args`` is the catalogue (serveConfigV2 ``args``)."""
+    catalog = Catalog.model_validate(args)
+    direct = direct_streaming_enabled()
+    if direct and len(catalog.models) != 1:
+        raise ValueError(
+            f"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 serves exactly one model; the catalogue has {len(catalog.models)}"
+        )
+    serving_args: dict[str, Any] = {"llm_configs": llm_configs(catalog, direct_streaming=direct)}
+    if not direct:
+        serving_args["ingress_cls_config"] = {
+            "ingress_cls": GuardedOpenAiIngress,
+            "ingress_extra_kwargs": {"guard": GuardSettings.from_catalog(catalog).model_dump()},
+        }
+    logger.info(
+        "Building the OpenAI app for %s (%s ingress)",
+        [m.model_id for m in catalog.models],
+        "direct-streaming" if direct else "OpenAiIngress",
+    )
+    return build_openai_app(serving_args)

@@ -1,0 +1,190 @@
+"""The model catalogue: one typed schema shared by the Pulumi program and the server.
+
+The infrastructure code imports this module to write the RayService
+``serveConfigV2`` and the server parses the very same model at start-up, so the
+two can never drift apart. It must stay importable with pydantic alone: no Ray,
+no vLLM, no relative imports of modules that pull them in.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+WeightsKind = Literal["s3", "local", "hub"]
+
+# "org/name" as the model hubs spell repository ids (no scheme, exactly one slash).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_S3_URI = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")
+# What the OpenAI API accepts as a model name and what is safe in a Serve deployment name.
+_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RequestLimits(_Strict):
+    """Limits applied to every request before it reaches an engine."""
+
+    max_tokens: int = Field(default=4096, gt=0, description="Largest max_tokens / max_completion_tokens accepted.")
+    max_prompt_tokens: int = Field(default=32768, gt=0, description="Largest prompt accepted, in tokens.")
+
+
+class ServeAutoscaling(_Strict):
+    """Ray Serve replica autoscaling for one model.
+
+    Both ``target_ongoing_requests`` and ``max_ongoing_requests`` are always
+    written out: Serve LLM's defaults (1e9) mean a deployment never scales.
+    """
+
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=1, ge=1)
+    initial_replicas: int | None = Field(default=None, ge=0)
+    target_ongoing_requests: float = Field(default=16, gt=0)
+    max_ongoing_requests: int = Field(default=64, gt=0)
+    upscale_delay_s: float = Field(default=30, ge=0)
+    downscale_delay_s: float = Field(default=600, ge=0)
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> ServeAutoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed max_replicas ({self.max_replicas})")
+        if self.initial_replicas is not None and not (self.min_replicas <= self.initial_replicas <= self.max_replicas):
+            raise ValueError(
+                f"initial_replicas ({self.initial_replicas}) must lie between "
+                f"min_replicas ({self.min_replicas}) and max_replicas ({self.max_replicas})"
+            )
+        if self.target_ongoing_requests > self.max_ongoing_requests:
+            raise ValueError(
+                f"target_ongoing_requests ({self.target_ongoing_requests}) must not exceed "
+                f"max_ongoing_requests ({self.max_ongoing_requests})"
+            )
+        return self
+
+
+class ModelEntry(_Strict):
+    """One served model."""
+
+    model_id: str = Field(description="The model name clients send in the OpenAI `model` field.")
+    source: str = Field(
+        description='Where the weights are: "s3://bucket/prefix", an absolute local path, or a hub id "org/name".'
+    )
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    max_model_len: int = Field(gt=0)
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    quantization: str | None = None
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    accelerator_type: str | None = Field(
+        default=None, description='Ray accelerator type, e.g. "L4", "A10G", "L40S", "H100"; None on CPU.'
+    )
+    engine_overrides: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="Extra vLLM engine keyword arguments."
+    )
+    autoscaling: ServeAutoscaling = Field(default_factory=ServeAutoscaling)
+
+    @field_validator("model_id")
+    @classmethod
+    def _check_model_id(cls, value: str) -> str:
+        if not _MODEL_ID.match(value):
+            raise ValueError(
+                "model_id must be 1-128 characters of letters, digits and . _ : / -, "
+                f"starting with a letter or digit (got {value!r})"
+            )
+        return value
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, value: str) -> str:
+        if value.startswith("s3://"):
+            if not _S3_URI.match(value):
+                raise ValueError(f"source {value!r} is not a valid s3://bucket/prefix URI")
+            return value
+        if "://" in value:
+            raise ValueError(f"source {value!r}: only s3:// URIs are supported")
+        if os.path.isabs(value) or _HUB_ID.match(value):
+            return value
+        raise ValueError(
+            f'source {value!r} must be "s3://bucket/prefix", an absolute local path, or a hub id "org/name"'
+        )
+
+    @field_validator("engine_overrides")
+    @classmethod
+    def _check_overrides(cls, value: dict[str, str | int | float | bool]) -> dict[str, str | int | float | bool]:
+        # These have typed fields of their own; a second spelling would be ambiguous.
+        owned = {
+            "model",
+            "served_model_name",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "max_model_len",
+            "dtype",
+            "quantization",
+            "gpu_memory_utilization",
+        }
+        clash = sorted(owned & set(value))
+        if clash:
+            raise ValueError(f"engine_overrides must not set {clash}: use the catalogue fields instead")
+        return value
+
+    # A plain property, not a computed field: it stays out of model_dump(), so a
+    # dumped catalogue parses again under extra="forbid".
+    @property
+    def weights_kind(self) -> WeightsKind:
+        """Where the weights come from: "s3", "local" or "hub"."""
+        if self.source.startswith("s3://"):
+            return "s3"
+        if os.path.isabs(self.source):
+            return "local"
+        return "hub"
+
+    @property
+    def num_devices(self) -> int:
+        """Accelerators one replica of this model needs."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class Catalog(_Strict):
+    """Everything the server needs to know to build its application."""
+
+    models: list[ModelEntry] = Field(min_length=1)
+    limits: RequestLimits = Field(default_factory=RequestLimits)
+    api_keys_file: str | None = Field(
+        default="/etc/inference/api-keys/keys", description="File with one API key per line."
+    )
+    api_keys_env: str = Field(
+        default="INFERENCE_API_KEYS",
+        description="Environment variable with comma-separated API keys, used when the file is absent.",
+    )
+    allow_hub_download: bool = Field(
+        default=False, description="Production configs leave this False: a hub source is then rejected."
+    )
+    model_cache_dir: str = "/models"
+
+    @model_validator(mode="after")
+    def _check_models(self) -> Catalog:
+        seen: set[str] = set()
+        duplicates: list[str] = []
+        for entry in self.models:
+            if entry.model_id in seen:
+                duplicates.append(entry.model_id)
+            seen.add(entry.model_id)
+        if duplicates:
+            raise ValueError(f"model_id must be unique; duplicated: {sorted(set(duplicates))}")
+        if not self.allow_hub_download:
+            hub = [m.model_id for m in self.models if m.weights_kind == "hub"]
+            if hub:
+                raise ValueError(
+                    f"models {hub} load from a model hub but allow_hub_download is false: use an s3:// or local source"
+                )
+        return self
+
+    def model(self, model_id: str) -> ModelEntry:
+        for entry in self.models:
+            if entry.model_id == model_id:
+                return entry
+        raise KeyError(model_id)

@@ -1,0 +1,83 @@
+"""Turns a catalogue entry into the keyword arguments of a Ray Serve LLM ``LLMConfig``.
+
+Plain dictionaries only (no Ray import), so the mapping is tested in
+milliseconds and the builder in ``app.py`` stays a thin layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .catalog import Catalog, ModelEntry, ServeAutoscaling
+
+# vLLM streams safetensors straight from S3 with this loader; nothing is
+# written to local disk and no model hub is asked.
+S3_LOAD_FORMAT = "runai_streamer"
+
+# Stops any library from reaching a model hub when the catalogue forbids it.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def autoscaling_config(scaling: ServeAutoscaling) -> dict[str, Any]:
+    """Ray Serve ``autoscaling_config``, every knob written out explicitly."""
+    config: dict[str, Any] = {
+        "min_replicas": scaling.min_replicas,
+        "max_replicas": scaling.max_replicas,
+        "target_ongoing_requests": scaling.target_ongoing_requests,
+        "upscale_delay_s": scaling.upscale_delay_s,
+        "downscale_delay_s": scaling.downscale_delay_s,
+    }
+    if scaling.initial_replicas is not None:
+        config["initial_replicas"] = scaling.initial_replicas
+    return config
+
+
+def engine_kwargs(entry: ModelEntry, catalog: Catalog) -> dict[str, Any]:
+    """vLLM engine arguments for one model."""
+    kwargs: dict[str, Any] = {
+        "tensor_parallel_size": entry.tensor_parallel_size,
+        "pipeline_parallel_size": entry.pipeline_parallel_size,
+        "max_model_len": entry.max_model_len,
+        "dtype": entry.dtype,
+        "gpu_memory_utilization": entry.gpu_memory_utilization,
+        # A request that omits max_tokens gets at most the server limit,
+        # not "the rest of the context window".
+        "override_generation_config": {"max_new_tokens": catalog.limits.max_tokens},
+    }
+    if entry.quantization is not None:
+        kwargs["quantization"] = entry.quantization
+    if entry.weights_kind == "s3":
+        kwargs["load_format"] = S3_LOAD_FORMAT
+    elif entry.weights_kind == "hub":
+        kwargs["download_dir"] = catalog.model_cache_dir
+    kwargs.update(entry.engine_overrides)
+    return kwargs
+
+
+def llm_config_kwargs(entry: ModelEntry, catalog: Catalog) -> dict[str, Any]:
+    """Keyword arguments for ``ray.serve.llm.LLMConfig`` for one catalogue entry."""
+    scaling = entry.autoscaling
+    config: dict[str, Any] = {
+        "model_loading_config": {"model_id": entry.model_id, "model_source": entry.source},
+        "engine_kwargs": engine_kwargs(entry, catalog),
+        "deployment_config": {
+            "autoscaling_config": autoscaling_config(scaling),
+            "max_ongoing_requests": scaling.max_ongoing_requests,
+        },
+        # vLLM's own metrics, exported by Ray's metrics agent as ray_vllm_*.
+        "log_engine_metrics": True,
+    }
+    if entry.accelerator_type is not None:
+        config["accelerator_type"] = entry.accelerator_type
+    else:
+        # Serve LLM assumes a GPU when no accelerator is named; the catalogue's
+        # "no accelerator" means the CPU build of vLLM.
+        config["accelerator_config"] = {"kind": "cpu"}
+    env: dict[str, str] = {}
+    if entry.weights_kind != "hub" or not catalog.allow_hub_download:
+        env.update(OFFLINE_ENV)
+    if entry.weights_kind == "hub":
+        env["HF_HOME"] = catalog.model_cache_dir
+    if env:
+        config["runtime_env"] = {"env_vars": env}
+    return config
