@@ -309,7 +309,14 @@ class Endpoint(_Model):
     scheme: Literal["internal", "internet-facing"] = "internal"
     allowed_cidrs: list[IPv4Network] = Field(default_factory=list)
     certificate_arn: str | None = None
-    hostname: str | None = None
+    # Each RayService answers at <service>.<domain> (a network load balancer
+    # can not route on the request's model); the certificate covers
+    # *.<domain>, and external-dns, where it runs, creates the records.
+    domain: str | None = Field(default=None, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?\.)+[a-z]{2,}$")
+
+    def service_host(self, service: str) -> str | None:
+        """The DNS name of one RayService's endpoint, when a domain is set."""
+        return f"{service}.{self.domain}" if self.domain else None
 
 
 class Image(_Model):

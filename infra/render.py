@@ -17,6 +17,7 @@ import asyncio
 import json
 import sys
 import threading
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,10 +169,16 @@ def _print_config_error(err: Exception) -> None:
     print(str(err), file=sys.stderr)
 
 
-def render(stack: str, config_file: Path | None = None) -> Rendered:
-    """Run the program for `stack` under mocks and return what it declared.
+def run_under_mocks(
+    stack: str,
+    config: dict[str, str],
+    secret_keys: list[str],
+    program: Callable[[], Coroutine[Any, Any, None]],
+) -> list[dict[str, Any]]:
+    """Run `program` under the project's mocks; return every resource it declared, in order.
 
-    Raises infra.config.ConfigError for a bad config.
+    The runtime is reset first, so one process can run several programs
+    (the tests do). `program` may declare resources and await outputs.
     """
     import pulumi
     from pulumi.runtime import mocks as pulumi_mocks
@@ -180,41 +187,17 @@ def render(stack: str, config_file: Path | None = None) -> Rendered:
 
     from infra import mocks as platform_mocks
 
-    path = config_file or ROOT / f"Pulumi.{stack}.yaml"
-    config, secret_keys = read_stack_file(path)
-    api_keys = "llm-platform:api_keys"
-    if api_keys not in config:
-        config[api_keys] = PLACEHOLDER_API_KEYS
-        secret_keys.append(api_keys)
-
     mock = platform_mocks.PlatformMocks(region=config.get("aws:region", "us-east-1"))
     monitor = _make_monitor(mock)
     # Registrations run on the loop's default executor; one worker keeps
-    # them in program order so the render is byte-for-byte repeatable.
+    # the runtime's own bookkeeping in a fixed order.
     loop = asyncio.new_event_loop()
     loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
     asyncio.set_event_loop(loop)
-    settings.set_root_resource(None)  # type: ignore[arg-type]  # a fresh stack for every render
+    settings.set_root_resource(None)  # type: ignore[arg-type]  # a fresh stack for every run
     pulumi_mocks.set_mocks(mock, project="llm-platform", stack=stack, preview=False, monitor=monitor)
     pulumi.runtime.set_all_config(config, secret_keys)
-
-    from infra.config import load
-
-    loaded = load()
-
-    from infra.stack import build_stack
-
-    outputs: dict[str, Any] = {}
     declared = _record_declaration_order()
-
-    async def program() -> None:
-        build_stack(loaded)
-        root = settings.get_root_resource()
-        for name, value in sorted(root.outputs.items()):  # type: ignore[union-attr]
-            out = pulumi.Output.from_input(value)
-            resolved = await out.future()
-            outputs[name] = SECRET if await out.is_secret() else _clean(resolved)
-
     try:
         # run_pulumi_func waits for every outstanding registration.
         loop.run_until_complete(run_pulumi_func(lambda: loop.create_task(program())))
@@ -223,9 +206,8 @@ def render(stack: str, config_file: Path | None = None) -> Rendered:
     # Registrations reach the monitor as their inputs resolve, an order that
     # varies with thread timing; the order the program declared them does not.
     records = sorted(monitor.records, key=lambda r: declared.order.get((r["type"], r["name"]), len(declared.order)))
-
     names = monitor.names
-    resources = [
+    return [
         {
             "type": r["type"],
             "name": r["name"],
@@ -237,6 +219,37 @@ def render(stack: str, config_file: Path | None = None) -> Rendered:
         }
         for r in records
     ]
+
+
+def render(stack: str, config_file: Path | None = None) -> Rendered:
+    """Run the program for `stack` under mocks and return what it declared.
+
+    Raises infra.config.ConfigError for a bad config.
+    """
+    import pulumi
+    from pulumi.runtime import settings
+
+    path = config_file or ROOT / f"Pulumi.{stack}.yaml"
+    config, secret_keys = read_stack_file(path)
+    api_keys = "llm-platform:api_keys"
+    if api_keys not in config:
+        config[api_keys] = PLACEHOLDER_API_KEYS
+        secret_keys.append(api_keys)
+
+    outputs: dict[str, Any] = {}
+
+    async def program() -> None:
+        from infra.config import load
+        from infra.stack import build_stack
+
+        build_stack(load())
+        root = settings.get_root_resource()
+        for name, value in sorted(root.outputs.items()):  # type: ignore[union-attr]
+            out = pulumi.Output.from_input(value)
+            resolved = await out.future()
+            outputs[name] = SECRET if await out.is_secret() else _clean(resolved)
+
+    resources = run_under_mocks(stack, config, secret_keys, program)
     manifests = [
         _manifest(r["inputs"])
         for r in resources

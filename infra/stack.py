@@ -19,6 +19,12 @@ def build_stack(loaded: LoadedConfig) -> None:
 
     pulumi.export("endpoint", serving.endpoint)
     pulumi.export("models", serving.models)
+    # Each model's own base URL: models in different RayServices sit behind
+    # different load balancers.
+    pulumi.export(
+        "endpoints",
+        {model: serving.endpoints[name] for name, models in serving.service_models.items() for model in models},
+    )
     pulumi.export("grafana_url", platform.grafana_url)
     pulumi.export("ray_dashboard", serving.ray_dashboards)
     pulumi.export("image", aws.image)

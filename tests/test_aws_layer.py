@@ -236,6 +236,7 @@ def test_image_is_built_without_preview_and_pinned_by_digest(stack: tuple[StackC
     assert image["buildOnPreview"] is False
     assert image["push"] is True
     assert image["platforms"] == ["linux/amd64"]
+    assert image["buildArgs"] == {"BASE_IMAGE": versions.RAY_LLM_BASE_IMAGE}
     assert image["cacheTo"][0]["registry"]["mode"] == "max"
     assert image["cacheFrom"][0]["registry"]["ref"] == image["cacheTo"][0]["registry"]["ref"]
     url = f"123456789012.dkr.ecr.{cfg.region}.amazonaws.com/{cfg.image.repository_name}"
@@ -263,6 +264,9 @@ def test_cluster_is_pinned_encrypted_and_exposed_as_configured(stack: tuple[Stac
     assert cluster["encryptionConfigKeyArn"].startswith("arn:aws:kms:")
     addons = {a["inputs"]["addonName"]: a["inputs"]["addonVersion"] for a in by_type(r, "aws:eks/addon:Addon")}
     assert addons == versions.EKS_ADDONS
+    # NetworkPolicies are enforced only with the CNI's policy agent on.
+    cni = _one(r, "aws:eks/addon:Addon", "vpc-cni")["inputs"]
+    assert json.loads(cni["configurationValues"]) == {"enableNetworkPolicy": "true"}
     # coredns needs nodes: it waits for every node group.
     coredns = _one(r, "aws:eks/addon:Addon", "coredns")
     groups = {f"nodes-{cfg.node_groups.system.name}", *(f"nodes-{g.name}" for g in cfg.node_groups.gpu)}

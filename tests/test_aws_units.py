@@ -80,3 +80,17 @@ def test_mock_digest_and_password_have_the_real_shapes() -> None:
     assert re.fullmatch(r"sha256:[0-9a-f]{64}", image["digest"])
     password = mocks.TYPE_OUTPUTS["random:index/randomPassword:RandomPassword"]("p", {"length": 64}, "us-east-1")
     assert re.fullmatch(r"[0-9a-f]{64}", password["result"])
+
+
+def test_a_new_base_image_gets_a_new_tag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = _context(tmp_path)
+    tag = registry.image_tag(root)
+    monkeypatch.setattr(registry.versions, "RAY_LLM_BASE_IMAGE", "rayproject/ray-llm:9.9.9-py311-cu128")
+    assert registry.image_tag(root) != tag
+
+
+def test_the_build_uses_the_pinned_base_image_and_the_dockerfile_default_agrees() -> None:
+    dockerfile = (registry.WORKLOADS / "Dockerfile").read_text()
+    defaults = re.findall(r"^ARG BASE_IMAGE=(\S+)$", dockerfile, flags=re.MULTILINE)
+    assert defaults == [registry.versions.RAY_LLM_BASE_IMAGE]
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", dockerfile, flags=re.MULTILINE)

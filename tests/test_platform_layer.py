@@ -7,11 +7,9 @@ the dev and prod stack files and variants of them.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,7 +23,7 @@ from infra import versions
 from infra.aws.layer import AwsLayer, PodIdentity
 from infra.config import StackConfig, parse
 from infra.platform import monitoring
-from infra.render import ROOT, SECRET, _clean, _make_monitor, read_stack_file
+from infra.render import ROOT, SECRET, read_stack_file, run_under_mocks
 from infra.scheduling import GPU_OPERATOR_DEVICE_PLUGIN_LABEL, GPU_TAINT, gpu_placements, system_placement
 
 CLUSTER_READY = "cluster-ready"
@@ -109,50 +107,29 @@ def fake_aws(cfg: StackConfig, **changes: Any) -> AwsLayer:
     return replace(aws, **changes)
 
 
+def _name(urn: str) -> str:
+    return urn.split("::")[-1]
+
+
 def render_platform(cfg: StackConfig, **aws_changes: Any) -> PlatformRender:
     """Run build_platform under the project's mocks and record what it declared."""
-    from pulumi.runtime import mocks as pulumi_mocks
-    from pulumi.runtime import settings
-
-    from infra.mocks import PlatformMocks
     from infra.platform.build import build_platform
 
-    mock = PlatformMocks(region=cfg.region)
-    monitor = _make_monitor(mock)
-    loop = asyncio.new_event_loop()
-    loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
-    asyncio.set_event_loop(loop)
-    settings.set_root_resource(None)  # type: ignore[arg-type]
-    pulumi_mocks.set_mocks(mock, project="llm-platform", stack="test", preview=False, monitor=monitor)
     layer: dict[str, Any] = {}
 
     async def program() -> None:
         result = build_platform(cfg, fake_aws(cfg, **aws_changes))
         for name, value in vars(result).items():
             if isinstance(value, pulumi.Resource):
-                layer[name] = await value.urn.future()
+                layer[name] = _name(await value.urn.future())
             elif isinstance(value, pulumi.Output):
                 layer[name] = SECRET if await value.is_secret() else await value.future()
             elif name == "releases":
-                layer[name] = {k: await v.urn.future() for k, v in value.items()}
+                layer[name] = {k: _name(await v.urn.future()) for k, v in value.items()}
             else:
                 layer[name] = value
 
-    loop.run_until_complete(pulumi_mocks.run_pulumi_func(lambda: loop.create_task(program())))
-    names = monitor.names
-    resources = [
-        {
-            "type": r["type"],
-            "name": r["name"],
-            "parent": names.get(r["parent"]),
-            "inputs": _clean(r["inputs"]),
-            "depends_on": sorted({names[u] for u in r["depends_on"] if u in names}),
-        }
-        for r in monitor.records
-    ]
-    layer = {k: names.get(v, v) if isinstance(v, str) else v for k, v in layer.items()}
-    if "releases" in layer:
-        layer["releases"] = {k: names[v] for k, v in layer["releases"].items()}
+    resources = run_under_mocks("test", {"aws:region": cfg.region}, [], program)
     return PlatformRender(resources=resources, layer=layer)
 
 

@@ -15,6 +15,7 @@ from tests.harness import STACKS, render_stack
 
 EXPECTED_OUTPUTS = {
     "endpoint",
+    "endpoints",
     "models",
     "grafana_url",
     "ray_dashboard",

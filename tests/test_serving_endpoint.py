@@ -10,7 +10,7 @@ import pytest
 from infra import versions
 from infra.serving import kuberay
 from infra.serving.dashboards import dashboards
-from infra.serving.endpoint import LB_ANNOTATION, base_url, serve_service
+from infra.serving.endpoint import EXTERNAL_DNS_ANNOTATION, LB_ANNOTATION, base_url, serve_service
 from infra.serving.ports import HTTPS_PORT, RAY_PORTS
 from tests.harness import manifests_of, render_stack
 from tests.test_serving_support import config, ray_services
@@ -62,6 +62,16 @@ def test_dev_endpoint_is_internal_plain_http_on_the_serve_port() -> None:
         assert (port["port"], port["targetPort"]) == (RAY_PORTS.serve.number, RAY_PORTS.serve.name)
 
 
+def test_each_service_gets_its_own_name_under_the_domain() -> None:
+    cfg = config("prod")
+    for rs in ray_services("prod"):
+        name = rs["metadata"]["name"]
+        annotations = _serve_service(rs)["metadata"]["annotations"]
+        assert annotations[EXTERNAL_DNS_ANNOTATION] == f"{name}.{cfg.endpoint.domain}"
+    for rs in ray_services("dev"):
+        assert EXTERNAL_DNS_ANNOTATION not in _serve_service(rs)["metadata"]["annotations"]
+
+
 def test_base_url_scheme_follows_the_certificate() -> None:
     assert base_url("lb.example", config("prod").endpoint) == "https://lb.example/v1"
     assert base_url("lb.example", config("dev").endpoint) == "http://lb.example:8000/v1"
@@ -106,8 +116,14 @@ def test_outputs_name_the_endpoint_models_and_dashboards(stack: str) -> None:
     outputs = render_stack(stack).outputs
     assert outputs["models"] == [m.model_id for m in cfg.models]
     assert outputs["endpoint"].endswith("/v1")
-    if cfg.endpoint.hostname:
-        assert outputs["endpoint"] == f"https://{cfg.endpoint.hostname}/v1"
+    first = next(iter(cfg.services()))
+    if cfg.endpoint.domain:
+        assert outputs["endpoint"] == f"https://{first}.{cfg.endpoint.domain}/v1"
+        for name, models in cfg.services().items():
+            for model in models:
+                assert outputs["endpoints"][model.model_id] == f"https://{name}.{cfg.endpoint.domain}/v1"
+    assert set(outputs["endpoints"]) == {m.model_id for m in cfg.models}
+    assert outputs["endpoint"] == outputs["endpoints"][cfg.models[0].model_id]
     for name in cfg.services():
         assert outputs["ray_dashboard"][name] == (
             f"kubectl -n {cfg.serving.namespace} port-forward svc/{name}-head-svc {RAY_PORTS.dashboard.number}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -9,6 +10,10 @@ import pulumi
 import pulumi_aws as aws
 
 from infra import versions
+
+# The serving layer's NetworkPolicies are enforced only when the VPC CNI's
+# network policy agent is on.
+ADDON_CONFIGURATION: dict[str, dict[str, str]] = {"vpc-cni": {"enableNetworkPolicy": "true"}}
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class EksAddons(pulumi.ComponentResource):
                 cluster_name=args.cluster_name,
                 addon_name=addon,
                 addon_version=versions.EKS_ADDONS[addon],
+                configuration_values=json.dumps(ADDON_CONFIGURATION[addon]) if addon in ADDON_CONFIGURATION else None,
                 # The program owns these add-ons' settings: a manual edit in
                 # the cluster is put back on the next update.
                 resolve_conflicts_on_create="OVERWRITE",

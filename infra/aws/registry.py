@@ -52,7 +52,9 @@ def content_hash(root: Path = WORKLOADS) -> str:
     The same sources give the same tag; a file the build never sees does not
     move it.
     """
-    digest = hashlib.sha256()
+    # The base image is part of what is inside: a new base must get a new
+    # tag, or the immutable repository refuses the push.
+    digest = hashlib.sha256(versions.RAY_LLM_BASE_IMAGE.encode() + b"\0")
     if root.is_dir():
         rules = _dockerignore(root)
         for path in sorted(p for p in root.rglob("*") if p.is_file()):
@@ -190,6 +192,7 @@ class ServingImage(pulumi.ComponentResource):
             name,
             context=docker_build.BuildContextArgs(location=str(args.context)),
             dockerfile=docker_build.DockerfileArgs(location=str(args.context / "Dockerfile")),
+            build_args={"BASE_IMAGE": versions.RAY_LLM_BASE_IMAGE},
             platforms=[docker_build.Platform.LINUX_AMD64],
             tags=[self.repository_url.apply(lambda url: f"{url}:{tag}")],
             push=True,

@@ -11,7 +11,7 @@ from infra.serving import kuberay
 from infra.serving.alerts import ServingAlerts, ServingAlertsArgs
 from infra.serving.autoscaling import ServingAutoscaling, ServingAutoscalingArgs
 from infra.serving.dashboards import ServingDashboards, ServingDashboardsArgs
-from infra.serving.endpoint import ServingEndpoint, ServingEndpointArgs, base_url, serve_service
+from infra.serving.endpoint import ServingEndpoint, ServingEndpointArgs, serve_service
 from infra.serving.layer import ServingLayer
 from infra.serving.namespace import ServingNamespace, ServingNamespaceArgs
 from infra.serving.ports import RAY_PORTS
@@ -114,15 +114,10 @@ def build_serving(
             depends_on=list(ns.ready),
         ),
     )
-    # The first RayService in config order is the stack's `endpoint`; with
-    # `endpoint.hostname` set, clients use that name (a DNS record for it
-    # points at that RayService's load balancer).
+    # The first RayService in config order is the stack's `endpoint`; every
+    # model's own URL is in `endpoints`.
     first = next(iter(services))
-    main_url = (
-        pulumi.Output.from_input(base_url(cfg.endpoint.hostname, cfg.endpoint))
-        if cfg.endpoint.hostname
-        else endpoint.urls[first]
-    )
+    main_url = endpoint.urls[first]
     return ServingLayer(
         endpoint=main_url,
         models=[m.model_id for m in cfg.models],

@@ -27,6 +27,7 @@ from infra.serving.namespace import PART_OF
 from infra.serving.ports import HTTPS_PORT, RAY_PORTS
 
 LB_ANNOTATION = "service.beta.kubernetes.io/aws-load-balancer"
+EXTERNAL_DNS_ANNOTATION = "external-dns.alpha.kubernetes.io/hostname"
 # Shown until the load balancer controller has written the Service's status.
 PENDING_HOSTNAME = "pending-load-balancer"
 
@@ -46,6 +47,9 @@ def serve_service(name: str, namespace: str, endpoint: Endpoint) -> dict[str, An
         annotations[f"{LB_ANNOTATION}-ssl-ports"] = port["name"]
     else:
         port = {"name": RAY_PORTS.serve.name, "port": RAY_PORTS.serve.number, "targetPort": RAY_PORTS.serve.name}
+    host = endpoint.service_host(name)
+    if host:
+        annotations[EXTERNAL_DNS_ANNOTATION] = host
     spec: dict[str, Any] = {"type": "LoadBalancer", "ports": [{**port, "protocol": "TCP"}]}
     if endpoint.allowed_cidrs:
         spec["loadBalancerSourceRanges"] = [str(c) for c in endpoint.allowed_cidrs]
@@ -145,6 +149,11 @@ class ServingEndpoint(pulumi.ComponentResource):
                 svc_id,
                 opts=pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[resource]),
             )
+            host = args.endpoint.service_host(service)
+            if host:
+                # Clients use the name the certificate covers, not the LB's.
+                self.urls[service] = pulumi.Output.from_input(base_url(host, args.endpoint))
+                continue
             hostname = svc.status.apply(lambda s: _ingress_hostname(s))
             self.urls[service] = hostname.apply(lambda h: base_url(h or PENDING_HOSTNAME, args.endpoint))
         self.register_outputs({"urls": self.urls})
