@@ -152,7 +152,6 @@ class Versions(_Model):
     keda: str = versions.KEDA.version
     cluster_autoscaler: str = versions.CLUSTER_AUTOSCALER.version
     aws_load_balancer_controller: str = versions.AWS_LOAD_BALANCER_CONTROLLER.version
-    ray: str = versions.RAY_VERSION
 
     @field_validator("*")
     @classmethod
@@ -319,6 +318,24 @@ class Endpoint(_Model):
         return f"{service}.{self.domain}" if self.domain else None
 
 
+class Batch(_Model):
+    """Queue-fed batch inference: SQS requests, KEDA-scaled workers, results in S3."""
+
+    enabled: bool = False
+    # The served model's model_id the workers send every request to.
+    model: str | None = None
+    min_workers: int = Field(default=0, ge=0)
+    max_workers: int = Field(default=4, ge=1)
+    # KEDA's target backlog (visible plus in-flight messages) per worker; each
+    # worker also keeps this many requests in flight at once.
+    messages_per_worker: int = Field(default=8, ge=1)
+    # A received message stays hidden this long; a worker's request must end
+    # well inside it (SQS allows at most 12 hours).
+    visibility_timeout_seconds: int = Field(default=900, ge=60, le=43200)
+    # Receives before a message moves to the dead-letter queue.
+    max_receive_count: int = Field(default=5, ge=1, le=1000)
+
+
 class Image(_Model):
     """The serving image: built from workloads/ or given by digest."""
 
@@ -344,6 +361,7 @@ class StackConfig(_Model):
     observability: Observability = Observability()
     endpoint: Endpoint = Endpoint()
     image: Image = Image()
+    batch: Batch = Batch()
 
     @property
     def is_prod(self) -> bool:
@@ -606,6 +624,19 @@ def _check_prescale(cfg: StackConfig, groups: dict[str, GpuNodeGroup]) -> Iterab
                 yield Problem(f"autoscaling.prescale[{i}].{key}", "must be a 5-field cron expression")
 
 
+def _check_batch(cfg: StackConfig) -> Iterable[Problem]:
+    batch = cfg.batch
+    if not batch.enabled:
+        return
+    model_ids = [m.model_id for m in cfg.models]
+    if batch.model is None:
+        yield Problem("batch.model", "required when batch.enabled is true")
+    elif batch.model not in model_ids:
+        yield Problem("batch.model", f"'{batch.model}' is not a configured model_id (have: {', '.join(model_ids)})")
+    if batch.min_workers > batch.max_workers:
+        yield Problem("batch.min_workers", f"{batch.min_workers} exceeds max_workers {batch.max_workers}")
+
+
 def check_rules(cfg: StackConfig) -> list[Problem]:
     """Every cross-field rule; an empty list means the config is usable."""
     problems: list[Problem] = []
@@ -621,6 +652,7 @@ def check_rules(cfg: StackConfig) -> list[Problem]:
     problems += _check_cluster_mode(cfg)
     problems += _check_network(cfg)
     problems += _check_prescale(cfg, gpu_groups)
+    problems += _check_batch(cfg)
     return problems
 
 

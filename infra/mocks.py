@@ -146,7 +146,22 @@ def _launch_template(name: str, inputs: dict[str, Any], region: str) -> dict[str
 
 
 # Outputs per type token; each returns the extra outputs for (name, inputs, region).
+def _queue_url(name: str, inputs: dict[str, Any], region: str) -> str:
+    return f"https://sqs.{region}.amazonaws.com/{ACCOUNT_ID}/{inputs.get('name') or name}"
+
+
+def _queue(name: str, inputs: dict[str, Any], region: str) -> dict[str, Any]:
+    queue = str(inputs.get("name") or name)
+    return {"url": _queue_url(name, inputs, region), "arn": _arn("sqs", region, queue)}
+
+
+# Resources whose provider id is not an opaque name (an SQS queue's id is its URL).
+TYPE_IDS: dict[str, Callable[[str, dict[str, Any], str], str]] = {
+    "aws:sqs/queue:Queue": _queue_url,
+}
+
 TYPE_OUTPUTS: dict[str, OutputFn] = {
+    "aws:sqs/queue:Queue": _queue,
     "eks:index:Cluster": _eks_cluster,
     "awsx:ec2:Vpc": _vpc,
     "aws:eks/nodeGroup:NodeGroup": _node_group,
@@ -174,7 +189,8 @@ class PlatformMocks(pulumi.runtime.Mocks):
         extra = TYPE_OUTPUTS.get(args.typ)
         if extra is not None:
             state.update(extra(args.name, dict(args.inputs), self.region))
-        return f"{args.name}-id", state
+        make_id = TYPE_IDS.get(args.typ)
+        return (make_id(args.name, dict(args.inputs), self.region) if make_id else f"{args.name}-id"), state
 
     def call(self, args: pulumi.runtime.MockCallArgs) -> tuple[dict[str, Any], list[tuple[str, str]] | None]:
         if args.token == "aws:index/getCallerIdentity:getCallerIdentity":

@@ -33,3 +33,10 @@ def build_stack(loaded: LoadedConfig) -> None:
         pulumi.export("kubeconfig", pulumi.Output.secret(aws.kubeconfig))
     pulumi.export("model_bucket", aws.model_bucket)
     pulumi.export("node_groups", aws.node_group_names)
+    if aws.batch_queue is not None:
+        pulumi.export("batch_queue_url", aws.batch_queue.url)
+        pulumi.export("batch_dead_letter_queue_url", aws.batch_queue.dead_letter_url)
+        pulumi.export(
+            "batch_results",
+            pulumi.Output.concat("s3://", aws.batch_queue.results_bucket, "/", aws.batch_queue.results_prefix),
+        )

@@ -138,6 +138,7 @@ def test_bottlerocket_sizes_the_data_volume() -> None:
 def test_every_iam_policy_names_only_the_arns_it_needs(stack: tuple[StackConfig, Rendered]) -> None:
     cfg, r = stack
     bucket_arn = f"arn:aws:s3:::{cfg.storage.model_bucket}"
+    results_arn = "arn:aws:s3:::batch-queue-results"  # the mocks' ARN of the results bucket
     docs = _policy_docs(r)
     assert set(docs) >= {
         "pod-identities-model-reader",
@@ -150,7 +151,9 @@ def test_every_iam_policy_names_only_the_arns_it_needs(stack: tuple[StackConfig,
             resources = _list(stmt["Resource"])
             if any(a.startswith("s3:") for a in actions):
                 assert "*" not in resources, (name, stmt)
-                assert all(res == bucket_arn or res.startswith(f"{bucket_arn}/") for res in resources), name
+                # The batch workers write to the results bucket; every other role reads the model bucket.
+                allowed = results_arn if name == "pod-identities-batch-worker" else bucket_arn
+                assert all(res == allowed or res.startswith(f"{allowed}/") for res in resources), name
     reader = docs["pod-identities-model-reader"]["Statement"]
     get = next(s for s in reader if "s3:GetObject" in s["Action"])
     prefixes = sorted({m.source.removeprefix(f"s3://{cfg.storage.model_bucket}/") for m in cfg.models})
@@ -173,11 +176,14 @@ def test_each_role_is_bound_to_the_service_account_its_trust_policy_names(
 ) -> None:
     cfg, r = stack
     associations = {a["name"]: a["inputs"] for a in by_type(r, "aws:eks/podIdentityAssociation:PodIdentityAssociation")}
+    # With batch on, the workers and KEDA's operator (which reads the queue length) get roles too.
+    batch = {(cfg.serving.namespace, "batch-worker"), ("keda", "keda-operator")} if cfg.batch.enabled else set()
     assert {(a["namespace"], a["serviceAccount"]) for a in associations.values()} == {
         (cfg.serving.namespace, "model-reader"),
         ("kube-system", "cluster-autoscaler"),
         ("kube-system", "aws-load-balancer-controller"),
         ("kube-system", "ebs-csi-controller-sa"),
+        *batch,
     }
     roles = {x["name"]: x for x in by_type(r, "aws:iam/role:Role")}
     for name, assoc in associations.items():

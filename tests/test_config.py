@@ -237,6 +237,43 @@ CASES: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
         _set("autoscaling.prescale.0.gpu_group", "h100"),
         "config error: autoscaling.prescale[0].gpu_group: 'h100' is not a GPU node group",
     ),
+    (
+        "batch without a model",
+        "dev",
+        _set("batch", {"enabled": True}),
+        "config error: batch.model: required when batch.enabled is true",
+    ),
+    (
+        "batch model not served",
+        "prod",
+        _set("batch.model", "llama-3.1-70b-instruct"),
+        "config error: batch.model: 'llama-3.1-70b-instruct' is not a configured model_id "
+        "(have: llama-3.1-8b-instruct, llama-3.3-70b-instruct)",
+    ),
+    (
+        "batch min workers above max",
+        "prod",
+        lambda raw: raw["batch"].update(min_workers=9, max_workers=8),
+        "config error: batch.min_workers: 9 exceeds max_workers 8",
+    ),
+    (
+        "batch without workers",
+        "prod",
+        _set("batch.max_workers", 0),
+        "config error: batch.max_workers: Input should be greater than or equal to 1 (got 0)",
+    ),
+    (
+        "batch visibility timeout beyond the SQS limit",
+        "prod",
+        _set("batch.visibility_timeout_seconds", 50000),
+        "config error: batch.visibility_timeout_seconds: Input should be less than or equal to 43200 (got 50000)",
+    ),
+    (
+        "batch target backlog of zero",
+        "prod",
+        _set("batch.messages_per_worker", 0),
+        "config error: batch.messages_per_worker: Input should be greater than or equal to 1 (got 0)",
+    ),
 ]
 
 

@@ -29,6 +29,7 @@ from infra.scheduling import GPU_OPERATOR_DEVICE_PLUGIN_LABEL, GPU_TAINT, gpu_pl
 CLUSTER_READY = "cluster-ready"
 CA_IDENTITY = PodIdentity("kube-system", "cluster-autoscaler", None)
 LBC_IDENTITY = PodIdentity("kube-system", "aws-load-balancer-controller", None)
+KEDA_IDENTITY = PodIdentity("keda", "keda-operator", None)
 CRD_GROUPS = {
     "ray.io": "kuberay-operator",
     "monitoring.coreos.com": "kube-prometheus-stack",
@@ -102,6 +103,7 @@ def fake_aws(cfg: StackConfig, **changes: Any) -> AwsLayer:
         load_balancer_controller=LBC_IDENTITY,
         redis=None,
         vpc_id=pulumi.Output.from_input("vpc-0123456789abcdef0"),
+        keda_operator=KEDA_IDENTITY,
         cluster_ready=[ready],
     )
     return replace(aws, **changes)

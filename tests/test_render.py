@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -117,3 +118,21 @@ print(sorted(settings.get_root_resource().outputs))
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "'endpoint'" in result.stdout
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_ray_services_run_the_workloads_builder_from_the_built_image(stack: str) -> None:
+    rendered = render_stack(stack)
+    services = [m for m in rendered.manifests if m["kind"] == "RayService"]
+    assert services
+    for rs in services:
+        for app in yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]:
+            module, _, attr = app["import_path"].partition(":")
+            source = ROOT / "workloads" / (module.replace(".", "/") + ".py")
+            tree = ast.parse(source.read_text())
+            builders = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+            assert attr in builders, f"{app['import_path']} is not a function of {source}"
+        cluster = rs["spec"]["rayClusterConfig"]
+        groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+        images = {c["image"] for g in groups for c in g["template"]["spec"]["containers"]}
+        assert images == {rendered.outputs["image"]}

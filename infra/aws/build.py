@@ -9,7 +9,9 @@ from infra.aws.cluster import WORKLOAD_ADDONS, ClusterArgs, EksCluster
 from infra.aws.identities import (
     IdentitiesArgs,
     PodIdentities,
+    batch_worker_identity,
     cluster_autoscaler_identity,
+    keda_operator_identity,
     load_balancer_controller_identity,
     model_reader_identity,
 )
@@ -17,6 +19,7 @@ from infra.aws.kubernetes import KubernetesAccess, KubernetesAccessArgs
 from infra.aws.layer import AwsLayer
 from infra.aws.network import ClusterNetwork, NetworkArgs
 from infra.aws.node_groups import NodeGroup, NodeGroupArgs
+from infra.aws.queue import BatchQueueArgs, BatchQueues
 from infra.aws.redis import GcsRedis, RedisArgs
 from infra.aws.registry import RegistryArgs, ServingImage
 from infra.aws.storage import ModelBucket, ModelBucketArgs
@@ -57,6 +60,14 @@ def build_aws(cfg: StackConfig) -> AwsLayer:
         "serving-image",
         RegistryArgs(repository_name=cfg.image.repository_name, reference=cfg.image.reference, tags=tags),
     )
+    batch = (
+        BatchQueues(
+            "batch-queue",
+            BatchQueueArgs(settings=cfg.batch, cluster_name=cfg.cluster.name, region=cfg.region, tags=tags),
+        ).queue
+        if cfg.batch.enabled
+        else None
+    )
 
     if cfg.cluster.mode == "existing":
         provider = KubernetesAccess("k8s", KubernetesAccessArgs(context=cfg.cluster.kubeconfig_context)).provider
@@ -74,6 +85,9 @@ def build_aws(cfg: StackConfig) -> AwsLayer:
             load_balancer_controller=load_balancer_controller_identity(),
             redis=None,
             vpc_id=None,
+            keda_operator=keda_operator_identity(),
+            batch_queue=batch,
+            batch_worker=batch_worker_identity(cfg.serving.namespace) if batch else None,
         )
 
     network = ClusterNetwork("network", NetworkArgs(network=cfg.network, cluster_name=cfg.cluster.name))
@@ -120,6 +134,7 @@ def build_aws(cfg: StackConfig) -> AwsLayer:
             model_prefixes=model_prefixes(cfg),
             node_security_group_id=cluster.node_security_group_id,
             ebs_kms_key_arn=cfg.storage.storage_class.kms_key_arn,
+            batch=batch,
         ),
     )
     workload_addons = EksAddons(
@@ -163,5 +178,8 @@ def build_aws(cfg: StackConfig) -> AwsLayer:
         load_balancer_controller=identities.load_balancer_controller,
         redis=redis,
         vpc_id=network.vpc_id,
+        keda_operator=identities.keda_operator,
+        batch_queue=batch,
+        batch_worker=identities.batch_worker,
         cluster_ready=[*groups.values(), workload_addons],
     )

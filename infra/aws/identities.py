@@ -9,7 +9,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.aws import policies
-from infra.aws.layer import PodIdentity
+from infra.aws.layer import BatchQueue, PodIdentity
 
 KUBE_SYSTEM = "kube-system"
 # The service accounts the roles are bound to. The layers that create the
@@ -20,6 +20,9 @@ CLUSTER_AUTOSCALER_SA = "cluster-autoscaler"
 LOAD_BALANCER_CONTROLLER_SA = "aws-load-balancer-controller"
 # Fixed by the aws-ebs-csi-driver add-on, which creates the account itself.
 EBS_CSI_SA = "ebs-csi-controller-sa"
+KEDA_NAMESPACE = "keda"
+KEDA_OPERATOR_SA = "keda-operator"
+BATCH_WORKER_SA = "batch-worker"
 
 
 def model_reader_identity(namespace: str, role_arn: pulumi.Output[str] | None = None) -> PodIdentity:
@@ -37,6 +40,16 @@ def load_balancer_controller_identity(role_arn: pulumi.Output[str] | None = None
     return PodIdentity(namespace=KUBE_SYSTEM, service_account=LOAD_BALANCER_CONTROLLER_SA, role_arn=role_arn)
 
 
+def keda_operator_identity(role_arn: pulumi.Output[str] | None = None) -> PodIdentity:
+    """KEDA's operator: it reads the batch queue's length for the batch workers' ScaledObject."""
+    return PodIdentity(namespace=KEDA_NAMESPACE, service_account=KEDA_OPERATOR_SA, role_arn=role_arn)
+
+
+def batch_worker_identity(namespace: str, role_arn: pulumi.Output[str] | None = None) -> PodIdentity:
+    """The batch workers' identity: consume the batch queue, write results."""
+    return PodIdentity(namespace=namespace, service_account=BATCH_WORKER_SA, role_arn=role_arn)
+
+
 @dataclass(frozen=True)
 class IdentitiesArgs:
     """What the policies name: the cluster, the bucket and its key, the models' prefixes."""
@@ -52,6 +65,9 @@ class IdentitiesArgs:
     # The gp3 StorageClass' customer key, if any: the EBS CSI driver then
     # needs grants on it.
     ebs_kms_key_arn: str | None = None
+    # The batch queue, when batch is on: the workers and KEDA's operator then
+    # get roles scoped to it.
+    batch: BatchQueue | None = None
 
 
 # (partition, region, account, cluster) -> policy document
@@ -70,6 +86,8 @@ class PodIdentities(pulumi.ComponentResource):
     cluster_autoscaler: PodIdentity
     load_balancer_controller: PodIdentity
     ebs_csi: PodIdentity
+    keda_operator: PodIdentity
+    batch_worker: PodIdentity | None
     associations: list[aws.eks.PodIdentityAssociation]
 
     def __init__(self, name: str, args: IdentitiesArgs, opts: pulumi.ResourceOptions | None = None) -> None:
@@ -123,13 +141,44 @@ class PodIdentities(pulumi.ComponentResource):
                 inline=(pulumi.Output.from_input(policies.kms_grants_for_ebs(ebs_key, region)) if ebs_key else None),
             ),
         )
+        self.keda_operator = keda_operator_identity()
+        self.batch_worker = None
+        if args.batch is not None:
+            self._batch(name, args.batch)
         self.register_outputs(
             {
+                "keda_operator_role_arn": self.keda_operator.role_arn,
+                "batch_worker_role_arn": self.batch_worker.role_arn if self.batch_worker else None,
                 "model_reader_role_arn": self.model_reader.role_arn,
                 "cluster_autoscaler_role_arn": self.cluster_autoscaler.role_arn,
                 "load_balancer_controller_role_arn": self.load_balancer_controller.role_arn,
                 "ebs_csi_role_arn": self.ebs_csi.role_arn,
             }
+        )
+
+    def _batch(self, name: str, batch: BatchQueue) -> None:
+        # KEDA's operator needs a role only to read this queue: without batch
+        # it calls no AWS API, so it gets none.
+        self.keda_operator = keda_operator_identity(
+            self._role(
+                f"{name}-keda-operator",
+                keda_operator_identity(),
+                "Reads the batch queue's length for KEDA",
+                inline=batch.arn.apply(policies.queue_length_reader),
+            )
+        )
+        namespace = self._args.serving_namespace
+        prefix = batch.results_prefix
+        self.batch_worker = batch_worker_identity(
+            namespace,
+            self._role(
+                f"{name}-batch-worker",
+                batch_worker_identity(namespace),
+                "Consumes the batch queue and writes batch results",
+                inline=pulumi.Output.all(batch.arn, batch.results_bucket_arn).apply(
+                    lambda a: policies.batch_worker(a[0], a[1], prefix)
+                ),
+            ),
         )
 
     def _scoped(self, fn: PolicyFn) -> pulumi.Output[policies.Policy]:

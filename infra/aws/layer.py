@@ -35,6 +35,26 @@ class RedisEndpoint:
 
 
 @dataclass(frozen=True)
+class BatchQueue:
+    """The batch request queue, its dead-letter queue and where results go.
+
+    Clients send OpenAI chat requests to `url`; the workers write each answer
+    to `s3://<results_bucket>/<results_prefix><id>.json`. Messages received
+    `max_receive_count` times without success move to the dead-letter queue.
+    """
+
+    url: pulumi.Output[str]
+    arn: pulumi.Output[str]
+    dead_letter_url: pulumi.Output[str]
+    dead_letter_arn: pulumi.Output[str]
+    results_bucket: pulumi.Output[str]
+    results_bucket_arn: pulumi.Output[str]
+    results_prefix: str
+    region: str
+    visibility_timeout_seconds: int
+
+
+@dataclass(frozen=True)
 class AwsLayer:
     """Everything the platform and serving layers need from AWS."""
 
@@ -51,5 +71,11 @@ class AwsLayer:
     load_balancer_controller: PodIdentity
     redis: RedisEndpoint | None
     vpc_id: pulumi.Output[str] | None
+    # KEDA's operator: the platform's release runs under this account; it
+    # reads the batch queue's length with this identity's role.
+    keda_operator: PodIdentity
+    # The batch queue and the workers' identity; None when batch is off.
+    batch_queue: BatchQueue | None = None
+    batch_worker: PodIdentity | None = None
     # What in-cluster resources wait for: node groups and core add-ons.
     cluster_ready: list[pulumi.Resource] = field(default_factory=list)

@@ -399,3 +399,57 @@ def bucket_tls_only(bucket_arn: str) -> Policy:
             "Condition": {"Bool": {"aws:SecureTransport": "false"}},
         }
     )
+
+
+def batch_worker(queue_arn: str, results_bucket_arn: str, results_prefix: str) -> Policy:
+    """What a batch worker does: take requests from its queue and write answers under the results prefix.
+
+    No SendMessage (workers never enqueue) and no read of results (clients
+    read them with their own credentials). The queues use SQS-managed
+    encryption, so no KMS permission is needed.
+    """
+    return _doc(
+        {
+            "Sid": "ConsumeBatchRequests",
+            "Effect": "Allow",
+            "Action": [
+                "sqs:ReceiveMessage",
+                "sqs:DeleteMessage",
+                "sqs:ChangeMessageVisibility",
+                "sqs:GetQueueAttributes",
+            ],
+            "Resource": [queue_arn],
+        },
+        {
+            "Sid": "WriteBatchResults",
+            "Effect": "Allow",
+            "Action": ["s3:PutObject"],
+            "Resource": [f"{results_bucket_arn}/{results_prefix}*"],
+        },
+    )
+
+
+def queue_length_reader(queue_arn: str) -> Policy:
+    """KEDA's operator: read the queue's message counts, nothing else."""
+    return _doc(
+        {
+            "Sid": "ReadBatchQueueLength",
+            "Effect": "Allow",
+            "Action": ["sqs:GetQueueAttributes"],
+            "Resource": [queue_arn],
+        }
+    )
+
+
+def queue_tls_only(queue_arn: str) -> Policy:
+    """Denies every request to the queue that does not come over TLS."""
+    return _doc(
+        {
+            "Sid": "DenyInsecureTransport",
+            "Effect": "Deny",
+            "Principal": "*",
+            "Action": "sqs:*",
+            "Resource": queue_arn,
+            "Condition": {"Bool": {"aws:SecureTransport": "false"}},
+        }
+    )

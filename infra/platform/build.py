@@ -117,6 +117,7 @@ def build_platform(cfg: StackConfig, aws: AwsLayer) -> PlatformLayer:
                 version=cfg.versions.keda,
                 system=aws.system,
                 service_monitor=monitors,
+                operator=aws.keda_operator,
                 provider=provider,
                 depends_on=after_webhooks,
             ),

@@ -10,6 +10,7 @@ from infra.platform.layer import PlatformLayer
 from infra.serving import kuberay
 from infra.serving.alerts import ServingAlerts, ServingAlertsArgs
 from infra.serving.autoscaling import ServingAutoscaling, ServingAutoscalingArgs
+from infra.serving.batch import BatchWorkers, BatchWorkersArgs
 from infra.serving.dashboards import ServingDashboards, ServingDashboardsArgs
 from infra.serving.endpoint import ServingEndpoint, ServingEndpointArgs, serve_service
 from infra.serving.layer import ServingLayer
@@ -82,6 +83,27 @@ def build_serving(
             provider=aws.provider,
         )
         ray_services[name] = rs.ray_service
+
+    if cfg.batch.enabled:
+        if aws.batch_queue is None or aws.batch_worker is None:
+            raise ValueError("batch is enabled but the AWS layer made no batch queue or worker identity")
+        batch_service = next(m.service_name for m in cfg.models if m.model_id == cfg.batch.model)
+        BatchWorkers(
+            "batch-workers",
+            BatchWorkersArgs(
+                settings=cfg.batch,
+                queue=aws.batch_queue,
+                identity=aws.batch_worker,
+                namespace=namespace,
+                image=aws.image,
+                system=aws.system,
+                api_keys_secret=ns.api_keys_secret,
+                serve_service=serve_service(batch_service, namespace, cfg.endpoint),
+                provider=aws.provider,
+                depends_on=list(ns.ready),
+                keda_crds=platform.keda_crds,
+            ),
+        )
 
     ServingAlerts(
         "serving-alerts",

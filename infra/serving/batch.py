@@ -1,0 +1,308 @@
+"""Queue-fed batch work (DESIGN.md, "Autoscaling", layer 5).
+
+A Deployment of batch workers on the system nodes (they wait on HTTP, not on
+a GPU) takes OpenAI chat requests from the AWS layer's SQS queue, sends them
+to the batch model's serve Service and writes each answer to the results
+bucket. KEDA sizes the Deployment to the queue's backlog: its `aws-sqs-queue`
+scaler feeds an HPA (which KEDA creates) with visible plus in-flight
+messages, aiming at `messages_per_worker` per worker. The ScaledObject
+targets the Deployment, never a Ray object: the Ray autoscaler then adds GPU
+workers for the load the batch workers send, like for any other client.
+
+KEDA reads the queue with its operator's own credentials (the `aws` pod
+identity provider, identity owner `keda`): the AWS layer binds a role that
+may only call GetQueueAttributes on this queue to the operator's account.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from infra.aws.layer import BatchQueue, PodIdentity
+from infra.config import Batch
+from infra.scheduling import Placement
+from infra.serving.namespace import PART_OF
+from infra.serving.serve_config import MOUNTS
+from workloads.inference_server.batch_settings import env_names
+
+WORKER_NAME = "batch-worker"
+WORKER_CONTAINER = "worker"
+TRIGGER_AUTH_NAME = "batch-queue-reader"
+KEDA_API_VERSION = "keda.sh/v1alpha1"
+# The worker's image user (the Ray image's `ray` user and `users` group).
+RUN_AS_USER = 1000
+RUN_AS_GROUP = 100
+# A request must end this long before its message's visibility timeout, so
+# the answer is stored and the message deleted while this worker still holds it.
+VISIBILITY_MARGIN_SECONDS = 30
+# After SIGTERM: the last long poll returns, then results are written and
+# messages deleted; on top of the longest request in flight.
+DRAIN_MARGIN_SECONDS = 30
+# How often KEDA reads the queue, and how long the backlog must stay low
+# before the HPA removes workers (a queue drains in bursts; without the
+# window workers flap between polls).
+POLLING_INTERVAL_SECONDS = 15
+SCALE_DOWN_STABILIZATION_SECONDS = 300
+# Only used for the last worker (to zero, when min_workers is 0).
+COOLDOWN_SECONDS = 300
+# Readings that may fail (KEDA can not reach SQS) before the fallback holds workers.
+FALLBACK_FAILURES = 3
+
+
+def worker_labels() -> dict[str, str]:
+    """The worker pods' labels (and the Deployment's selector)."""
+    return {**PART_OF, "app.kubernetes.io/name": WORKER_NAME, "app.kubernetes.io/component": "batch"}
+
+
+def request_timeout_seconds(settings: Batch) -> int:
+    """One request's budget: inside the queue's visibility timeout."""
+    return settings.visibility_timeout_seconds - VISIBILITY_MARGIN_SECONDS
+
+
+def in_cluster_base_url(serve_service: dict[str, Any]) -> str:
+    """The OpenAI base URL of a serve Service from inside the cluster.
+
+    The Service's first port: with a certificate the load balancer ends TLS
+    and the Service's port (443) carries plain HTTP to the serve port, so the
+    scheme is http either way; the traffic stays in the cluster.
+    """
+    meta, port = serve_service["metadata"], serve_service["spec"]["ports"][0]["port"]
+    return f"http://{meta['name']}.{meta['namespace']}.svc:{port}/v1"
+
+
+def worker_env(settings: Batch, queue: BatchQueue, base_url: str) -> list[dict[str, Any]]:
+    """The worker's settings, under the names the worker's own settings model reads."""
+    env = env_names()
+    values: dict[str, Any] = {
+        "queue_url": queue.url,
+        "region": queue.region,
+        "results_bucket": queue.results_bucket,
+        "results_prefix": queue.results_prefix,
+        "model": settings.model,
+        "base_url": base_url,
+        "api_keys_file": MOUNTS.api_keys_file,
+        # Each worker keeps its share of the backlog in flight at once.
+        "concurrency": str(settings.messages_per_worker),
+        "request_timeout_seconds": str(request_timeout_seconds(settings)),
+    }
+    return [{"name": env[key], "value": value} for key, value in values.items()]
+
+
+def worker_deployment(
+    *,
+    settings: Batch,
+    queue: BatchQueue,
+    namespace: str,
+    service_account: str,
+    image: pulumi.Input[str],
+    system: Placement,
+    api_keys_secret: str,
+    base_url: str,
+) -> dict[str, Any]:
+    """The worker Deployment: non-root, read-only root, the API keys mounted read-only."""
+    labels = worker_labels()
+    return {
+        "metadata": {"name": WORKER_NAME, "namespace": namespace, "labels": labels},
+        "spec": {
+            # KEDA's HPA owns the count once it exists; this is the start.
+            "replicas": settings.min_workers,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    **system.pod_scheduling(),
+                    # The account the pod identity association names. Its
+                    # token stays mounted: EKS Pod Identity's webhook needs it.
+                    "serviceAccountName": service_account,
+                    "terminationGracePeriodSeconds": request_timeout_seconds(settings) + DRAIN_MARGIN_SECONDS,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": RUN_AS_USER,
+                        "runAsGroup": RUN_AS_GROUP,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [
+                        {
+                            "name": WORKER_CONTAINER,
+                            "image": image,
+                            "command": ["python", "-m", "inference_server.batch_worker"],
+                            "env": [*worker_env(settings, queue, base_url), {"name": "PYTHONUNBUFFERED", "value": "1"}],
+                            "resources": {
+                                "requests": {"cpu": "250m", "memory": "256Mi"},
+                                "limits": {"memory": "512Mi"},
+                            },
+                            "securityContext": {
+                                "allowPrivilegeEscalation": False,
+                                "readOnlyRootFilesystem": True,
+                                "capabilities": {"drop": ["ALL"]},
+                            },
+                            "volumeMounts": [
+                                {"name": "api-keys", "mountPath": MOUNTS.api_keys_dir, "readOnly": True},
+                                {"name": "tmp", "mountPath": "/tmp"},
+                            ],
+                        }
+                    ],
+                    "volumes": [
+                        {"name": "api-keys", "secret": {"secretName": api_keys_secret, "defaultMode": 0o444}},
+                        {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+                    ],
+                },
+            },
+        },
+    }
+
+
+def trigger_authentication(namespace: str) -> dict[str, Any]:
+    """KEDA reads SQS with its operator's own pod identity."""
+    return {
+        "apiVersion": KEDA_API_VERSION,
+        "kind": "TriggerAuthentication",
+        "metadata": {"name": TRIGGER_AUTH_NAME, "namespace": namespace, "labels": dict(PART_OF)},
+        "spec": {"podIdentity": {"provider": "aws", "identityOwner": "keda"}},
+    }
+
+
+def scaled_object(settings: Batch, queue: BatchQueue, namespace: str) -> dict[str, Any]:
+    """Workers sized to the queue's backlog: ceil(messages / messages_per_worker), within the bounds."""
+    return {
+        "apiVersion": KEDA_API_VERSION,
+        "kind": "ScaledObject",
+        "metadata": {"name": WORKER_NAME, "namespace": namespace, "labels": dict(PART_OF)},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": WORKER_NAME},
+            "minReplicaCount": settings.min_workers,
+            "maxReplicaCount": settings.max_workers,
+            "pollingInterval": POLLING_INTERVAL_SECONDS,
+            "cooldownPeriod": COOLDOWN_SECONDS,
+            # If the queue can not be read, keep at least one worker going
+            # rather than scale on a missing number.
+            "fallback": {"failureThreshold": FALLBACK_FAILURES, "replicas": max(settings.min_workers, 1)},
+            "advanced": {
+                "horizontalPodAutoscalerConfig": {
+                    "name": WORKER_NAME,
+                    "behavior": {
+                        "scaleDown": {
+                            "stabilizationWindowSeconds": SCALE_DOWN_STABILIZATION_SECONDS,
+                            # One worker a minute: each drains its requests on the way out.
+                            "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}],
+                        },
+                        "scaleUp": {
+                            "stabilizationWindowSeconds": 0,
+                            "policies": [{"type": "Percent", "value": 100, "periodSeconds": POLLING_INTERVAL_SECONDS}],
+                        },
+                    },
+                }
+            },
+            "triggers": [
+                {
+                    "type": "aws-sqs-queue",
+                    "authenticationRef": {"name": TRIGGER_AUTH_NAME},
+                    "metadata": {
+                        "queueURL": queue.url,
+                        "awsRegion": queue.region,
+                        "queueLength": str(settings.messages_per_worker),
+                        # Any waiting message wakes the first worker.
+                        "activationQueueLength": "0",
+                        # Messages being answered count as backlog, so a busy
+                        # worker is not removed under its own requests.
+                        "scaleOnInFlight": "true",
+                    },
+                }
+            ],
+        },
+    }
+
+
+def network_policy(namespace: str) -> dict[str, Any]:
+    """The workers listen on nothing: no ingress at all (egress is not restricted in this namespace)."""
+    return {
+        "metadata": {"name": WORKER_NAME, "namespace": namespace, "labels": dict(PART_OF)},
+        "spec": {"podSelector": {"matchLabels": worker_labels()}, "policyTypes": ["Ingress"], "ingress": []},
+    }
+
+
+@dataclass(frozen=True)
+class BatchWorkersArgs:
+    """The batch settings, the AWS layer's queue and identity, and where the workers run."""
+
+    settings: Batch
+    queue: BatchQueue
+    identity: PodIdentity
+    namespace: str
+    image: pulumi.Input[str]
+    system: Placement
+    api_keys_secret: str
+    # The serve Service of the RayService that serves settings.model.
+    serve_service: dict[str, Any]
+    provider: k8s.Provider
+    depends_on: list[pulumi.Resource]
+    keda_crds: pulumi.Resource | None
+
+
+class BatchWorkers(pulumi.ComponentResource):
+    """The worker ServiceAccount and Deployment, KEDA's TriggerAuthentication and ScaledObject, a NetworkPolicy."""
+
+    def __init__(self, name: str, args: BatchWorkersArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("llm-platform:serving:BatchWorkers", name, None, opts)
+        if args.identity.namespace != args.namespace:
+            raise ValueError(
+                f"the batch worker's pod identity is bound in namespace '{args.identity.namespace}', "
+                f"but serving.namespace is '{args.namespace}'"
+            )
+        k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=args.depends_on)
+        sa = k8s.core.v1.ServiceAccount(
+            f"{name}-sa",
+            metadata=k8s.meta.v1.ObjectMetaArgs(
+                name=args.identity.service_account, namespace=args.namespace, labels=dict(PART_OF)
+            ),
+            opts=k8s_opts,
+        )
+        dep = worker_deployment(
+            settings=args.settings,
+            queue=args.queue,
+            namespace=args.namespace,
+            service_account=args.identity.service_account,
+            image=args.image,
+            system=args.system,
+            api_keys_secret=args.api_keys_secret,
+            base_url=in_cluster_base_url(args.serve_service),
+        )
+        deployment = k8s.apps.v1.Deployment(
+            f"{name}-deployment",
+            metadata=dep["metadata"],
+            spec=dep["spec"],
+            opts=pulumi.ResourceOptions.merge(
+                k8s_opts,
+                # KEDA's HPA owns the replica count once created.
+                pulumi.ResourceOptions(depends_on=[*args.depends_on, sa], ignore_changes=["spec.replicas"]),
+            ),
+        )
+        policy = network_policy(args.namespace)
+        k8s.networking.v1.NetworkPolicy(
+            f"{name}-netpol", metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts
+        )
+        keda = [args.keda_crds] if args.keda_crds is not None else []
+        keda_opts = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[*keda, *args.depends_on])
+        auth_doc = trigger_authentication(args.namespace)
+        auth = k8s.apiextensions.CustomResource(
+            f"{name}-trigger-auth",
+            api_version=auth_doc["apiVersion"],
+            kind=auth_doc["kind"],
+            metadata=auth_doc["metadata"],
+            spec=auth_doc["spec"],
+            opts=keda_opts,
+        )
+        so = scaled_object(args.settings, args.queue, args.namespace)
+        k8s.apiextensions.CustomResource(
+            f"{name}-scaled-object",
+            api_version=so["apiVersion"],
+            kind=so["kind"],
+            metadata=so["metadata"],
+            spec=so["spec"],
+            opts=pulumi.ResourceOptions.merge(keda_opts, pulumi.ResourceOptions(depends_on=[deployment, auth])),
+        )
+        self.register_outputs({"deployment": WORKER_NAME, "queue_url": args.queue.url})

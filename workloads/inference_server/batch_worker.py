@@ -1,0 +1,397 @@
+"""The batch worker: answers OpenAI chat requests queued in SQS and writes each answer to S3.
+
+Run as ``python -m inference_server.batch_worker`` (or ``inference-batch-worker``)
+with the settings of :class:`~inference_server.batch_settings.WorkerSettings` in
+the environment. Needs pydantic, httpx and boto3 only (no Ray, no vLLM).
+
+Delivery is at least once:
+
+- a 2xx answer is written to ``s3://<bucket>/<prefix><id>.json``, then the
+  message is deleted;
+- a 4xx answer (other than 408/409/425/429) or a malformed message can never
+  succeed: the error is written as the result and the message is deleted;
+- a 5xx answer, 408/409/425/429, a timeout or a connection error leaves the
+  message on the queue, hidden for a back-off that doubles with each receive;
+  SQS moves it to the dead-letter queue after the configured receives;
+- a failed result write leaves the message for a retry as well.
+
+On SIGTERM the worker stops receiving, hands back any message it received
+but did not start, and finishes the requests in flight before it exits.
+Logs are one JSON object per line and never contain an API key or a body.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from enum import Enum
+from types import FrameType
+from typing import Any, Protocol
+
+import httpx
+from pydantic import ValidationError
+
+from .batch_settings import MAX_RECEIVE_BATCH, BatchRequest, WorkerSettings
+
+logger = logging.getLogger("inference_server.batch_worker")
+
+CHAT_PATH = "/chat/completions"
+# Answers that may succeed when asked again: timeouts, conflicts, rate limits.
+RETRYABLE_4XX = frozenset({408, 409, 425, 429})
+# SQS caps a message's visibility timeout at 12 hours.
+MAX_VISIBILITY_SECONDS = 43200
+# Pause after a failed receive (throttling, a network blip) before the next.
+RECEIVE_ERROR_PAUSE_SECONDS = 5.0
+
+
+class SqsClient(Protocol):
+    """The calls the worker makes on a boto3 SQS client."""
+
+    def receive_message(self, **kwargs: Any) -> dict[str, Any]: ...
+
+    def delete_message(self, **kwargs: Any) -> Any: ...
+
+    def change_message_visibility(self, **kwargs: Any) -> Any: ...
+
+
+class S3Client(Protocol):
+    """The call the worker makes on a boto3 S3 client."""
+
+    def put_object(self, **kwargs: Any) -> Any: ...
+
+
+class Outcome(Enum):
+    """What became of one message."""
+
+    SUCCEEDED = "succeeded"  # answered, result written, message deleted
+    FAILED = "failed"  # can never succeed: error written as the result, message deleted
+    RETRY = "retry"  # left on the queue for another attempt
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "event": record.getMessage(),
+        }
+        doc.update(getattr(record, "fields", {}))
+        if record.exc_info and record.exc_info[0] is not None:
+            doc["exception"] = record.exc_info[0].__name__
+        return json.dumps(doc, default=str)
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """One JSON object per line on stdout."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(_JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    # httpx and botocore log each request at INFO/DEBUG; the worker logs its own outcome.
+    for noisy in ("httpx", "httpcore", "botocore", "boto3", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _log(level: int, event: str, **fields: Any) -> None:
+    logger.log(level, event, extra={"fields": fields})
+
+
+def read_api_key(path: str) -> str:
+    """The first key in the mounted API-key file (one key per line)."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                return line.strip()
+    raise ValueError(f"no API key in {path}")
+
+
+def retry_delay(settings: WorkerSettings, receives: int) -> int:
+    """How long a failed message stays hidden: doubles with each receive, capped by SQS."""
+    return int(min(settings.retry_delay_seconds * 2 ** max(receives - 1, 0), MAX_VISIBILITY_SECONDS))
+
+
+class BatchWorker:
+    """Receives, answers and settles messages with bounded concurrency."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        *,
+        sqs: SqsClient,
+        s3: S3Client,
+        http: httpx.Client,
+        api_key: str,
+        now: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self._sqs = sqs
+        self._s3 = s3
+        self._http = http
+        self._api_key = api_key
+        self._now = now
+
+    # --- one message -------------------------------------------------------------------------
+
+    def handle(self, message: Mapping[str, Any]) -> Outcome:
+        """Answer one SQS message and settle it (delete, or leave for a retry)."""
+        message_id = str(message.get("MessageId", ""))
+        receipt = str(message["ReceiptHandle"])
+        receives = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
+        started = self._now()
+        fields: dict[str, Any] = {"message_id": message_id, "receives": receives}
+
+        try:
+            request = BatchRequest.model_validate_json(message.get("Body", ""))
+        except ValidationError as err:
+            # Keyed by the SQS message id: the request's own id may be what is broken.
+            problem = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in err.errors())
+            return self._fail(receipt, message_id, None, "invalid_request", problem, fields, receives)
+        fields["request_id"] = request.id
+
+        body = dict(request.body)
+        if body.get("stream"):
+            return self._fail(
+                receipt, request.id, None, "invalid_request", "stream is not offered in batch", fields, receives
+            )
+        model = body.setdefault("model", self.settings.model)
+        if model != self.settings.model:
+            return self._fail(
+                receipt,
+                request.id,
+                None,
+                "model_not_found",
+                f"this queue serves model '{self.settings.model}', not '{model}'",
+                fields,
+                receives,
+            )
+
+        try:
+            response = self._http.post(
+                CHAT_PATH,
+                json=body,
+                headers={"Authorization": f"Bearer {self._api_key}"},
+                timeout=self.settings.request_timeout_seconds,
+            )
+        except httpx.TimeoutException:
+            return self._retry(receipt, receives, {**fields, "reason": "timeout"})
+        except httpx.TransportError as err:
+            return self._retry(receipt, receives, {**fields, "reason": type(err).__name__})
+
+        fields["status_code"] = response.status_code
+        fields["duration_ms"] = round((self._now() - started) * 1000)
+        code = response.status_code
+        if code >= 500 or code in RETRYABLE_4XX:
+            return self._retry(receipt, receives, {**fields, "reason": f"http_{code}"})
+        try:
+            payload: Any = response.json()
+        except ValueError:
+            if 200 <= code < 300:
+                # A success without a readable answer: ask again rather than store nothing.
+                return self._retry(receipt, receives, {**fields, "reason": "unreadable_response"})
+            payload = None
+        if 200 <= code < 300:
+            result = self._result(request.id, Outcome.SUCCEEDED, code, receives, response=payload)
+            return self._settle(receipt, result, Outcome.SUCCEEDED, fields)
+        error = payload.get("error") if isinstance(payload, dict) else None
+        result = self._result(
+            request.id,
+            Outcome.FAILED,
+            code,
+            receives,
+            error=error if isinstance(error, dict) else {"message": f"HTTP {code}", "type": "http_error"},
+        )
+        return self._settle(receipt, result, Outcome.FAILED, fields)
+
+    def _result(
+        self,
+        request_id: str,
+        outcome: Outcome,
+        status_code: int | None,
+        receives: int,
+        *,
+        response: Any = None,
+        error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        return {
+            "id": request_id,
+            "status": outcome.value,
+            "status_code": status_code,
+            "model": self.settings.model,
+            "response": response,
+            "error": error,
+            "attempts": receives,
+            "completed_at": datetime.fromtimestamp(self._now(), UTC).isoformat(timespec="seconds"),
+        }
+
+    def _fail(
+        self,
+        receipt: str,
+        key_id: str,
+        status_code: int | None,
+        error_type: str,
+        message: str,
+        fields: dict[str, Any],
+        receives: int = 1,
+    ) -> Outcome:
+        result = self._result(
+            key_id, Outcome.FAILED, status_code, receives, error={"message": message, "type": error_type}
+        )
+        return self._settle(receipt, result, Outcome.FAILED, {**fields, "reason": error_type})
+
+    def _settle(self, receipt: str, result: dict[str, Any], outcome: Outcome, fields: dict[str, Any]) -> Outcome:
+        key = self.settings.result_key(str(result["id"]))
+        try:
+            self._s3.put_object(
+                Bucket=self.settings.results_bucket,
+                Key=key,
+                Body=json.dumps(result).encode(),
+                ContentType="application/json",
+            )
+        except Exception:
+            # Without a stored result the message must stay: it is retried.
+            _log(logging.ERROR, "result_write_failed", **fields, result_key=key)
+            return Outcome.RETRY
+        try:
+            self._sqs.delete_message(QueueUrl=self.settings.queue_url, ReceiptHandle=receipt)
+        except Exception:
+            # The result is stored; a second delivery overwrites it with the same answer.
+            _log(logging.WARNING, "delete_failed", **fields, result_key=key)
+        _log(
+            logging.INFO if outcome is Outcome.SUCCEEDED else logging.WARNING,
+            f"request_{outcome.value}",
+            **fields,
+            result_key=key,
+        )
+        return outcome
+
+    def _retry(self, receipt: str, receives: int, fields: dict[str, Any]) -> Outcome:
+        delay = retry_delay(self.settings, receives)
+        try:
+            self._sqs.change_message_visibility(
+                QueueUrl=self.settings.queue_url, ReceiptHandle=receipt, VisibilityTimeout=delay
+            )
+        except Exception:
+            # The queue's own visibility timeout then decides when it comes back.
+            delay = -1
+        _log(logging.WARNING, "request_retry", **fields, retry_in_seconds=delay)
+        return Outcome.RETRY
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def _process(self, message: Mapping[str, Any], slots: threading.Semaphore) -> None:
+        try:
+            self.handle(message)
+        except Exception:
+            # Whatever broke, the message is still on the queue and comes back.
+            logger.exception("request_crashed", extra={"fields": {"message_id": message.get("MessageId")}})
+        finally:
+            slots.release()
+
+    def _receive(self, count: int) -> list[dict[str, Any]]:
+        response = self._sqs.receive_message(
+            QueueUrl=self.settings.queue_url,
+            MaxNumberOfMessages=count,
+            WaitTimeSeconds=self.settings.wait_seconds,
+            MessageSystemAttributeNames=["ApproximateReceiveCount"],
+        )
+        return list(response.get("Messages", []))
+
+    def _hand_back(self, messages: list[dict[str, Any]]) -> None:
+        """Make messages received during shutdown visible to other workers at once."""
+        for m in messages:
+            try:
+                self._sqs.change_message_visibility(
+                    QueueUrl=self.settings.queue_url, ReceiptHandle=m["ReceiptHandle"], VisibilityTimeout=0
+                )
+            except Exception:
+                _log(logging.WARNING, "hand_back_failed", message_id=m.get("MessageId"))
+
+    def run(self, stop: threading.Event) -> None:
+        """Receive and answer until `stop` is set, then drain the requests in flight."""
+        limit = self.settings.concurrency
+        slots = threading.BoundedSemaphore(limit)
+        _log(logging.INFO, "worker_started", concurrency=limit, model=self.settings.model)
+        with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="batch") as pool:
+            while not stop.is_set():
+                # Receive only as many messages as there are free slots: a
+                # message waiting in this process would run down its visibility
+                # timeout while another worker could have answered it.
+                if not slots.acquire(timeout=1.0):
+                    continue
+                if stop.is_set():
+                    # Stopped while waiting for a free slot: receive nothing more.
+                    slots.release()
+                    break
+                taken = 1
+                while taken < min(limit, MAX_RECEIVE_BATCH) and slots.acquire(blocking=False):
+                    taken += 1
+                try:
+                    messages = self._receive(taken)
+                except Exception as err:
+                    for _ in range(taken):
+                        slots.release()
+                    _log(logging.WARNING, "receive_failed", error=type(err).__name__)
+                    stop.wait(RECEIVE_ERROR_PAUSE_SECONDS)
+                    continue
+                for _ in range(taken - len(messages)):
+                    slots.release()
+                if stop.is_set():
+                    self._hand_back(messages)
+                    for _ in messages:
+                        slots.release()
+                    break
+                for m in messages:
+                    pool.submit(self._process, m, slots)
+            _log(logging.INFO, "worker_draining")
+        _log(logging.INFO, "worker_stopped")
+
+
+def install_signal_handlers(stop: threading.Event) -> None:
+    """SIGTERM (the kubelet) and SIGINT stop receiving; requests in flight finish."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        _log(logging.INFO, "signal_received", signal=signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def main() -> int:
+    """Entry point: read the settings, connect, run until told to stop."""
+    configure_logging()
+    settings = WorkerSettings.from_env(os.environ)
+    api_key = read_api_key(settings.api_keys_file)
+
+    import boto3  # the image has it; tests use fakes and never import it
+    from botocore.config import Config
+
+    aws_config = Config(
+        region_name=settings.region,
+        retries={"mode": "standard", "max_attempts": 5},
+        connect_timeout=5,
+        # A long poll holds the connection for wait_seconds.
+        read_timeout=settings.wait_seconds + 10,
+        max_pool_connections=settings.concurrency + 2,
+    )
+    sqs = boto3.client("sqs", config=aws_config)
+    s3 = boto3.client("s3", config=aws_config)
+    stop = threading.Event()
+    install_signal_handlers(stop)
+    limits = httpx.Limits(max_connections=settings.concurrency, max_keepalive_connections=settings.concurrency)
+    with httpx.Client(base_url=settings.base_url, limits=limits, timeout=settings.request_timeout_seconds) as http:
+        BatchWorker(settings, sqs=sqs, s3=s3, http=http, api_key=api_key).run(stop)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
