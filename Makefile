@@ -9,7 +9,7 @@ LOCAL_BACKEND ?= file://$(HOME)/.pulumi-llm-platform
 POLICY_VENV := policy/venv
 POLICY_FLAGS = --policy-pack policy --policy-pack-config policy/config/$(STACK).json
 
-.PHONY: help install install-dev up preview destroy render test lint unit e2e clean
+.PHONY: help install install-dev up preview destroy render test lint unit e2e bench clean
 
 help:
 	@echo "make up STACK=dev|prod       deploy a stack (creates the venv, logs in, selects the stack)"
@@ -17,6 +17,7 @@ help:
 	@echo "make destroy STACK=dev|prod  tear a stack down (the model bucket and ECR repo are retained)"
 	@echo "make render STACK=dev|prod   offline render under mocks into build/render/<stack>/"
 	@echo "make test                    lint, type-check and every test, the real server included"
+	@echo "make bench                   serving overhead and render-scale benchmarks -> benchmarks/results/"
 
 $(VENV)/.program: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +81,14 @@ e2e: $(VENV)/.dev
 
 test: lint $(VENV)/.dev
 	E2E=1 E2E_REQUIRED=1 $(BIN)/python -m pytest -q
+
+$(VENV)/.bench: $(VENV)/.dev benchmarks/requirements.txt
+	$(BIN)/pip install -q -r benchmarks/requirements.txt
+	touch $@
+
+# Serving overhead against bare vLLM, and render scale; writes benchmarks/results/ (~16 min).
+bench: $(VENV)/.bench
+	PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks
 
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache

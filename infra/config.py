@@ -300,6 +300,10 @@ class Observability(_Model):
     prometheus_retention: Duration = "15d"
     prometheus_storage_gib: int = Field(default=100, ge=10)
     slo: Slo = Slo()
+    # A Secret in the monitoring namespace holding `alertmanager.yaml` (the
+    # routes and receivers that page: PagerDuty, Opsgenie, Slack keys), kept
+    # by the team's secret tooling; without it alerts only show in Alertmanager.
+    alertmanager_config_secret: K8sName | None = None
 
 
 class Endpoint(_Model):
@@ -510,6 +514,8 @@ def _check_names(cfg: StackConfig) -> Iterable[Problem]:
         ("storage.storage_class.name", cfg.storage.storage_class.name),
         ("image.repository_name", cfg.image.repository_name),
     ]
+    if cfg.observability.alertmanager_config_secret:
+        named.append(("observability.alertmanager_config_secret", cfg.observability.alertmanager_config_secret))
     named += [(f"node_groups.gpu[{i}].name", g.name) for i, g in enumerate(cfg.node_groups.gpu)]
     named += [(f"autoscaling.prescale[{i}].name", p.name) for i, p in enumerate(cfg.autoscaling.prescale)]
     for i, model in enumerate(cfg.models):
@@ -588,6 +594,11 @@ def _check_cluster_mode(cfg: StackConfig) -> Iterable[Problem]:
             yield Problem(f"platform.{part}.enabled", "may be off only with cluster.mode existing")
     if cfg.cluster.kubeconfig_context:
         yield Problem("cluster.kubeconfig_context", "only used with cluster.mode existing")
+    if cfg.is_prod and cfg.platform.monitoring.enabled and not cfg.observability.alertmanager_config_secret:
+        yield Problem(
+            "observability.alertmanager_config_secret",
+            "prod alerts must page: name the Secret that holds alertmanager.yaml",
+        )
     if cfg.is_prod and not cfg.ray.gcs_fault_tolerance.enabled:
         yield Problem(
             "ray.gcs_fault_tolerance.enabled",

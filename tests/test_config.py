@@ -225,6 +225,13 @@ CASES: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
         "config error: cluster.endpoint_public_access: prod keeps the API server endpoint private",
     ),
     (
+        "prod alerts that page nobody",
+        "prod",
+        lambda raw: raw["observability"].pop("alertmanager_config_secret"),
+        "config error: observability.alertmanager_config_secret: prod alerts must page: name the Secret that "
+        "holds alertmanager.yaml",
+    ),
+    (
         "prod without GCS fault tolerance",
         "prod",
         _set("ray", {}),

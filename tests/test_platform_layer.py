@@ -457,6 +457,15 @@ def test_prometheus_retention_and_storage_come_from_config(stack: str) -> None:
     assert 0 < size < cfg.observability.prometheus_storage_gib
 
 
+def test_alertmanager_routes_from_the_configured_secret() -> None:
+    spec = stack_render("prod").values("kube-prometheus-stack")["alertmanager"]["alertmanagerSpec"]
+    assert (
+        spec["configSecret"] == stack_config("prod").observability.alertmanager_config_secret == "alertmanager-oncall"
+    )
+    dev = stack_render("dev").values("kube-prometheus-stack")["alertmanager"]["alertmanagerSpec"]
+    assert "configSecret" not in dev
+
+
 def test_prod_keeps_alertmanager_highly_available() -> None:
     am = stack_render("prod").values("kube-prometheus-stack")["alertmanager"]
     assert am["enabled"] is True

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from infra import versions
-from infra.platform.values_keys import REFERENCE_VALUES, key_paths, load_chart_values, unknown_keys
+from infra.platform.values_keys import REFERENCE_VALUES, documented_keys, key_paths, load_chart_values, unknown_keys
 from tests.test_platform_layer import PlatformRender, render_platform, stack_config, stack_render
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
@@ -136,3 +136,24 @@ def test_whole_program_render_sets_only_chart_keys(stack: str) -> None:
         defaults = load_chart_values(REFERENCE, release["chart"])
         problems += [f"{release['chart']}: {p}" for p in unknown_keys(release["values"], defaults)]
     assert not problems, "\n".join(problems)
+
+
+def test_commented_out_settings_count_as_documented_keys() -> None:
+    text = """
+alertmanager:
+  ## ConfigSecret is the name of a Secret with the configuration.
+  ##
+  alertmanagerSpec:
+    replicas: 1
+    # configSecret:
+    ## Prose: a sentence with a colon: not a key.
+    # web:
+    #   tls: {}
+  enabled: true
+# topLevel: x
+"""
+    assert documented_keys(text) == [
+        ("alertmanager", "alertmanagerSpec", "configSecret"),
+        ("alertmanager", "alertmanagerSpec", "web"),
+        ("topLevel",),
+    ]

@@ -98,6 +98,9 @@ def monitoring_values(
                 # notifications, so three survive a node loss.
                 "replicas": 3 if highly_available else 1,
                 "storage": _volume_claim(storage_class, ALERTMANAGER_STORAGE_GIB),
+                # The operator reads alertmanager.yaml from this Secret
+                # instead of the chart's default (which routes nowhere).
+                **({"configSecret": obs.alertmanager_config_secret} if obs.alertmanager_config_secret else {}),
             },
         },
         "grafana": {

@@ -11,11 +11,14 @@ Rules:
   whose name marks a free-form map (node selectors, labels, annotations,
   resources, extra arguments), any children are allowed;
 - a list, scalar or unresolved Pulumi output is a leaf (lists replace lists);
-- a mapping set where the chart's default is a list or scalar is reported.
+- a mapping set where the chart's default is a list or scalar is reported;
+- a key the chart documents as a commented-out setting (`# key: ...` at the
+  key's indentation) counts as a key with no default.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -50,12 +53,48 @@ REFERENCE_VALUES: dict[str, str] = {
 }
 
 
+_KEY_LINE = re.compile(r"^(\s*)([A-Za-z_][\w.-]*):(\s|$)")
+_DOCUMENTED_KEY_LINE = re.compile(r"^(\s*)# ([A-Za-z_][\w.-]*):(\s|$)")
+
+
+def documented_keys(text: str) -> list[tuple[str, ...]]:
+    """Key paths a values.yaml documents as commented-out settings.
+
+    Charts document optional keys without a default as `# key: example`
+    at the key's own indentation (kube-prometheus-stack's
+    `alertmanagerSpec.configSecret`); the template reads them all the same.
+    Prose comments (`## ...`) are not keys.
+    """
+    stack: list[tuple[int, str]] = []
+    found: list[tuple[str, ...]] = []
+    for line in text.splitlines():
+        real, documented = _KEY_LINE.match(line), _DOCUMENTED_KEY_LINE.match(line)
+        match = real or documented
+        if match is None:
+            continue
+        indent = len(match.group(1))
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = (*(k for _, k in stack), match.group(2))
+        if real:
+            stack.append((indent, match.group(2)))
+        else:
+            found.append(path)
+    return found
+
+
 def load_chart_values(reference_dir: Path, chart: str) -> dict[str, Any]:
-    """The pinned chart's default values from the reference folder."""
-    with (reference_dir / REFERENCE_VALUES[chart]).open() as f:
-        loaded = yaml.safe_load(f)
+    """The pinned chart's default values, documented optional keys included (as None)."""
+    text = (reference_dir / REFERENCE_VALUES[chart]).read_text()
+    loaded = yaml.safe_load(text)
     if not isinstance(loaded, dict):
         raise ValueError(f"{chart}: values file is not a mapping")
+    for path in documented_keys(text):
+        node: Any = loaded
+        for key in path[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.setdefault(path[-1], None)
     return loaded
 
 

@@ -1,0 +1,349 @@
+"""Runs every benchmark and writes benchmarks/results/report.md, report.png and the raw JSON.
+
+    python -m benchmarks [--rounds 3] [--repeats 3] [--skip-serving] [--skip-render]
+    python -m benchmarks --from-json          # re-render the report from the last raw results
+
+Prints the same tables it writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from benchmarks import guard_overhead, render_scale, serving_overhead
+from benchmarks.render_scale import ScaleResults
+from benchmarks.serving_overhead import VARIANT_LABELS, Cell, ServingResults
+from benchmarks.stats import least_squares, median, spread
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# --------------------------------------------------------------------------- serving
+
+
+def _cells(results: ServingResults, variant: str, concurrency: int) -> list[Cell]:
+    return [c for c in results.cells if c.variant == variant and c.concurrency == concurrency]
+
+
+def _paired(results: ServingResults, variant: str, concurrency: int, attr: str, how: str) -> list[float]:
+    """Per-round comparison with bare vLLM measured in the same round: a ratio or a difference."""
+    bare = {c.round: getattr(c, attr) for c in _cells(results, "bare", concurrency)}
+    out = []
+    for cell in _cells(results, variant, concurrency):
+        if cell.round in bare:
+            mine, theirs = getattr(cell, attr), bare[cell.round]
+            out.append(mine / theirs if how == "ratio" else mine - theirs)
+    return [v for v in out if not math.isnan(v)]
+
+
+def serving_tables(results: ServingResults) -> str:
+    lines = [
+        f"Tiny random-weight Llama on the CPU, streamed chat completions of {results.max_tokens} tokens "
+        f"(`ignore_eos`), closed loop of c clients; {results.rounds} rounds, every variant measured in every "
+        "round, alternated. Each figure: **median over rounds [min, max]**.",
+        "",
+        "| c | server | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms "
+        "| per-token ms | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for concurrency in results.concurrency:
+        for variant in results.variants:
+            cells = _cells(results, variant, concurrency)
+            if not cells:
+                continue
+
+            def col(attr: str, fmt: str, cells: list[Cell] = cells) -> str:
+                return spread([getattr(c, attr) for c in cells], fmt)
+
+            lines.append(
+                f"| {concurrency} | {VARIANT_LABELS.get(variant, variant)} | {col('rps', '{:.2f}')} "
+                f"| {col('output_tok_s', '{:.0f}')} | {col('ttft_p50_ms', '{:.1f}')} | {col('ttft_p99_ms', '{:.1f}')} "
+                f"| {col('latency_p50_ms', '{:.0f}')} | {col('latency_p99_ms', '{:.0f}')} "
+                f"| {col('tpot_p50_ms', '{:.2f}')} | {sum(c.errors for c in cells)} |"
+            )
+    lines += [
+        "",
+        "Against bare vLLM measured in the same round (ratio: project / bare; added: project - bare):",
+        "",
+        "| c | server | req/s ratio | added e2e p50 ms | added TTFT p50 ms | added per-token ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for concurrency in results.concurrency:
+        for variant in results.variants:
+            if variant == "bare" or not _cells(results, variant, concurrency):
+                continue
+            lines.append(
+                f"| {concurrency} | {VARIANT_LABELS.get(variant, variant)} "
+                f"| {spread(_paired(results, variant, concurrency, 'rps', 'ratio'), '{:.2f}x')} "
+                f"| {spread(_paired(results, variant, concurrency, 'latency_p50_ms', 'diff'), '{:+.1f}')} "
+                f"| {spread(_paired(results, variant, concurrency, 'ttft_p50_ms', 'diff'), '{:+.1f}')} "
+                f"| {spread(_paired(results, variant, concurrency, 'tpot_p50_ms', 'diff'), '{:+.2f}')} |"
+            )
+    top = max(results.concurrency)
+    roles = sorted({r for c in results.cells for r in c.cpu_ms_per_request if r != "gone"})
+    if roles:
+        lines += [
+            "",
+            f"Where the CPU goes at c={top}: CPU ms per request, by process, summed over the server's processes "
+            "(median over rounds; on 2 cores every ms here is a ms the engine does not get):",
+            "",
+            "| server | " + " | ".join(roles) + " | total |",
+            "|---|" + "---|" * (len(roles) + 1),
+        ]
+        for variant in results.variants:
+            cells = _cells(results, variant, top)
+            if not cells:
+                continue
+            per_role = [median([c.cpu_ms_per_request.get(r, 0.0) for c in cells]) for r in roles]
+            total = median([sum(v for k, v in c.cpu_ms_per_request.items() if k != "gone") for c in cells])
+            lines.append(
+                f"| {VARIANT_LABELS.get(variant, variant)} | "
+                + " | ".join(f"{v:.1f}" if v else "-" for v in per_role)
+                + f" | {total:.1f} |"
+            )
+    idle = ", ".join(f"{VARIANT_LABELS.get(v, v)} {s:.0%}" for v, s in results.idle_cpu_share.items())
+    starts = ", ".join(f"{VARIANT_LABELS.get(v, v)} {s:.0f} s" for v, s in results.start_seconds.items())
+    waited = sum(c.waited_for_other_server_s for c in results.cells)
+    lines += [
+        "",
+        f"Start to ready: {starts}. Idle CPU of each server (share of one core): {idle}; "
+        + (
+            "idle servers kept running, reniced to 19, while another was measured. "
+            if results.reniced_idle
+            else "idle servers kept running at their own priority while another was measured. "
+        )
+        + "Requests per cell: "
+        + ", ".join(f"c={c}: {n}" for c, n in results.requests.items())
+        + f". Serving run: {results.seconds / 60:.1f} min"
+        + (f"; waited {waited:.0f} s for another server test to finish." if waited > 1 else "."),
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- render
+
+
+def render_tables(results: ScaleResults) -> str:
+    labels: list[str] = []
+    for sample in results.samples:
+        if sample.label not in labels:
+            labels.append(sample.label)
+    labels.sort(key=lambda lb: (results.samples[[s.label for s in results.samples].index(lb)].models, lb != "prod"))
+    lines = [
+        f"Each stack rendered {results.repeats} times under mocks, each time in a fresh process, sizes "
+        "alternated. *render* is the `infra.render.render()` call; *process* adds the interpreter and imports "
+        "(what `python -m infra.render` costs). Median [min, max].",
+        "",
+        "| stack | models | resources | k8s objects | helm releases | render s | process s | render ms / resource |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    by_label = {lb: [s for s in results.samples if s.label == lb] for lb in labels}
+    for label in labels:
+        samples = by_label[label]
+        first = samples[0]
+        lines.append(
+            f"| {label} | {first.models} | {first.resources} | {first.manifests} | {first.helm_releases} "
+            f"| {spread([s.render_s for s in samples])} | {spread([s.process_s for s in samples])} "
+            f"| {spread([s.render_s / s.resources * 1e3 for s in samples], '{:.1f}')} |"
+        )
+    fleet = [s for s in results.samples if s.label != "prod"]
+    if len(fleet) >= 2 and len({s.models for s in fleet}) >= 2:
+        # Fit the per-size medians: one slow outlier render (another job on the
+        # machine) must not bend the line.
+        sizes_fit = sorted({s.models for s in fleet})
+        models = [float(n) for n in sizes_fit]
+        times = [median([s.render_s for s in fleet if s.models == n]) for n in sizes_fit]
+        resources = [float(next(s.resources for s in fleet if s.models == n)) for n in sizes_fit]
+        slope_m, icpt_m, r2_m = least_squares(models, times)
+        slope_r, icpt_r, r2_r = least_squares(resources, times)
+        per_model_resources, base_resources, _ = least_squares(models, resources)
+        lines += [
+            "",
+            f"Least squares over the per-size medians: render s = {icpt_m:.2f} + "
+            f"{slope_m * 1e3:.0f} ms x models (R² {r2_m:.3f}); = {icpt_r:.2f} + {slope_r * 1e3:.1f} ms x resources "
+            f"(R² {r2_r:.3f}). Each model adds {per_model_resources:.1f} resources to a base of "
+            f"{base_resources:.0f}.",
+        ]
+        sizes = sorted({s.models for s in fleet})
+        med = {n: median([s.render_s for s in fleet if s.models == n]) for n in sizes}
+        res = {n: next(s.resources for s in fleet if s.models == n) for n in sizes}
+        if len(sizes) >= 3:
+            a, b, c = sizes[-3:]
+            lines.append(
+                f"Linearity: time({c})/time({b}) = {med[c] / med[b]:.2f} against resources({c})/resources({b}) = "
+                f"{res[c] / res[b]:.2f}; the increments (time({c})-time({b}))/(time({b})-time({a})) = "
+                f"{(med[c] - med[b]) / (med[b] - med[a]):.2f} against "
+                f"({res[c]}-{res[b]})/({res[b]}-{res[a]}) resources = {(res[c] - res[b]) / (res[b] - res[a]):.2f} "
+                "(equal for a linear cost, larger for a super-linear one)."
+            )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- guard
+
+
+def guard_table(cases: list[guard_overhead.GuardCase]) -> str:
+    lines = [
+        "ApiGuard in front of a dummy streaming ASGI app, called directly (no server); ten keys configured, "
+        "the request's key last. Median of 7 batches (min, max of the added time).",
+        "",
+        "| prompt bytes | response chunks | app alone µs | guarded µs | added µs |",
+        "|---|---|---|---|---|",
+    ]
+    for c in cases:
+        lines.append(
+            f"| {c.prompt_bytes} | {c.chunks} | {c.bare_us:.1f} | {c.guarded_us:.1f} "
+            f"| {c.added_us:.1f} [{c.added_us_min:.1f}, {c.added_us_max:.1f}] |"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- chart
+
+
+def chart(serving: ServingResults | None, scale: ScaleResults | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (2 if serving else 0) + (1 if scale else 0)
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2))
+    axes = list(axes) if panels > 1 else [axes]
+    i = 0
+    if serving:
+        width = 0.8 / max(1, len(serving.variants))
+        for attr, title, ax in (
+            ("rps", "requests/s (median, min, max)", axes[0]),
+            ("latency_p50_ms", "end-to-end latency p50, ms", axes[1]),
+        ):
+            for j, variant in enumerate(serving.variants):
+                meds, lows, highs = [], [], []
+                for concurrency in serving.concurrency:
+                    values = [getattr(c, attr) for c in _cells(serving, variant, concurrency)]
+                    m = median(values)
+                    meds.append(m)
+                    lows.append(m - min(values) if values else 0)
+                    highs.append(max(values) - m if values else 0)
+                xs = [k + (j - (len(serving.variants) - 1) / 2) * width for k in range(len(serving.concurrency))]
+                ax.bar(xs, meds, width, yerr=[lows, highs], capsize=3, label=VARIANT_LABELS.get(variant, variant))
+            ax.set_xticks(range(len(serving.concurrency)), [f"c={c}" for c in serving.concurrency])
+            ax.set_title(title)
+        axes[0].legend(fontsize=8)
+        i = 2
+    if scale:
+        ax = axes[i]
+        fleet = [s for s in scale.samples if s.label != "prod"]
+        prod = [s for s in scale.samples if s.label == "prod"]
+        ax.scatter([s.resources for s in fleet], [s.render_s for s in fleet], label="N-model fleet renders")
+        if prod:
+            ax.scatter([s.resources for s in prod], [s.render_s for s in prod], marker="x", label="Pulumi.prod.yaml")
+        if len({s.models for s in fleet}) >= 2:
+            sizes = sorted({s.models for s in fleet})
+            slope, icpt, r2 = least_squares(
+                [float(next(s.resources for s in fleet if s.models == n)) for n in sizes],
+                [median([s.render_s for s in fleet if s.models == n]) for n in sizes],
+            )
+            xs = [0, max(s.resources for s in fleet)]
+            ax.plot(xs, [icpt + slope * x for x in xs], linestyle="--", label=f"least squares on medians (R² {r2:.3f})")
+        for n in sorted({s.models for s in fleet}):
+            first = next(s for s in fleet if s.models == n)
+            ax.annotate(f"{n} models", (first.resources, median([s.render_s for s in fleet if s.models == n])))
+        ax.set_xlabel("resources declared")
+        ax.set_ylabel("render s (under mocks)")
+        ax.set_title("program render time vs fleet size")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def write_report(
+    serving: ServingResults | None,
+    scale: ScaleResults | None,
+    guard: list[guard_overhead.GuardCase] | None,
+    out: Path,
+    seconds: float,
+) -> str:
+    parts = [
+        "# Benchmark report",
+        "",
+        f"Python {platform.python_version()} on {platform.machine()}, "
+        f"{__import__('os').cpu_count()} CPUs; generated {time.strftime('%Y-%m-%d %H:%M')}; "
+        f"whole run {seconds / 60:.1f} min.",
+        "",
+    ]
+    if serving:
+        parts += ["## Serving overhead", "", serving_tables(serving), ""]
+    if guard:
+        parts += ["## The guard alone", "", guard_table(guard), ""]
+    if scale:
+        parts += ["## Program render scale", "", render_tables(scale), ""]
+    parts += ["![chart](report.png)", ""]
+    text = "\n".join(parts)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(text)
+    chart(serving, scale, out / "report.png")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description="Run the benchmarks, write the report.")
+    parser.add_argument("--rounds", type=int, default=3, help="serving rounds (every variant each round)")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply the requests per serving cell")
+    parser.add_argument("--variants", default="project,stock,bare,project-tp")
+    parser.add_argument("--repeats", type=int, default=3, help="renders of each stack size")
+    parser.add_argument("--sizes", default="1,4,16,64")
+    parser.add_argument("--no-renice", action="store_true", help="leave idle servers at their own priority")
+    parser.add_argument("--skip-serving", action="store_true")
+    parser.add_argument("--skip-render", action="store_true")
+    parser.add_argument("--from-json", action="store_true", help="rebuild the report from results/*.json")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    began = time.monotonic()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    serving: ServingResults | None = None
+    scale: ScaleResults | None = None
+    guard: list[guard_overhead.GuardCase] | None = None
+    if args.from_json:
+        if (out / "serving.json").is_file():
+            serving = ServingResults.from_json(json.loads((out / "serving.json").read_text()))
+        if (out / "render.json").is_file():
+            scale = ScaleResults.from_json(json.loads((out / "render.json").read_text()))
+        if (out / "guard.json").is_file():
+            guard = [guard_overhead.GuardCase(**g) for g in json.loads((out / "guard.json").read_text())]
+    else:
+        # Cheapest first: a broken setup shows in seconds, not after the servers' minutes.
+        guard = guard_overhead.run()
+        (out / "guard.json").write_text(json.dumps([asdict(g) for g in guard], indent=2) + "\n")
+        if not args.skip_render:
+            scale = render_scale.run([int(s) for s in args.sizes.split(",")], args.repeats)
+            (out / "render.json").write_text(json.dumps(scale.to_json(), indent=2) + "\n")
+        if not args.skip_serving:
+            variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+            serving = serving_overhead.run(variants, args.rounds, args.scale, renice_idle=not args.no_renice)
+            (out / "serving.json").write_text(json.dumps(serving.to_json(), indent=2) + "\n")
+    seconds = time.monotonic() - began
+    if args.from_json:
+        seconds = (serving.seconds if serving else 0.0) + (scale.seconds if scale else 0.0)
+    text = write_report(serving, scale, guard, out, seconds)
+    print(text)
+    print(f"\nwrote {out / 'report.md'} and {out / 'report.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
