@@ -213,6 +213,7 @@ class ServerInfo:
     model_dir: Path
     start_seconds: float
     child: Child
+    layout: str
 
 
 @dataclass
@@ -289,18 +290,41 @@ def catalog_for(model_dir: Path, keys_file: Path) -> dict[str, object]:
     }
 
 
-@pytest.fixture(scope="session")
-def server(tiny_model: Path, e2e_dir: Path, offline_reference: Reference) -> Iterator[ServerInfo]:
+# The two ingress layouts of Ray Serve LLM that production runs (see
+# infra/serving/ray_service.py): the OpenAiIngress deployment in front of the
+# model server, or the model server itself as the ingress (direct streaming,
+# one model only). Each entry is the extra environment of the server process.
+# Not RAY_SERVE_ENABLE_HA_PROXY: that proxy binds the replicas' ports on all
+# interfaces.
+LAYOUTS: dict[str, dict[str, str]] = {
+    "ingress": {},
+    "direct-streaming": {
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
+    },
+}
+
+
+@pytest.fixture(scope="session", params=list(LAYOUTS), ids=list(LAYOUTS))
+def server(
+    request: pytest.FixtureRequest, tiny_model: Path, e2e_dir: Path, offline_reference: Reference
+) -> Iterator[ServerInfo]:
+    """The real server in one layout. Session-scoped and parametrized, so pytest
+    groups the tests by layout and stops one server before starting the next."""
     import urllib.error
     import urllib.request
 
+    layout = str(request.param)
+    layout_dir = e2e_dir / layout
+    layout_dir.mkdir(exist_ok=True)
     api_key = "e2e-" + os.urandom(12).hex()
-    keys_file = e2e_dir / "keys"
+    keys_file = layout_dir / "keys"
     keys_file.write_text(f"# API keys, one a line\n{'other-' + os.urandom(8).hex()}\n{api_key}\n")
-    catalog_path = e2e_dir / "catalog.json"
+    catalog_path = layout_dir / "catalog.json"
     catalog_path.write_text(json.dumps(catalog_for(tiny_model, keys_file)))
     http_port, metrics_port = _free_port(), _free_port()
-    ray_dir = e2e_dir / "ray"
+    # Short: Ray's unix sockets live under it (see e2e_dir).
+    ray_dir = e2e_dir / f"ray{list(LAYOUTS).index(layout)}"
     started = time.monotonic()
     child = Child.start(
         "server",
@@ -316,8 +340,8 @@ def server(tiny_model: Path, e2e_dir: Path, offline_reference: Reference) -> Ite
             "--ray-temp-dir",
             str(ray_dir),
         ],
-        _child_env(),
-        e2e_dir / "server.log",
+        _child_env(LAYOUTS[layout]),
+        layout_dir / "server.log",
         marker=str(ray_dir),
     )
     base = f"http://127.0.0.1:{http_port}"
@@ -348,8 +372,10 @@ def server(tiny_model: Path, e2e_dir: Path, offline_reference: Reference) -> Ite
             model_dir=tiny_model,
             start_seconds=time.monotonic() - started,
             child=child,
+            layout=layout,
         )
-        print(f"\n[e2e] server ready in {info.start_seconds:.1f}s", flush=True)
+        print(f"\n[e2e] {layout} server ready in {info.start_seconds:.1f}s", flush=True)
         yield info
     finally:
         child.stop()
+        print(f"\n[e2e] {layout} server stopped after {time.monotonic() - started:.1f}s", flush=True)

@@ -11,7 +11,8 @@ Two ingress layouts, both from Ray Serve LLM's own builder:
 * default: an ``OpenAiIngress`` deployment routes to one ``LLMServer``
   deployment per model. The guard runs in the ingress replica.
 * ``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1`` (one model): the ``LLMServer``
-  itself serves vLLM's FastAPI app. The guard runs in that replica.
+  itself serves vLLM's FastAPI app. The guard runs in that replica. Serve's
+  own proxy routes to it unless ``RAY_SERVE_ENABLE_HA_PROXY=1``.
 """
 
 from __future__ import annotations
@@ -164,6 +165,11 @@ def direct_streaming_enabled() -> bool:
     return os.environ.get("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", "0") == "1"
 
 
+def ha_proxy_enabled() -> bool:
+    """Whether Serve runs HAProxy in place of its own proxy (read by Ray at import)."""
+    return os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "0") == "1"
+
+
 def llm_configs(catalog: Catalog, *, direct_streaming: bool = False) -> list[LLMConfig]:
     configs = []
     for entry in catalog.models:
@@ -195,4 +201,15 @@ def build_app(args: dict[str, Any]) -> Application:
         [m.model_id for m in catalog.models],
         "direct-streaming" if direct else "OpenAiIngress",
     )
-    return build_openai_app(serving_args)
+    app = build_openai_app(serving_args)
+    if direct and not ha_proxy_enabled():
+        # Ray Serve LLM pairs the direct-streaming ingress with a request
+        # router deployment that only HAProxy consults, and Serve refuses to
+        # build an app carrying one without RAY_SERVE_ENABLE_HA_PROXY=1. The
+        # platform does not run HAProxy (it binds the replicas' HTTP ports on
+        # all interfaces), so drop the router: Serve's own proxy then routes
+        # straight to the LLMServer replicas (round robin, set by the same
+        # builder), and the ingress hop is still gone. Ray 2.60 has no public
+        # switch for this.
+        app._ingress_request_router = None
+    return app
