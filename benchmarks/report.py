@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description="Run the benchmarks, write the report.")
     parser.add_argument("--rounds", type=int, default=3, help="serving rounds (every variant each round)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the requests per serving cell")
-    parser.add_argument("--variants", default="project,stock,bare,project-tp")
+    parser.add_argument("--variants", default="project,stock,bare,project-tp,project-direct")
     parser.add_argument("--repeats", type=int, default=3, help="renders of each stack size")
     parser.add_argument("--sizes", default="1,4,16,64")
     parser.add_argument("--no-renice", action="store_true", help="leave idle servers at their own priority")

@@ -1,6 +1,6 @@
 """Serving overhead: the project's server against bare vLLM, same tiny model, same machine, alternated.
 
-    python -m benchmarks.serving_overhead [--rounds 3] [--variants project,stock,bare,project-tp]
+    python -m benchmarks.serving_overhead [--rounds 3] [--variants project,stock,bare,project-tp,project-direct]
 
 Variants (all on the same random-weight tiny Llama, same engine settings):
 
@@ -16,6 +16,8 @@ Variants (all on the same random-weight tiny Llama, same engine settings):
 * ``project-tp``: the project's server with the settings of KubeRay's
   high-throughput sample (``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``,
   ``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1``, ``RAY_SERVE_ENABLE_HA_PROXY=1``).
+* ``project-direct``: the layout a single-model RayService runs in production:
+  the first two of those settings, behind Serve's own proxy (no HAProxy).
 
 All servers are started once and stay up on their own loopback ports; the
 load then alternates between them cell by cell (round r, concurrency c:
@@ -104,12 +106,20 @@ THROUGHPUT_ENV = {
     "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
 }
+# What a single-model RayService runs in production (infra/serving/ray_service.py):
+# direct streaming behind Serve's own proxy, no HAProxy.
+DIRECT_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
+}
+VARIANT_ENV = {"project-tp": THROUGHPUT_ENV, "project-direct": DIRECT_ENV}
 
 VARIANT_LABELS = {
     "project": "project (Ray Serve LLM + guard)",
     "stock": "stock Ray Serve LLM (no guard)",
     "bare": "bare vLLM (vllm serve)",
     "project-tp": "project, throughput settings",
+    "project-direct": "project, direct streaming (prod layout)",
 }
 
 
@@ -185,7 +195,7 @@ def start_project(work: Path, model_dir: Path, variant: str) -> Server:
     http_port, metrics_port = _free_port(), _free_port()
     # Short path: Ray's unix sockets live under it and must stay below 108 bytes.
     ray_dir = Path(tempfile.mkdtemp(prefix="bray_", dir="/tmp"))
-    extra = THROUGHPUT_ENV if variant == "project-tp" else {}
+    extra = VARIANT_ENV.get(variant, {})
     launcher = Path(__file__).resolve().parent / "stock_serve.py" if variant == "stock" else E2E / "serve_main.py"
     started = time.monotonic()
     child = Child.start(
@@ -612,7 +622,7 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serving_overhead", description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--variants", default="project,stock,bare,project-tp")
+    parser.add_argument("--variants", default="project,stock,bare,project-tp,project-direct")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the requests per cell")
     parser.add_argument("--no-renice", action="store_true", help="leave idle servers at their own priority")
     parser.add_argument("--out", type=Path, default=RESULTS / "serving.json")

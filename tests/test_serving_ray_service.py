@@ -16,13 +16,12 @@ from infra.serving import kuberay
 from infra.serving.ports import RAY_PORTS
 from infra.serving.ray_service import (
     INGRESS_GROUP,
-    THROUGHPUT_ENV,
     gpu_shape,
     ray_service_manifest,
     worker_group_name,
 )
 from infra.serving.serve_config import IMPORT_PATH, MOUNTS
-from tests.harness import REFERENCE, manifests_of, render_stack, stack_doc
+from tests.harness import REFERENCE, manifests_of, render_stack
 from tests.test_serving_support import config, group, ray_service_args, ray_services
 
 STACKS = ["dev", "prod"]
@@ -132,38 +131,6 @@ def test_head_holds_no_replicas_and_runs_on_system_nodes(stack: str) -> None:
         ingress = group(rs, INGRESS_GROUP)
         assert "nvidia.com/gpu" not in _container(ingress["template"])["resources"]["limits"]
         assert ingress["template"]["spec"]["nodeSelector"] == system.node_selector()
-
-
-def _ray_containers(rs: dict[str, Any]) -> list[dict[str, Any]]:
-    cluster = rs["spec"]["rayClusterConfig"]
-    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
-    return [_container(pod["template"]) for pod in pods]
-
-
-@pytest.mark.parametrize("stack", STACKS)
-def test_single_model_services_run_serve_llm_throughput_settings(stack: str) -> None:
-    cfg = config(stack)
-    single = [rs for rs in ray_services(stack) if len(cfg.services()[rs["metadata"]["name"]]) == 1]
-    assert single
-    for rs in single:
-        for container in _ray_containers(rs):
-            env = {e["name"]: e.get("value") for e in container.get("env", [])}
-            assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
-            assert env["RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING"] == "1"
-            assert "RAY_SERVE_ENABLE_HA_PROXY" not in env
-
-
-def test_grouped_services_keep_the_ingress_deployment() -> None:
-    models = [{**m, "service": "shared"} for m in stack_doc("prod")["config"]["llm-platform:models"]]
-    assert len(models) == 2
-    cfg = config("prod", models=models)
-    rs = ray_service_manifest(ray_service_args(cfg, "shared"))
-    containers = _ray_containers(rs)
-    assert len(containers) == 1 + 1 + len(models)  # head, ingress group, one GPU group a model
-    throughput = {name for name, _ in THROUGHPUT_ENV}
-    for container in containers:
-        names = {e["name"] for e in container.get("env", [])}
-        assert not names & throughput, names
 
 
 @pytest.mark.parametrize("stack", STACKS)

@@ -113,37 +113,6 @@ def _api_keys_volume(args: VllmRayServiceArgs) -> tuple[dict[str, Any], dict[str
     return volume, mount
 
 
-# Ray Serve LLM's throughput settings, for RayServices serving one model. In
-# benchmarks/README.md they took the project's server from 0.34x to 0.59x of
-# bare vLLM's requests/s at 32 concurrent clients and from 0.65x to 1.13x at
-# one: the LLMServer replica serves vLLM's FastAPI app itself (the guard moves
-# with it, see inference_server.app) instead of an ingress deployment relaying
-# every streamed chunk. Not for grouped services: direct streaming serves one
-# model per application, and inference_server.app refuses a catalogue with
-# more. Not RAY_SERVE_ENABLE_HA_PROXY, which that benchmark also set: HAProxy
-# binds the replicas' HTTP ports on all interfaces, so Serve's own proxy stays
-# (inference_server.app drops the HAProxy-only request router Ray attaches).
-# The gain without HAProxy has not been measured; expect less, as Serve's
-# proxy keeps its CPU cost (21 ms a request at c=32 in the default layout).
-THROUGHPUT_ENV: tuple[tuple[str, str], ...] = (
-    ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1"),
-    ("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", "1"),
-)
-
-
-def _serve_env(args: VllmRayServiceArgs) -> list[dict[str, str]]:
-    """Environment every Ray container of the service gets (controller, proxies, replicas)."""
-    if len(args.models) != 1:
-        return []
-    return [{"name": name, "value": value} for name, value in THROUGHPUT_ENV]
-
-
-def _env_field(args: VllmRayServiceArgs) -> dict[str, Any]:
-    """A worker container's ``env``, left out when there is none."""
-    env = _serve_env(args)
-    return {"env": env} if env else {}
-
-
 def _head(args: VllmRayServiceArgs) -> dict[str, Any]:
     cfg = args.cfg
     keys_volume, keys_mount = _api_keys_volume(args)
@@ -168,7 +137,6 @@ def _head(args: VllmRayServiceArgs) -> dict[str, Any]:
                         "env": [
                             {"name": "RAY_PROMETHEUS_HOST", "value": args.prometheus_url},
                             {"name": "RAY_GRAFANA_HOST", "value": args.grafana_url},
-                            *_serve_env(args),
                         ],
                         "resources": {"requests": resources, "limits": resources},
                         "volumeMounts": [keys_mount],
@@ -186,8 +154,7 @@ def _ingress_group(args: VllmRayServiceArgs) -> dict[str, Any]:
     minimum = 2 if args.cfg.is_prod else 1
     return {
         "groupName": INGRESS_GROUP,
-        # CPU nodes whose Serve proxies take the load balancer's traffic, and,
-        # in grouped services, the OpenAI ingress replicas that route by model.
+        # Serve's OpenAI ingress replicas (CPU only) and a proxy that takes traffic.
         "minReplicas": minimum,
         "maxReplicas": max(minimum, INGRESS_MAX_REPLICAS),
         "replicas": minimum,
@@ -201,7 +168,6 @@ def _ingress_group(args: VllmRayServiceArgs) -> dict[str, Any]:
                         "name": RAY_CONTAINER,
                         "image": args.image,
                         "ports": _ports(RAY_PORTS.worker()),
-                        **_env_field(args),
                         "resources": {"requests": resources, "limits": resources},
                         "volumeMounts": [keys_mount],
                     }
@@ -246,7 +212,6 @@ def _gpu_group(args: VllmRayServiceArgs, model: Model) -> dict[str, Any]:
                         "name": RAY_CONTAINER,
                         "image": args.image,
                         "ports": _ports(RAY_PORTS.worker()),
-                        **_env_field(args),
                         # Equal requests and limits: GPUs can not be overcommitted and
                         # Ray sizes its CPU and memory resources from the limits.
                         "resources": {"requests": dict(limits), "limits": dict(limits)},
