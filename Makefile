@@ -86,7 +86,7 @@ $(VENV)/.bench: $(VENV)/.dev benchmarks/requirements.txt
 	$(BIN)/pip install -q -r benchmarks/requirements.txt
 	touch $@
 
-# Serving overhead against bare vLLM, and render scale; writes benchmarks/results/ (~16 min).
+# Serving overhead against bare vLLM, and render scale; writes benchmarks/results/ (~20 min).
 bench: $(VENV)/.bench
 	PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks
 
