@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from infra import versions
 from infra.catalog import GPU_INSTANCE_TYPES, GpuInstanceType
-from workloads.inference_server.catalog import ModelEntry, RequestLimits
+from workloads.inference_server.catalog import IngressScaling, ModelEntry, RequestLimits
 
 NAMESPACE = "llm-platform"
 SECRET_API_KEYS = "api_keys"
@@ -228,6 +228,7 @@ class Serving(_Model):
 
     namespace: K8sName = "llm"
     limits: RequestLimits = RequestLimits()
+    ingress: IngressScaling = IngressScaling()
     allow_hub_download: bool = False
 
 
@@ -457,6 +458,12 @@ def _check_model(i: int, model: Model, cfg: StackConfig, groups: dict[str, GpuNo
         )
     elif all(t in GPU_INSTANCE_TYPES for t in group.instance_types):
         gpu = group.instance()
+        if model.accelerator_type is not None and model.accelerator_type != gpu.ray_accelerator_type:
+            yield Problem(
+                f"{path}.accelerator_type",
+                f"'{model.accelerator_type}' disagrees with GPU group '{group.name}' ({gpu.ray_accelerator_type}): "
+                "leave it out, it is derived from the group",
+            )
         tp, pp = model.tensor_parallel_size, model.pipeline_parallel_size
         if tp > gpu.gpus:
             yield Problem(
@@ -664,7 +671,27 @@ def check_rules(cfg: StackConfig) -> list[Problem]:
     problems += _check_network(cfg)
     problems += _check_prescale(cfg, gpu_groups)
     problems += _check_batch(cfg)
+    problems += _check_ingress(cfg)
     return problems
+
+
+# Prod's OpenAI ingress survives the loss of a node: two replicas on two nodes.
+PROD_MIN_INGRESS_REPLICAS = 2
+
+
+def _check_ingress(cfg: StackConfig) -> Iterable[Problem]:
+    ingress = cfg.serving.ingress
+    if cfg.is_prod and ingress.min_replicas < PROD_MIN_INGRESS_REPLICAS:
+        yield Problem(
+            "serving.ingress.min_replicas",
+            f"prod keeps at least {PROD_MIN_INGRESS_REPLICAS} ingress replicas "
+            "(one would be a single point of failure)",
+        )
+    if cfg.is_prod and ingress.max_replicas_per_node > 1:
+        yield Problem(
+            "serving.ingress.max_replicas_per_node",
+            "prod spreads ingress replicas one per node (more would share a node's fate)",
+        )
 
 
 def _describe(err: Mapping[str, Any]) -> str:

@@ -276,6 +276,33 @@ CASES: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
         "config error: batch.visibility_timeout_seconds: Input should be less than or equal to 43200 (got 50000)",
     ),
     (
+        "accelerator type that disagrees with the group's GPU",
+        "dev",
+        _set("models.0.accelerator_type", "H100"),
+        "config error: models[0].accelerator_type: 'H100' disagrees with GPU group 'l4-spot' (L4): "
+        "leave it out, it is derived from the group",
+    ),
+    (
+        "prod with one ingress replica",
+        "prod",
+        _set("serving.ingress.min_replicas", 1),
+        "config error: serving.ingress.min_replicas: prod keeps at least 2 ingress replicas "
+        "(one would be a single point of failure)",
+    ),
+    (
+        "prod ingress replicas sharing a node",
+        "prod",
+        _set("serving.ingress.max_replicas_per_node", 2),
+        "config error: serving.ingress.max_replicas_per_node: prod spreads ingress replicas one per node "
+        "(more would share a node's fate)",
+    ),
+    (
+        "an ingress that scales to zero",
+        "dev",
+        lambda raw: raw.setdefault("serving", {}).update(ingress={"min_replicas": 0}),
+        "config error: serving.ingress.min_replicas: Input should be greater than or equal to 1 (got 0)",
+    ),
+    (
         "batch target backlog of zero",
         "prod",
         _set("batch.messages_per_worker", 0),

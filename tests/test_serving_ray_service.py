@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +64,10 @@ def test_gpu_groups_ask_for_tp_x_pp_gpus_and_tolerate_exactly_the_group_taints(s
             assert {t["key"] for t in spec["tolerations"]} == {t.key for t in placement.taints}
             assert spec["nodeSelector"] == placement.node_selector()
             assert spec["serviceAccountName"] == "model-reader"
-            accel = json.loads(g["rayStartParams"]["resources"])
-            assert accel == {f"accelerator_type:{placement.instance.ray_accelerator_type}": 1}
-            assert model.accelerator_type == placement.instance.ray_accelerator_type
+            # The accelerator resource rides in the group field KubeRay quotes,
+            # never in rayStartParams (see test_ray_start_params_survive_the_shell).
+            assert g["resources"] == {f"accelerator_type:{placement.instance.ray_accelerator_type}": "1"}
+            assert "resources" not in g["rayStartParams"]
             assert (g["minReplicas"], g["maxReplicas"]) == (
                 model.autoscaling.min_replicas,
                 model.autoscaling.max_replicas,
@@ -284,3 +286,89 @@ def test_labels_kuberay_puts_on_pods_exist_in_kuberay() -> None:
     }
     assert kuberay.serve_service("x") == "x-serve-svc"
     assert Path(__file__).name.startswith("test_serving_")
+
+
+# KubeRay refuses a group that sets the group `resources` field together with
+# any of these rayStartParams (ray-operator utils/validation.go).
+_EXCLUSIVE_WITH_GROUP_RESOURCES = {"num-cpus", "num-gpus", "memory", "resources"}
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_ray_start_params_survive_the_shell(stack: str) -> None:
+    """KubeRay writes `--key=value` into `bash -c` unquoted: each must stay one word."""
+    for rs in ray_services(stack):
+        cluster = rs["spec"]["rayClusterConfig"]
+        groups = [("head", cluster["headGroupSpec"])] + [(g["groupName"], g) for g in cluster["workerGroupSpecs"]]
+        for name, spec in groups:
+            for key, value in spec["rayStartParams"].items():
+                word = f"--{key}={value}"
+                assert shlex.split(word) == [word], f"{rs['metadata']['name']}/{name}: {word} is split by the shell"
+            if "resources" in spec:
+                clash = _EXCLUSIVE_WITH_GROUP_RESOURCES & set(spec["rayStartParams"])
+                assert not clash, f"{name}: group resources and rayStartParams {sorted(clash)}"
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_ingress_keeps_serving_at_every_scale(stack: str) -> None:
+    """The OpenAI ingress never follows the models to zero, and its pods all hold a replica."""
+    cfg = config(stack)
+    ingress = cfg.serving.ingress
+    for rs in ray_services(stack):
+        args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+        assert args["ingress"]["min_replicas"] >= 1
+        assert args["ingress"] == ingress.model_dump(mode="json")
+        g = group(rs, INGRESS_GROUP)
+        assert g["minReplicas"] == ingress.nodes(ingress.min_replicas) >= 1
+        assert g["maxReplicas"] == ingress.nodes(ingress.max_replicas)
+        (spread,) = g["template"]["spec"]["topologySpreadConstraints"]
+        assert spread["topologyKey"] == "kubernetes.io/hostname"
+        assert spread["whenUnsatisfiable"] == "DoNotSchedule"
+        assert spread["labelSelector"]["matchLabels"] == {
+            "llm-platform/ray-service": rs["metadata"]["name"],
+            "ray.io/group": INGRESS_GROUP,
+        }
+        assert g["template"]["metadata"]["labels"]["llm-platform/ray-service"] == rs["metadata"]["name"]
+
+
+def test_prod_runs_two_ingress_replicas_on_two_nodes() -> None:
+    for rs in ray_services("prod"):
+        args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+        assert args["ingress"]["min_replicas"] >= 2
+        assert args["ingress"]["max_replicas_per_node"] == 1
+        assert group(rs, INGRESS_GROUP)["minReplicas"] >= 2
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_serve_llm_builds_the_ingress_with_the_rendered_bounds(stack: str) -> None:
+    """Serve LLM's own builder, on the rendered args: the ingress is never at zero."""
+    pytest.importorskip("ray.serve.llm", reason="ray[serve]==2.60.0 is not installed")
+    from workloads.inference_server.app import build_app
+
+    for rs in ray_services(stack):
+        args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+        ingress = build_app(args)._bound_deployment
+        scaling = ingress._deployment_config.autoscaling_config
+        assert scaling is not None
+        assert (scaling.min_replicas, scaling.max_replicas) == (
+            args["ingress"]["min_replicas"],
+            args["ingress"]["max_replicas"],
+        )
+        assert ingress._replica_config.max_replicas_per_node == args["ingress"]["max_replicas_per_node"]
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_accelerator_type_comes_from_the_gpu_group(stack: str) -> None:
+    """Every model names its group's GPU, so its bundle lands on that group and the engine on the GPU."""
+    from workloads.inference_server.catalog import Catalog
+    from workloads.inference_server.engine import llm_config_kwargs
+
+    cfg = config(stack)
+    placements = gpu_placements(cfg)
+    for rs in ray_services(stack):
+        catalog = Catalog.model_validate(yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"])
+        for entry, model in zip(catalog.models, cfg.services()[rs["metadata"]["name"]], strict=True):
+            accel = placements[model.gpu_group].instance.ray_accelerator_type
+            assert entry.accelerator_type == accel
+            kwargs = llm_config_kwargs(entry, catalog)
+            assert kwargs["accelerator_type"] == accel
+            assert "accelerator_config" not in kwargs

@@ -7,7 +7,6 @@ running Pulumi; the component only declares it.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +44,32 @@ SHM_SHARE = 0.3
 
 INGRESS_CPU = 2
 INGRESS_MEMORY_GIB = 4
-INGRESS_MAX_REPLICAS = 4
+# The RayService a pod belongs to; KubeRay's own `ray.io/cluster` label
+# changes with every NewCluster upgrade.
+SERVICE_LABEL = "llm-platform/ray-service"
+# KubeRay's label for a pod's worker group.
+RAY_GROUP_LABEL = "ray.io/group"
+RAY_CLUSTER_LABEL = "ray.io/cluster"
+
+
+def pod_labels(service: str) -> dict[str, str]:
+    """Labels on every pod of one RayService."""
+    return {**PART_OF, SERVICE_LABEL: service}
+
+
+def spread_over_nodes(service: str, group: str) -> dict[str, Any]:
+    """At most one more pod of a group on any node than on another.
+
+    Scoped to one RayCluster with `matchLabelKeys`, so during a NewCluster
+    upgrade the new cluster's pods are not held back by the old ones'.
+    """
+    return {
+        "maxSkew": 1,
+        "topologyKey": "kubernetes.io/hostname",
+        "whenUnsatisfiable": "DoNotSchedule",
+        "labelSelector": {"matchLabels": {SERVICE_LABEL: service, RAY_GROUP_LABEL: group}},
+        "matchLabelKeys": [RAY_CLUSTER_LABEL],
+    }
 
 
 @dataclass(frozen=True)
@@ -73,6 +97,11 @@ def gpu_shape(model: Model, placement: GpuPlacement) -> GpuShape:
     cpu = max(1, math.floor((inst.vcpus * NODE_ALLOCATABLE_SHARE - NODE_RESERVED_CPU) * share))
     memory = max(4, math.floor((inst.memory_gib * NODE_ALLOCATABLE_SHARE - NODE_RESERVED_MEMORY_GIB) * share))
     return GpuShape(gpus, hosts, cpu, memory, max(1, math.floor(memory * SHM_SHARE)))
+
+
+def accelerator_resources(placement: GpuPlacement) -> dict[str, str]:
+    """The Ray custom resource a GPU group's nodes advertise, as KubeRay group `resources`."""
+    return {f"accelerator_type:{placement.instance.ray_accelerator_type}": "1"}
 
 
 def worker_group_name(model: Model) -> str:
@@ -126,7 +155,7 @@ def _head(args: VllmRayServiceArgs) -> dict[str, Any]:
             "metrics-export-port": str(RAY_PORTS.metrics.number),
         },
         "template": {
-            "metadata": {"labels": dict(PART_OF)},
+            "metadata": {"labels": pod_labels(args.name)},
             "spec": {
                 **args.system.pod_scheduling(),
                 "containers": [
@@ -151,18 +180,22 @@ def _head(args: VllmRayServiceArgs) -> dict[str, Any]:
 def _ingress_group(args: VllmRayServiceArgs) -> dict[str, Any]:
     keys_volume, keys_mount = _api_keys_volume(args)
     resources = {"cpu": str(INGRESS_CPU), "memory": f"{INGRESS_MEMORY_GIB}Gi"}
-    minimum = 2 if args.cfg.is_prod else 1
+    ingress = args.cfg.serving.ingress
+    # Sized from the ingress deployment's own bounds, so every pod of this
+    # group holds a replica and so a proxy, which its readiness probe needs.
+    minimum = ingress.nodes(ingress.min_replicas)
     return {
         "groupName": INGRESS_GROUP,
         # Serve's OpenAI ingress replicas (CPU only) and a proxy that takes traffic.
         "minReplicas": minimum,
-        "maxReplicas": max(minimum, INGRESS_MAX_REPLICAS),
+        "maxReplicas": ingress.nodes(ingress.max_replicas),
         "replicas": minimum,
         "rayStartParams": {"metrics-export-port": str(RAY_PORTS.metrics.number)},
         "template": {
-            "metadata": {"labels": dict(PART_OF)},
+            "metadata": {"labels": pod_labels(args.name)},
             "spec": {
                 **args.system.pod_scheduling(),
+                "topologySpreadConstraints": [spread_over_nodes(args.name, INGRESS_GROUP)],
                 "containers": [
                     {
                         "name": RAY_CONTAINER,
@@ -195,14 +228,16 @@ def _gpu_group(args: VllmRayServiceArgs, model: Model) -> dict[str, Any]:
         "minReplicas": scaling.min_replicas,
         "maxReplicas": scaling.max_replicas,
         "replicas": scaling.initial_replicas if scaling.initial_replicas is not None else scaling.min_replicas,
-        "rayStartParams": {
-            # Advertised before the node exists, so the autoscaler knows this
-            # group can place an `accelerator_type:<GPU>` bundle when at zero.
-            "resources": json.dumps({f"accelerator_type:{placement.instance.ray_accelerator_type}": 1}),
-            "metrics-export-port": str(RAY_PORTS.metrics.number),
-        },
+        # Advertised before the node exists, so the autoscaler knows this group
+        # can place an `accelerator_type:<GPU>` bundle when it is at zero. The
+        # group-level field, not rayStartParams.resources: KubeRay writes
+        # rayStartParams into `bash -c` unquoted, so a JSON value with a space
+        # is split by the shell, while it quotes what it builds from this field
+        # (and Ray's autoscaler reads this field as plain quantities).
+        "resources": accelerator_resources(placement),
+        "rayStartParams": {"metrics-export-port": str(RAY_PORTS.metrics.number)},
         "template": {
-            "metadata": {"labels": dict(PART_OF)},
+            "metadata": {"labels": pod_labels(args.name)},
             "spec": {
                 **placement.pod_scheduling(),
                 "serviceAccountName": args.model_reader_service_account,
@@ -230,7 +265,7 @@ def _gpu_group(args: VllmRayServiceArgs, model: Model) -> dict[str, Any]:
                         "name": "model-cache",
                         "ephemeral": {
                             "volumeClaimTemplate": {
-                                "metadata": {"labels": dict(PART_OF)},
+                                "metadata": {"labels": pod_labels(args.name)},
                                 "spec": {
                                     "accessModes": ["ReadWriteOnce"],
                                     "storageClassName": args.storage_class,
@@ -316,7 +351,7 @@ def ray_service_manifest(args: VllmRayServiceArgs) -> dict[str, Any]:
             "excludeHeadPodFromServeSvc": True,
             "upgradeStrategy": upgrade_strategy(cfg),
             "serveService": args.serve_service,
-            "serveConfigV2": serve_config_yaml(cfg, args.name, args.models),
+            "serveConfigV2": serve_config_yaml(cfg, args.name, args.models, args.gpu),
             "rayClusterConfig": cluster,
         },
     }

@@ -7,6 +7,7 @@ does not know fails here, at preview, not in a crash-looping replica.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import yaml
 
 from infra.config import Model, StackConfig
+from infra.scheduling import GpuPlacement
 from infra.serving.ports import RAY_PORTS
 from workloads.inference_server.catalog import Catalog, ModelEntry
 
@@ -38,23 +40,34 @@ class Mounts:
 MOUNTS = Mounts()
 
 
-def catalog_entry(model: Model) -> ModelEntry:
-    """The server's view of a configured model (placement fields dropped)."""
-    return ModelEntry(**model.model_dump(include=set(ModelEntry.model_fields)))
+def catalog_entry(model: Model, placement: GpuPlacement) -> ModelEntry:
+    """The server's view of a configured model (placement fields dropped).
+
+    The accelerator type always comes from the model's GPU group: the
+    replica's bundle then asks for the `accelerator_type:<GPU>` resource
+    that exactly that group's nodes advertise, and the engine never falls
+    back to the CPU accelerator on a GPU node.
+    """
+    fields = model.model_dump(include=set(ModelEntry.model_fields))
+    fields["accelerator_type"] = placement.instance.ray_accelerator_type
+    return ModelEntry(**fields)
 
 
-def catalog(cfg: StackConfig, models: list[Model]) -> Catalog:
+def catalog(cfg: StackConfig, models: list[Model], gpu: Mapping[str, GpuPlacement]) -> Catalog:
     """The catalogue one RayService's application serves."""
     return Catalog(
-        models=[catalog_entry(m) for m in models],
+        models=[catalog_entry(m, gpu[m.gpu_group]) for m in models],
         limits=cfg.serving.limits,
+        ingress=cfg.serving.ingress,
         api_keys_file=MOUNTS.api_keys_file,
         allow_hub_download=cfg.serving.allow_hub_download,
         model_cache_dir=MOUNTS.model_cache_dir,
     )
 
 
-def serve_config(cfg: StackConfig, service: str, models: list[Model]) -> dict[str, Any]:
+def serve_config(
+    cfg: StackConfig, service: str, models: list[Model], gpu: Mapping[str, GpuPlacement]
+) -> dict[str, Any]:
     """The serveConfigV2 document of one RayService."""
     return {
         # A proxy on every node: the GPU workers' proxies answer the
@@ -66,12 +79,12 @@ def serve_config(cfg: StackConfig, service: str, models: list[Model]) -> dict[st
                 "name": service,
                 "route_prefix": "/",
                 "import_path": IMPORT_PATH,
-                "args": catalog(cfg, models).model_dump(mode="json"),
+                "args": catalog(cfg, models, gpu).model_dump(mode="json"),
             }
         ],
     }
 
 
-def serve_config_yaml(cfg: StackConfig, service: str, models: list[Model]) -> str:
+def serve_config_yaml(cfg: StackConfig, service: str, models: list[Model], gpu: Mapping[str, GpuPlacement]) -> str:
     """serveConfigV2 as the YAML string the CRD field takes."""
-    return yaml.safe_dump(serve_config(cfg, service, models), sort_keys=False)
+    return yaml.safe_dump(serve_config(cfg, service, models, gpu), sort_keys=False)

@@ -28,7 +28,7 @@ from ray.serve.llm.deployment import LLMServer as _RayLLMServer
 from ray.serve.llm.ingress import OpenAiIngress
 
 from .catalog import Catalog, RequestLimits
-from .engine import llm_config_kwargs
+from .engine import ingress_deployment_config, llm_config_kwargs
 from .guard import CHAT_PATH, ApiGuard, ApiKeys
 
 logger = logging.getLogger(__name__)
@@ -190,12 +190,17 @@ def build_app(args: dict[str, Any]) -> Application:
         raise ValueError(
             f"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 serves exactly one model; the catalogue has {len(catalog.models)}"
         )
+    if direct and catalog.models[0].autoscaling.min_replicas < 1:
+        # The model is its own ingress there: at zero no proxy is left to
+        # take the request that would wake it.
+        raise ValueError("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 needs the model's min_replicas >= 1")
     serving_args: dict[str, Any] = {"llm_configs": llm_configs(catalog, direct_streaming=direct)}
     if not direct:
         serving_args["ingress_cls_config"] = {
             "ingress_cls": GuardedOpenAiIngress,
             "ingress_extra_kwargs": {"guard": GuardSettings.from_catalog(catalog).model_dump()},
         }
+        serving_args["ingress_deployment_config"] = ingress_deployment_config(catalog.ingress)
     logger.info(
         "Building the OpenAI app for %s (%s ingress)",
         [m.model_id for m in catalog.models],

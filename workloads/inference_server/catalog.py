@@ -66,6 +66,45 @@ class ServeAutoscaling(_Strict):
         return self
 
 
+class IngressScaling(_Strict):
+    """Ray Serve autoscaling of the OpenAI ingress (auth, tokenisation, routing for every model).
+
+    Never below one replica: Serve runs HTTP proxies only on nodes that hold
+    replicas (and on the head, which the serve Service leaves out), so an
+    ingress at zero leaves the Kubernetes Service without a Ready endpoint.
+    The RayService then never turns Ready and no request can arrive to wake a
+    model that scaled to zero. One ingress replica costs a few CPUs; it keeps
+    the path open at every scale. Serve LLM's own default follows the models
+    to zero, or pins one replica (min 1, max 1) otherwise.
+    """
+
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int = Field(default=2, ge=1)
+    target_ongoing_requests: float = Field(default=64, gt=0)
+    max_ongoing_requests: int = Field(default=256, gt=0)
+    # One per Ray node: the replicas land on different pods, which the
+    # RayService spreads over Kubernetes nodes, so no node is a single point
+    # of failure and each pod that exists holds a replica (and so a proxy).
+    max_replicas_per_node: int = Field(default=1, ge=1)
+    upscale_delay_s: float = Field(default=10, ge=0)
+    downscale_delay_s: float = Field(default=300, ge=0)
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> IngressScaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed max_replicas ({self.max_replicas})")
+        if self.target_ongoing_requests > self.max_ongoing_requests:
+            raise ValueError(
+                f"target_ongoing_requests ({self.target_ongoing_requests}) must not exceed "
+                f"max_ongoing_requests ({self.max_ongoing_requests})"
+            )
+        return self
+
+    def nodes(self, replicas: int) -> int:
+        """Ray nodes (ingress pods) that hold `replicas` replicas."""
+        return -(-replicas // self.max_replicas_per_node)
+
+
 class ModelEntry(_Strict):
     """One served model."""
 
@@ -153,6 +192,7 @@ class Catalog(_Strict):
 
     models: list[ModelEntry] = Field(min_length=1)
     limits: RequestLimits = Field(default_factory=RequestLimits)
+    ingress: IngressScaling = Field(default_factory=IngressScaling)
     api_keys_file: str | None = Field(
         default="/etc/inference/api-keys/keys", description="File with one API key per line."
     )

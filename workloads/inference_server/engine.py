@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .catalog import Catalog, ModelEntry, ServeAutoscaling
+from .catalog import Catalog, IngressScaling, ModelEntry, ServeAutoscaling
 
 # vLLM streams safetensors straight from S3 with this loader; nothing is
 # written to local disk and no model hub is asked.
@@ -30,6 +30,21 @@ def autoscaling_config(scaling: ServeAutoscaling) -> dict[str, Any]:
     if scaling.initial_replicas is not None:
         config["initial_replicas"] = scaling.initial_replicas
     return config
+
+
+def ingress_deployment_config(ingress: IngressScaling) -> dict[str, Any]:
+    """Serve LLM's ``ingress_deployment_config``: replaces its defaults (to zero with the models, else 1..1)."""
+    return {
+        "autoscaling_config": {
+            "min_replicas": ingress.min_replicas,
+            "max_replicas": ingress.max_replicas,
+            "target_ongoing_requests": ingress.target_ongoing_requests,
+            "upscale_delay_s": ingress.upscale_delay_s,
+            "downscale_delay_s": ingress.downscale_delay_s,
+        },
+        "max_ongoing_requests": ingress.max_ongoing_requests,
+        "max_replicas_per_node": ingress.max_replicas_per_node,
+    }
 
 
 def engine_kwargs(entry: ModelEntry, catalog: Catalog) -> dict[str, Any]:
