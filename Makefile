@@ -9,7 +9,7 @@ LOCAL_BACKEND ?= file://$(HOME)/.pulumi-llm-platform
 POLICY_VENV := policy/venv
 POLICY_FLAGS = --policy-pack policy --policy-pack-config policy/config/$(STACK).json
 
-.PHONY: help install install-dev up preview destroy render test lint unit e2e bench clean
+.PHONY: help install install-dev up preview destroy render test lint unit e2e bench golden-urns clean
 
 help:
 	@echo "make up STACK=dev|prod       deploy a stack (creates the venv, logs in, selects the stack)"
@@ -89,6 +89,11 @@ $(VENV)/.bench: $(VENV)/.dev benchmarks/requirements.txt
 # Serving overhead against bare vLLM, and render scale; writes benchmarks/results/ (~20 min).
 bench: $(VENV)/.bench
 	PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks
+
+# Accept new or removed resources in the URN golden lists (review the diff: a
+# changed URN is a replacement unless the resource carries an alias).
+golden-urns: $(VENV)/.program
+	$(BIN)/python -m tests.golden_urns
 
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache

@@ -29,6 +29,7 @@ from infra.config import ConfigError, Problem
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "[secret]"
+PROJECT = "llm-platform"
 # A stand-in for the API keys secret when the stack file does not carry it
 # (each user sets it with `pulumi config set --secret`); never a real key.
 PLACEHOLDER_API_KEYS = "render-placeholder-key-0000000000000000"
@@ -110,6 +111,35 @@ def _helm(inputs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _qualified_type(urn: str) -> str:
+    """The `parent$...$type` part of a URN."""
+    return urn.split("::")[2]
+
+
+def engine_urn(stack: str, parent: str | None, kind: str, name: str) -> str:
+    """A resource's URN as the Pulumi engine forms it.
+
+    The mock monitor's own URNs keep only the parent's last type and count
+    the stack as a parent; the engine chains every ancestor's type and
+    leaves the root stack out. A golden list of URNs must use the engine's.
+    """
+    chain = _qualified_type(parent) if parent else ""
+    qualified = f"{chain}${kind}" if chain else kind
+    return f"urn:pulumi:{stack}::{PROJECT}::{qualified}::{name}"
+
+
+def _alias_urn(alias: Any, stack: str, parent: str | None, kind: str, name: str) -> str:
+    """The URN an alias spec stands for (engine form)."""
+    if alias.urn:
+        return str(alias.urn)
+    spec = alias.spec
+    if spec.noParent:
+        parent = None
+    elif spec.parentUrn:
+        parent = spec.parentUrn
+    return engine_urn(spec.stack or stack, parent, spec.type or kind, spec.name or name)
+
+
 def _make_monitor(mocks: Any) -> Any:
     from pulumi.runtime import rpc
     from pulumi.runtime.mocks import MockMonitor
@@ -121,15 +151,25 @@ def _make_monitor(mocks: Any) -> Any:
             super().__init__(mocks)
             self.records: list[dict[str, Any]] = []
             self.names: dict[str, str] = {}
+            self.urns: dict[str, str] = {}
             self.lock = threading.Lock()
 
         def RegisterResource(self, request: Any) -> Any:  # noqa: N802 - the gRPC method name
             response = super().RegisterResource(request)  # type: ignore[no-untyped-call]
             if request.type != "pulumi:pulumi:Stack":
                 with self.lock:
+                    # Parents register before their children, so theirs is known.
+                    parent = self.urns.get(request.parent)
+                    stack = response.urn.split("::")[0].removeprefix("urn:pulumi:")
+                    urn = engine_urn(stack, parent, request.type, request.name)
+                    self.urns[response.urn] = urn
                     self.names[response.urn] = request.name
                     self.records.append(
                         {
+                            "urn": urn,
+                            "aliases": [
+                                _alias_urn(a, stack, parent, request.type, request.name) for a in request.aliases
+                            ],
                             "type": request.type,
                             "name": request.name,
                             "parent": request.parent,
@@ -195,7 +235,7 @@ def run_under_mocks(
     loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
     asyncio.set_event_loop(loop)
     settings.set_root_resource(None)  # type: ignore[arg-type]  # a fresh stack for every run
-    pulumi_mocks.set_mocks(mock, project="llm-platform", stack=stack, preview=False, monitor=monitor)
+    pulumi_mocks.set_mocks(mock, project=PROJECT, stack=stack, preview=False, monitor=monitor)
     pulumi.runtime.set_all_config(config, secret_keys)
     declared = _record_declaration_order()
     try:
@@ -209,6 +249,8 @@ def run_under_mocks(
     names = monitor.names
     return [
         {
+            "urn": r["urn"],
+            **({"aliases": sorted(r["aliases"])} if r["aliases"] else {}),
             "type": r["type"],
             "name": r["name"],
             "parent": names.get(r["parent"]),
