@@ -20,7 +20,7 @@ import pulumi
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from infra import versions
-from infra.catalog import GPU_INSTANCE_TYPES, GpuInstanceType
+from infra.instance_types import GPU_INSTANCE_TYPES, GpuInstanceType
 from workloads.inference_server.catalog import IngressScaling, ModelEntry, RequestLimits
 
 NAMESPACE = "llm-platform"
@@ -56,11 +56,11 @@ K8sName = Annotated[str, Field(min_length=1)]
 Duration = Annotated[str, Field(pattern=_DURATION.pattern)]
 
 
-class _Model(BaseModel):
+class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class Taint(_Model):
+class Taint(_Section):
     """A Kubernetes node taint."""
 
     key: str
@@ -68,7 +68,7 @@ class Taint(_Model):
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] = "NoSchedule"
 
 
-class NodeGroup(_Model):
+class NodeGroupSettings(_Section):
     """Size and shape shared by the system group and every GPU group."""
 
     instance_types: list[str] = Field(min_length=1)
@@ -89,13 +89,13 @@ class NodeGroup(_Model):
         return labels
 
 
-class SystemNodeGroup(NodeGroup):
+class SystemNodeGroupSettings(NodeGroupSettings):
     """CPU nodes for operators, Prometheus and the Ray heads."""
 
     name: K8sName = "system"
 
 
-class GpuNodeGroup(NodeGroup):
+class GpuNodeGroupSettings(NodeGroupSettings):
     """A managed node group of one GPU shape."""
 
     name: K8sName
@@ -106,18 +106,18 @@ class GpuNodeGroup(NodeGroup):
         return GPU_INSTANCE_TYPES[self.instance_types[0]]
 
 
-class NodeGroups(_Model):
+class NodeGroups(_Section):
     """The system group and any number of GPU groups."""
 
-    system: SystemNodeGroup
-    gpu: list[GpuNodeGroup] = Field(min_length=1)
+    system: SystemNodeGroupSettings
+    gpu: list[GpuNodeGroupSettings] = Field(min_length=1)
 
-    def gpu_group(self, name: str) -> GpuNodeGroup:
+    def gpu_group(self, name: str) -> GpuNodeGroupSettings:
         """The GPU group called `name` (the rules ensure it exists)."""
         return next(g for g in self.gpu if g.name == name)
 
 
-class Network(_Model):
+class Network(_Section):
     """Zones and addressing of the VPC."""
 
     zones: list[str] = Field(min_length=1)
@@ -129,7 +129,7 @@ LogType = Literal["api", "audit", "authenticator", "controllerManager", "schedul
 _DEFAULT_LOG_TYPES: tuple[LogType, ...] = ("api", "audit", "authenticator")
 
 
-class Cluster(_Model):
+class Cluster(_Section):
     """The Kubernetes cluster: created here (`eks`) or an existing one."""
 
     mode: Literal["eks", "existing"] = "eks"
@@ -143,7 +143,7 @@ class Cluster(_Model):
     kubeconfig_context: str | None = None
 
 
-class Versions(_Model):
+class Versions(_Section):
     """Pinned platform versions; defaults come from infra/versions.py."""
 
     gpu_operator: str = versions.GPU_OPERATOR.version
@@ -161,22 +161,22 @@ class Versions(_Model):
         return value
 
 
-class Toggle(_Model):
+class Toggle(_Section):
     """A platform part that an existing cluster may already run."""
 
     enabled: bool = True
 
 
-class GpuOperator(Toggle):
+class GpuOperatorSettings(Toggle):
     """NVIDIA GPU Operator settings."""
 
     mig_strategy: Literal["none", "single", "mixed"] = "none"
 
 
-class Platform(_Model):
+class Platform(_Section):
     """In-cluster services; each may be switched off on an existing cluster."""
 
-    gpu_operator: GpuOperator = GpuOperator()
+    gpu_operator: GpuOperatorSettings = GpuOperatorSettings()
     kuberay: Toggle = Toggle()
     monitoring: Toggle = Toggle()
     keda: Toggle = Toggle()
@@ -184,7 +184,7 @@ class Platform(_Model):
     load_balancer_controller: Toggle = Toggle()
 
 
-class StorageClass(_Model):
+class StorageClass(_Section):
     """The default gp3 StorageClass."""
 
     name: K8sName = "gp3-encrypted"
@@ -193,7 +193,7 @@ class StorageClass(_Model):
     kms_key_arn: str | None = None
 
 
-class Storage(_Model):
+class Storage(_Section):
     """Where model weights live and how nodes cache them."""
 
     model_bucket: str = Field(min_length=3, max_length=63, pattern=r"^[a-z0-9][a-z0-9.-]*[a-z0-9]$")
@@ -201,14 +201,14 @@ class Storage(_Model):
     storage_class: StorageClass = StorageClass()
 
 
-class GcsFaultTolerance(_Model):
+class GcsFaultTolerance(_Section):
     """External Redis for the Ray GCS, so a head restart keeps serving."""
 
     enabled: bool = False
     node_type: str = "cache.t4g.small"
 
 
-class Ray(_Model):
+class Ray(_Section):
     """RayService settings shared by every model."""
 
     gcs_fault_tolerance: GcsFaultTolerance = GcsFaultTolerance()
@@ -223,7 +223,7 @@ class Ray(_Model):
     head_memory: str = "8Gi"
 
 
-class Serving(_Model):
+class Serving(_Section):
     """The namespace the models run in and the limits every request obeys."""
 
     namespace: K8sName = "llm"
@@ -257,7 +257,7 @@ class Model(ModelEntry):
         return self.parameters_billion * 1e9 * per_param / 2**30
 
 
-class PreScale(_Model):
+class PreScale(_Section):
     """A window of warm GPU capacity held ahead of a known peak."""
 
     name: K8sName
@@ -268,7 +268,7 @@ class PreScale(_Model):
     end: str = Field(description="cron expression when the window closes")
 
 
-class ClusterAutoscaling(_Model):
+class ClusterAutoscaling(_Section):
     """cluster-autoscaler behaviour."""
 
     expander: Literal["least-waste", "priority", "most-pods", "random", "price"] = "least-waste"
@@ -277,14 +277,14 @@ class ClusterAutoscaling(_Model):
     max_node_provision_time: Duration = "15m"
 
 
-class Autoscaling(_Model):
+class Autoscaling(_Section):
     """The node and schedule layers of autoscaling (Serve's is per model)."""
 
     cluster: ClusterAutoscaling = ClusterAutoscaling()
     prescale: list[PreScale] = Field(default_factory=list)
 
 
-class Slo(_Model):
+class Slo(_Section):
     """Service levels the alerts hold the platform to."""
 
     ttft_p95_seconds: float = Field(default=2.0, gt=0)
@@ -295,7 +295,7 @@ class Slo(_Model):
     gpu_idle_minutes: int = Field(default=30, ge=5)
 
 
-class Observability(_Model):
+class Observability(_Section):
     """Prometheus, Grafana and the SLOs."""
 
     prometheus_retention: Duration = "15d"
@@ -307,7 +307,7 @@ class Observability(_Model):
     alertmanager_config_secret: K8sName | None = None
 
 
-class Endpoint(_Model):
+class Endpoint(_Section):
     """How clients reach the OpenAI-compatible API."""
 
     scheme: Literal["internal", "internet-facing"] = "internal"
@@ -323,7 +323,7 @@ class Endpoint(_Model):
         return f"{service}.{self.domain}" if self.domain else None
 
 
-class Batch(_Model):
+class Batch(_Section):
     """Queue-fed batch inference: SQS requests, KEDA-scaled workers, results in S3."""
 
     enabled: bool = False
@@ -341,14 +341,14 @@ class Batch(_Model):
     max_receive_count: int = Field(default=5, ge=1, le=1000)
 
 
-class Image(_Model):
+class Image(_Section):
     """The serving image: built from workloads/ or given by digest."""
 
     reference: str | None = Field(default=None, pattern=r"^[^@\s]+@sha256:[0-9a-f]{64}$")
     repository_name: K8sName = "llm-serving"
 
 
-class StackConfig(_Model):
+class StackConfig(_Section):
     """The whole stack, as `Pulumi.<stack>.yaml` describes it."""
 
     environment: Literal["dev", "staging", "prod"]
@@ -419,7 +419,7 @@ def _nodes_per_replica(model: Model, gpu: GpuInstanceType) -> int:
     return max(1, math.ceil(model.tensor_parallel_size * model.pipeline_parallel_size / gpu.gpus))
 
 
-def _check_node_group(path: str, group: NodeGroup) -> Iterable[Problem]:
+def _check_node_group(path: str, group: NodeGroupSettings) -> Iterable[Problem]:
     if not group.min_size <= group.desired_size <= group.max_size:
         yield Problem(
             path,
@@ -428,14 +428,14 @@ def _check_node_group(path: str, group: NodeGroup) -> Iterable[Problem]:
         )
 
 
-def _check_gpu_group(i: int, group: GpuNodeGroup) -> Iterable[Problem]:
+def _check_gpu_group(i: int, group: GpuNodeGroupSettings) -> Iterable[Problem]:
     path = f"node_groups.gpu[{i}]"
     yield from _check_node_group(path, group)
     unknown = [t for t in group.instance_types if t not in GPU_INSTANCE_TYPES]
     if unknown:
         yield Problem(
             f"{path}.instance_types",
-            f"{', '.join(unknown)} not in the GPU catalogue (infra/catalog.py: "
+            f"{', '.join(unknown)} not in the GPU catalogue (infra/instance_types.py: "
             f"{', '.join(sorted(GPU_INSTANCE_TYPES))})",
         )
         return
@@ -448,7 +448,7 @@ def _check_gpu_group(i: int, group: GpuNodeGroup) -> Iterable[Problem]:
         )
 
 
-def _check_model(i: int, model: Model, cfg: StackConfig, groups: dict[str, GpuNodeGroup]) -> Iterable[Problem]:
+def _check_model(i: int, model: Model, cfg: StackConfig, groups: dict[str, GpuNodeGroupSettings]) -> Iterable[Problem]:
     path = f"models[{i}]"
     group = groups.get(model.gpu_group)
     if group is None:
@@ -627,7 +627,7 @@ def _check_network(cfg: StackConfig) -> Iterable[Problem]:
         yield Problem("cluster.kubernetes_version", "must be a Kubernetes minor such as 1.35")
 
 
-def _check_prescale(cfg: StackConfig, groups: dict[str, GpuNodeGroup]) -> Iterable[Problem]:
+def _check_prescale(cfg: StackConfig, groups: dict[str, GpuNodeGroupSettings]) -> Iterable[Problem]:
     for i, window in enumerate(cfg.autoscaling.prescale):
         group = groups.get(window.gpu_group)
         if group is None:
@@ -659,7 +659,7 @@ def check_rules(cfg: StackConfig) -> list[Problem]:
     """Every cross-field rule; an empty list means the config is usable."""
     problems: list[Problem] = []
     problems += _check_node_group("node_groups.system", cfg.node_groups.system)
-    gpu_groups: dict[str, GpuNodeGroup] = {}
+    gpu_groups: dict[str, GpuNodeGroupSettings] = {}
     for i, group in enumerate(cfg.node_groups.gpu):
         problems += _check_gpu_group(i, group)
         gpu_groups.setdefault(group.name, group)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from infra.catalog import GpuInstanceType
-from infra.config import GpuNodeGroup, StackConfig, Taint
+from infra.instance_types import GpuInstanceType
+from infra.config import GpuNodeGroupSettings, StackConfig, Taint
 
 LABEL_PREFIX = "llm-platform"
 NODE_GROUP_LABEL = f"{LABEL_PREFIX}/node-group"
@@ -72,7 +72,7 @@ def system_placement(cfg: StackConfig) -> Placement:
     return Placement(group=group.name, labels=labels, taints=tuple(group.taints))
 
 
-def gpu_placement(group: GpuNodeGroup) -> GpuPlacement:
+def gpu_placement(group: GpuNodeGroupSettings) -> GpuPlacement:
     """One GPU group's placement: its labels, the GPU taint and its own taints."""
     instance = group.instance()
     labels = {

@@ -6,7 +6,7 @@ import pulumi
 
 from infra.aws.build import build_aws
 from infra.config import LoadedConfig
-from infra.platform.build import build_platform
+from infra.cluster_services.build import build_platform
 from infra.serving.build import build_serving
 
 

@@ -12,7 +12,7 @@ import pytest
 from infra import versions
 from infra.aws import node_groups as ng
 from infra.aws.registry import image_tag
-from infra.config import GpuNodeGroup, StackConfig, SystemNodeGroup, parse
+from infra.config import GpuNodeGroupSettings, StackConfig, SystemNodeGroupSettings, parse
 from infra.mocks import fake_digest
 from infra.render import SECRET, Rendered
 from infra.scheduling import GPU_TAINT, gpu_placement, system_placement
@@ -111,7 +111,7 @@ def test_autoscaler_node_template_lets_each_group_scale_from_zero(stack: tuple[S
 
 def test_nodes_require_imdsv2_and_encrypted_gp3_sized_from_config(stack: tuple[StackConfig, Rendered]) -> None:
     cfg, r = stack
-    groups: list[SystemNodeGroup | GpuNodeGroup] = [cfg.node_groups.system, *cfg.node_groups.gpu]
+    groups: list[SystemNodeGroupSettings | GpuNodeGroupSettings] = [cfg.node_groups.system, *cfg.node_groups.gpu]
     for group in groups:
         template = _one(r, "aws:ec2/launchTemplate:LaunchTemplate", f"nodes-{group.name}")["inputs"]
         assert template["metadataOptions"]["httpTokens"] == "required"

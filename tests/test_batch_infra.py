@@ -284,7 +284,7 @@ def test_worker_env_is_what_the_worker_parses_and_targets_the_batch_models_servi
     service = _manifest(r, "RayService", model.service_name)["spec"]["serveService"]
     port = service["spec"]["ports"][0]["port"]
     assert (
-        settings.base_url == f"http://{kuberay.serve_service(model.service_name)}.{cfg.serving.namespace}.svc:{port}/v1"
+        settings.base_url == f"http://{kuberay.serve_service_name(model.service_name)}.{cfg.serving.namespace}.svc:{port}/v1"
     )
     assert settings.model == cfg.batch.model
     assert settings.api_keys_file == MOUNTS.api_keys_file

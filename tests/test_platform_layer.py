@@ -22,7 +22,7 @@ import yaml
 from infra import versions
 from infra.aws.layer import AwsLayer, PodIdentity
 from infra.config import StackConfig, parse
-from infra.platform import monitoring
+from infra.cluster_services import monitoring
 from infra.render import ROOT, SECRET, read_stack_file, run_under_mocks
 from infra.scheduling import GPU_OPERATOR_DEVICE_PLUGIN_LABEL, GPU_TAINT, gpu_placements, system_placement
 
@@ -115,7 +115,7 @@ def _name(urn: str) -> str:
 
 def render_platform(cfg: StackConfig, **aws_changes: Any) -> PlatformRender:
     """Run build_platform under the project's mocks and record what it declared."""
-    from infra.platform.build import build_platform
+    from infra.cluster_services.build import build_platform
 
     layer: dict[str, Any] = {}
 
@@ -517,7 +517,7 @@ def test_in_cluster_addresses_follow_the_release_name(stack: str) -> None:
 
 
 def test_helm_fullname_follows_the_chart_convention() -> None:
-    from infra.platform.helm import helm_fullname
+    from infra.cluster_services.helm import helm_fullname
 
     assert helm_fullname("kube-prometheus-stack", "kube-prometheus-stack", limit=26) == "kube-prometheus-stack"
     assert helm_fullname("kube-prometheus-stack", "grafana") == "kube-prometheus-stack-grafana"

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from infra import versions
-from infra.platform.values_keys import REFERENCE_VALUES, documented_keys, key_paths, load_chart_values, unknown_keys
+from tests.values_keys import REFERENCE_VALUES, documented_keys, key_paths, load_chart_values, unknown_keys
 from tests.test_platform_layer import PlatformRender, render_platform, stack_config, stack_render
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"

@@ -85,10 +85,11 @@ def test_parents_come_first_and_every_resource_sits_in_a_component(stack: str) -
 
 
 def test_program_runs_the_way_the_cli_runs_it(tmp_path: Path) -> None:
-    """`main: infra/` puts infra/ first on sys.path; the program must still import as `infra`.
+    """The CLI runs the project root's `__main__.py` with the root first on sys.path.
 
-    The cwd is elsewhere and the project root is not on sys.path, so only
-    infra/__main__.py's own path handling can make `import infra` work.
+    The cwd is elsewhere and only the language host's own sys.path handling
+    (the folder it runs goes first) makes `import infra` work; no module of
+    the program may shadow the standard library.
     """
     script = f"""
 import importlib.util, json, runpy, sys
@@ -102,8 +103,8 @@ config = {{k: json.dumps(v) if isinstance(v, (dict, list)) else str(v) for k, v 
 config["llm-platform:api_keys"] = {PLACEHOLDER_API_KEYS!r}
 mocks.set_mocks(render_mocks.PlatformMocks("us-west-2"), project="llm-platform", stack="dev", preview=False)
 pulumi.runtime.set_all_config(config, ["llm-platform:api_keys"])
-# As the language host does: run the folder, which puts infra/ first on sys.path.
-runpy.run_path({str(ROOT / "infra")!r}, run_name="__main__")
+# As the language host does: run the project folder, which it puts first on sys.path.
+runpy.run_path({str(ROOT)!r}, run_name="__main__")
 import platform
 assert "infra" not in platform.__file__, platform.__file__
 print(sorted(settings.get_root_resource().outputs))

@@ -10,7 +10,7 @@ import pytest
 from infra import versions
 from infra.serving import kuberay
 from infra.serving.dashboards import dashboards
-from infra.serving.endpoint import EXTERNAL_DNS_ANNOTATION, LB_ANNOTATION, base_url, serve_service
+from infra.serving.endpoint import EXTERNAL_DNS_ANNOTATION, LB_ANNOTATION, base_url, serve_service_spec
 from infra.serving.ports import HTTPS_PORT, RAY_PORTS
 from tests.harness import manifests_of, render_stack
 from tests.test_serving_support import config, ray_services
@@ -38,7 +38,7 @@ def test_prod_endpoint_is_an_internet_facing_tls_nlb_limited_to_the_allowed_cidr
     for rs in ray_services("prod"):
         svc = _serve_service(rs)
         name = rs["metadata"]["name"]
-        assert svc["metadata"]["name"] == kuberay.serve_service(name)
+        assert svc["metadata"]["name"] == kuberay.serve_service_name(name)
         annotations = svc["metadata"]["annotations"]
         assert annotations[f"{LB_ANNOTATION}-type"] == "external"
         assert annotations[f"{LB_ANNOTATION}-nlb-target-type"] == "ip"
@@ -75,7 +75,7 @@ def test_each_service_gets_its_own_name_under_the_domain() -> None:
 def test_base_url_scheme_follows_the_certificate() -> None:
     assert base_url("lb.example", config("prod").endpoint) == "https://lb.example/v1"
     assert base_url("lb.example", config("dev").endpoint) == "http://lb.example:8000/v1"
-    assert serve_service("a", "llm", config("dev").endpoint)["metadata"]["namespace"] == "llm"
+    assert serve_service_spec("a", "llm", config("dev").endpoint)["metadata"]["namespace"] == "llm"
 
 
 @pytest.mark.parametrize("stack", STACKS)

@@ -284,7 +284,7 @@ def test_labels_kuberay_puts_on_pods_exist_in_kuberay() -> None:
         "ray.io/originated-from-cr-name": "x",
         "ray.io/originated-from-crd": "RayService",
     }
-    assert kuberay.serve_service("x") == "x-serve-svc"
+    assert kuberay.serve_service_name("x") == "x-serve-svc"
     assert Path(__file__).name.startswith("test_serving_")
 
 

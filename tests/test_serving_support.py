@@ -7,7 +7,7 @@ from typing import Any
 
 from infra.config import StackConfig, parse
 from infra.scheduling import gpu_placements, system_placement
-from infra.serving.endpoint import serve_service
+from infra.serving.endpoint import serve_service_spec
 from infra.serving.ray_service import VllmRayServiceArgs
 from tests.harness import manifests_of, render_stack, stack_doc
 
@@ -40,7 +40,7 @@ def ray_service_args(cfg: StackConfig, service: str, **overrides: Any) -> VllmRa
         "prometheus_url": "http://prometheus.monitoring.svc:9090",
         "grafana_url": "http://grafana.monitoring.svc:80",
         "serving_priority_class": "llm-serving",
-        "serve_service": serve_service(service, cfg.serving.namespace, cfg.endpoint),
+        "serve_service": serve_service_spec(service, cfg.serving.namespace, cfg.endpoint),
     }
     values.update(overrides)
     return VllmRayServiceArgs(**values)

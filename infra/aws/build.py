@@ -23,7 +23,7 @@ from infra.aws.queue import BatchQueueArgs, BatchQueues
 from infra.aws.redis import GcsRedis, RedisArgs
 from infra.aws.registry import RegistryArgs, ServingImage
 from infra.aws.storage import ModelBucket, ModelBucketArgs
-from infra.config import NodeGroup as NodeGroupConfig
+from infra.config import NodeGroupSettings
 from infra.config import StackConfig
 from infra.scheduling import Placement, gpu_placements, system_placement
 
@@ -102,7 +102,7 @@ def build_aws(cfg: StackConfig) -> AwsLayer:
         ),
     )
 
-    def node_group(placement: Placement, config: NodeGroupConfig) -> NodeGroup:
+    def node_group(placement: Placement, config: NodeGroupSettings) -> NodeGroup:
         return NodeGroup(
             f"nodes-{placement.group}",
             NodeGroupArgs(

@@ -9,7 +9,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.aws import policies
-from infra.config import NodeGroup as NodeGroupConfig
+from infra.config import NodeGroupSettings
 from infra.scheduling import GpuPlacement, Placement
 
 AMI_TYPES = {
@@ -67,7 +67,7 @@ class NodeGroupArgs:
 
     cluster_name: pulumi.Input[str]
     kubernetes_version: str
-    config: NodeGroupConfig
+    config: NodeGroupSettings
     placement: Placement
     node_role_arn: pulumi.Input[str]
     subnet_ids: pulumi.Input[Sequence[str]]

@@ -1,21 +1,21 @@
 """`ServingAlerts`: the serving PrometheusRule and the PodMonitors that feed it.
 
-Every metric named here is one an exporter of this platform emits:
-- Ray's metrics agent (port `metrics` on every Ray pod): vLLM's engine
-  metrics with `vllm:` turned into `ray_vllm_` (label `model_name`), Ray
-  Serve's `ray_serve_*` (labels `application`, `deployment`); counters get
-  Prometheus' `_total`;
-- the KubeRay operator: `kuberay_service_condition_ready{condition, name, namespace}`;
-- the DCGM exporter: `DCGM_FI_DEV_*`;
-- kube-state-metrics: `kube_pod_*` (extended resources as `nvidia_com_gpu`);
-- cluster-autoscaler: per-node-group gauges (`--emit-per-nodegroup-metrics`).
-`ALERT_METRICS` lists them per rule so a test can hold them to an allow-list.
+Three tables, and everything else derives from them:
+- `METRIC_INVENTORY`: every exporter metric this platform may read, grouped by
+  the exporter that emits it;
+- `RECORDING_RULES`: the series the dashboards plot and the alerts compare;
+- `ALERTS`: the alerts, one `AlertSpec` each.
+The PrometheusRule is rendered from the last two; the tests hold every
+expression to the inventory, every alert to a `promtool test rules` case that
+fires it, and the README's alert table to `ALERTS`. Adding an alert is one
+`AlertSpec` here plus its case in `tests/rules/serving-alerts.yaml`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -28,10 +28,103 @@ from infra.serving.ports import RAY_PORTS
 PROMETHEUS_RULE_TYPE = "kubernetes:monitoring.coreos.com/v1:PrometheusRule"
 POD_MONITOR_TYPE = "kubernetes:monitoring.coreos.com/v1:PodMonitor"
 RULE_NAME = "llm-serving"
+RECORDING_GROUP = "llm-serving.recording"
+RECORDING_INTERVAL = "30s"
+ALERT_GROUP = "llm-serving.alerts"
 HEADROOM_POD_PATTERN = "gpu-headroom-.*"
 
 # Below this utilisation (percent) a GPU counts as idle.
 GPU_IDLE_UTIL_PERCENT = 5
+
+
+@dataclass(frozen=True)
+class MetricFamily:
+    """The metric names one exporter emits that this platform reads."""
+
+    exporter: str
+    prefix: str
+    names: tuple[str, ...]
+
+
+# Versions are the ones pinned in infra/versions.py. Counters carry
+# Prometheus' `_total`, histograms are read through `_bucket`.
+METRIC_INVENTORY: tuple[MetricFamily, ...] = (
+    # vLLM's engine metrics under Ray Serve LLM: Ray's metrics agent (port
+    # `metrics` on every Ray pod) exports vLLM's `vllm:` series as `ray_vllm_`.
+    # Labels: model_name, ReplicaId, engine.
+    MetricFamily(
+        exporter="vLLM through Ray's metrics agent",
+        prefix="ray_vllm_",
+        names=(
+            "ray_vllm_time_to_first_token_seconds_bucket",
+            "ray_vllm_inter_token_latency_seconds_bucket",
+            "ray_vllm_e2e_request_latency_seconds_bucket",
+            "ray_vllm_generation_tokens_total",
+            "ray_vllm_prompt_tokens_total",
+            "ray_vllm_request_success_total",
+            "ray_vllm_num_requests_waiting",
+            "ray_vllm_num_requests_running",
+            "ray_vllm_kv_cache_usage_perc",
+        ),
+    ),
+    # Ray Serve's own metrics, from the same metrics agent. Labels:
+    # application, deployment (HTTP: route, method, status_code).
+    MetricFamily(
+        exporter="Ray Serve through Ray's metrics agent",
+        prefix="ray_serve_",
+        names=(
+            "ray_serve_num_http_requests_total",
+            "ray_serve_num_http_error_requests_total",
+            "ray_serve_deployment_replica_healthy",
+        ),
+    ),
+    # The KubeRay operator's metrics endpoint: RayService conditions.
+    MetricFamily(
+        exporter="KubeRay operator",
+        prefix="kuberay_",
+        names=("kuberay_service_condition_ready",),
+    ),
+    # NVIDIA's DCGM exporter (deployed by the GPU Operator). Labels: Hostname,
+    # gpu, UUID, modelName, and the pod holding the GPU (`pod` or `exported_pod`).
+    MetricFamily(
+        exporter="DCGM exporter",
+        prefix="DCGM_FI_",
+        names=(
+            "DCGM_FI_DEV_GPU_UTIL",
+            "DCGM_FI_DEV_FB_USED",
+            "DCGM_FI_DEV_FB_FREE",
+            "DCGM_FI_DEV_XID_ERRORS",
+            "DCGM_FI_DEV_POWER_USAGE",
+        ),
+    ),
+    # kube-state-metrics (kube-prometheus-stack); extended resources appear
+    # with `.` and `/` turned into `_`, e.g. `nvidia_com_gpu`.
+    MetricFamily(
+        exporter="kube-state-metrics",
+        prefix="kube_",
+        names=("kube_pod_status_phase", "kube_pod_container_resource_requests"),
+    ),
+    # cluster-autoscaler's per-node-group gauges (`--emit-per-nodegroup-metrics`).
+    MetricFamily(
+        exporter="cluster-autoscaler",
+        prefix="cluster_autoscaler_",
+        names=("cluster_autoscaler_node_group_target_count", "cluster_autoscaler_node_group_max_count"),
+    ),
+)
+KNOWN_METRICS: frozenset[str] = frozenset(name for family in METRIC_INVENTORY for name in family.names)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordingRule:
+    """A recorded series; `metrics` are the inventory names its expression reads."""
+
+    record: str
+    expr: str
+    metrics: tuple[str, ...]
+
+    def rule(self) -> dict[str, Any]:
+        return {"record": self.record, "expr": self.expr}
+
 
 # Recording rules: what the dashboards plot and the alerts compare.
 TTFT_P95 = "llm:time_to_first_token_seconds:p95"
@@ -45,171 +138,237 @@ HTTP_REQUESTS_RATE = "llm:http_requests:rate5m"
 HTTP_5XX_RATIO = "llm:http_5xx_ratio:rate5m"
 GPU_UTIL_ALLOCATED = "llm:gpu_util_allocated:percent"
 
-# The exporter metrics each rule reads (recording rules by their record name).
-ALERT_METRICS: dict[str, list[str]] = {
-    TTFT_P95: ["ray_vllm_time_to_first_token_seconds_bucket"],
-    ITL_P95: ["ray_vllm_inter_token_latency_seconds_bucket"],
-    GENERATION_TOKENS_RATE: ["ray_vllm_generation_tokens_total"],
-    PROMPT_TOKENS_RATE: ["ray_vllm_prompt_tokens_total"],
-    REQUESTS_WAITING: ["ray_vllm_num_requests_waiting"],
-    REQUESTS_RUNNING: ["ray_vllm_num_requests_running"],
-    KV_CACHE_USAGE: ["ray_vllm_kv_cache_usage_perc"],
-    HTTP_REQUESTS_RATE: ["ray_serve_num_http_requests_total"],
-    HTTP_5XX_RATIO: ["ray_serve_num_http_requests_total"],
-    GPU_UTIL_ALLOCATED: ["DCGM_FI_DEV_GPU_UTIL"],
-    "LlmTimeToFirstTokenHigh": [TTFT_P95],
-    "LlmRequestsWaiting": [REQUESTS_WAITING],
-    "LlmKvCacheNearlyFull": [KV_CACHE_USAGE],
-    "LlmHttp5xxRatioHigh": [HTTP_5XX_RATIO, HTTP_REQUESTS_RATE],
-    "RayServeReplicaUnhealthy": ["ray_serve_deployment_replica_healthy"],
-    "RayServiceNotReady": ["kuberay_service_condition_ready"],
-    "GpuXidError": ["DCGM_FI_DEV_XID_ERRORS"],
-    "GpuAllocatedButIdle": [GPU_UTIL_ALLOCATED],
-    "GpuPodsPendingNodeGroupAtMax": [
-        "kube_pod_status_phase",
-        "kube_pod_container_resource_requests",
-        "cluster_autoscaler_node_group_target_count",
-        "cluster_autoscaler_node_group_max_count",
-    ],
-}
-
-
-def _record(name: str, expr: str) -> dict[str, Any]:
-    return {"record": name, "expr": expr}
-
-
-def _alert(name: str, expr: str, for_: str, severity: str, summary: str, description: str) -> dict[str, Any]:
-    return {
-        "alert": name,
-        "expr": expr,
-        "for": for_,
-        "labels": {"severity": severity},
-        "annotations": {"summary": summary, "description": description},
-    }
-
-
-def recording_rules() -> list[dict[str, Any]]:
-    """Per-model and per-application series for the dashboards and alerts."""
-    ratio = (
-        'sum by (namespace, application) (rate(ray_serve_num_http_requests_total{status_code=~"5.."}[5m]))'
-        " / sum by (namespace, application) (rate(ray_serve_num_http_requests_total[5m]))"
-    )
+RECORDING_RULES: tuple[RecordingRule, ...] = (
+    RecordingRule(
+        record=TTFT_P95,
+        expr="histogram_quantile(0.95, sum by (model_name, le) "
+        "(rate(ray_vllm_time_to_first_token_seconds_bucket[5m])))",
+        metrics=("ray_vllm_time_to_first_token_seconds_bucket",),
+    ),
+    RecordingRule(
+        record=ITL_P95,
+        expr="histogram_quantile(0.95, sum by (model_name, le) "
+        "(rate(ray_vllm_inter_token_latency_seconds_bucket[5m])))",
+        metrics=("ray_vllm_inter_token_latency_seconds_bucket",),
+    ),
+    RecordingRule(
+        record=GENERATION_TOKENS_RATE,
+        expr="sum by (model_name) (rate(ray_vllm_generation_tokens_total[5m]))",
+        metrics=("ray_vllm_generation_tokens_total",),
+    ),
+    RecordingRule(
+        record=PROMPT_TOKENS_RATE,
+        expr="sum by (model_name) (rate(ray_vllm_prompt_tokens_total[5m]))",
+        metrics=("ray_vllm_prompt_tokens_total",),
+    ),
+    RecordingRule(
+        record=REQUESTS_WAITING,
+        expr="sum by (model_name) (ray_vllm_num_requests_waiting)",
+        metrics=("ray_vllm_num_requests_waiting",),
+    ),
+    RecordingRule(
+        record=REQUESTS_RUNNING,
+        expr="sum by (model_name) (ray_vllm_num_requests_running)",
+        metrics=("ray_vllm_num_requests_running",),
+    ),
+    RecordingRule(
+        record=KV_CACHE_USAGE,
+        expr="max by (model_name) (ray_vllm_kv_cache_usage_perc)",
+        metrics=("ray_vllm_kv_cache_usage_perc",),
+    ),
+    RecordingRule(
+        record=HTTP_REQUESTS_RATE,
+        expr="sum by (namespace, application) (rate(ray_serve_num_http_requests_total[5m]))",
+        metrics=("ray_serve_num_http_requests_total",),
+    ),
+    RecordingRule(
+        record=HTTP_5XX_RATIO,
+        expr='sum by (namespace, application) (rate(ray_serve_num_http_requests_total{status_code=~"5.."}[5m]))'
+        " / sum by (namespace, application) (rate(ray_serve_num_http_requests_total[5m]))",
+        metrics=("ray_serve_num_http_requests_total",),
+    ),
     # The DCGM exporter labels a GPU held by a pod with that pod. Whether the
     # label arrives as `pod` or, under a ServiceMonitor without honorLabels,
     # as `exported_pod`, depends on the scrape; accept both.
-    gpu_util = (
+    RecordingRule(
+        record=GPU_UTIL_ALLOCATED,
+        expr="max by (pod, Hostname, gpu) ("
         'label_replace(DCGM_FI_DEV_GPU_UTIL{exported_pod!=""}, "pod", "$1", "exported_pod", "(.+)")'
-        ' or DCGM_FI_DEV_GPU_UTIL{pod!="", exported_pod="", container!="nvidia-dcgm-exporter"}'
-    )
-    return [
-        _record(
-            TTFT_P95,
-            "histogram_quantile(0.95, sum by (model_name, le) (rate(ray_vllm_time_to_first_token_seconds_bucket[5m])))",
-        ),
-        _record(
-            ITL_P95,
-            "histogram_quantile(0.95, sum by (model_name, le) (rate(ray_vllm_inter_token_latency_seconds_bucket[5m])))",
-        ),
-        _record(GENERATION_TOKENS_RATE, "sum by (model_name) (rate(ray_vllm_generation_tokens_total[5m]))"),
-        _record(PROMPT_TOKENS_RATE, "sum by (model_name) (rate(ray_vllm_prompt_tokens_total[5m]))"),
-        _record(REQUESTS_WAITING, "sum by (model_name) (ray_vllm_num_requests_waiting)"),
-        _record(REQUESTS_RUNNING, "sum by (model_name) (ray_vllm_num_requests_running)"),
-        _record(KV_CACHE_USAGE, "max by (model_name) (ray_vllm_kv_cache_usage_perc)"),
-        _record(HTTP_REQUESTS_RATE, "sum by (namespace, application) (rate(ray_serve_num_http_requests_total[5m]))"),
-        _record(HTTP_5XX_RATIO, ratio),
-        _record(GPU_UTIL_ALLOCATED, f"max by (pod, Hostname, gpu) ({gpu_util})"),
-    ]
+        ' or DCGM_FI_DEV_GPU_UTIL{pod!="", exported_pod="", container!="nvidia-dcgm-exporter"})',
+        metrics=("DCGM_FI_DEV_GPU_UTIL",),
+    ),
+)
 
 
-def alert_rules(slo: Slo, namespace: str) -> list[dict[str, Any]]:
-    """The serving alerts; thresholds from the config's SLOs."""
-    gpu_pending = (
-        f'sum(\n  (kube_pod_status_phase{{namespace="{namespace}", phase="Pending"}} == 1)\n'
+@dataclass(frozen=True)
+class RuleContext:
+    """What an alert's thresholds and selectors are filled from."""
+
+    slo: Slo
+    namespace: str
+
+
+# A rule field: fixed text, or text made from the stack's SLOs and namespace.
+Text = str | Callable[[RuleContext], str]
+Severity = Literal["critical", "warning", "info"]
+
+
+def _text(value: Text, ctx: RuleContext) -> str:
+    return value if isinstance(value, str) else value(ctx)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlertSpec:
+    """One alert. `metrics` are the names its expression reads (inventory
+    metrics or recording rules); `summary` and `description` are Prometheus
+    templates."""
+
+    name: str
+    expr: Text
+    for_: Text
+    severity: Severity
+    summary: str
+    description: Text
+    metrics: tuple[str, ...]
+
+    def rule(self, ctx: RuleContext) -> dict[str, Any]:
+        return {
+            "alert": self.name,
+            "expr": _text(self.expr, ctx),
+            "for": _text(self.for_, ctx),
+            "labels": {"severity": self.severity},
+            "annotations": {"summary": self.summary, "description": _text(self.description, ctx)},
+        }
+
+
+def _gpu_pods_pending_at_max(ctx: RuleContext) -> str:
+    ns = ctx.namespace
+    return (
+        f'sum(\n  (kube_pod_status_phase{{namespace="{ns}", phase="Pending"}} == 1)\n'
         "  * on (namespace, pod) group_left ()\n"
-        f'  (max by (namespace, pod) (kube_pod_container_resource_requests{{namespace="{namespace}", '
+        f'  (max by (namespace, pod) (kube_pod_container_resource_requests{{namespace="{ns}", '
         f'resource="nvidia_com_gpu", pod!~"{HEADROOM_POD_PATTERN}"}}) > 0)\n'
         ") > 0\n"
         "and on ()\n"
         "count(cluster_autoscaler_node_group_target_count >= cluster_autoscaler_node_group_max_count) > 0"
     )
-    return [
-        _alert(
-            "LlmTimeToFirstTokenHigh",
-            f"{TTFT_P95} > {slo.ttft_p95_seconds}",
-            "10m",
-            "warning",
-            "Time to first token p95 of {{ $labels.model_name }} is over the SLO",
-            f"p95 TTFT is {{{{ $value | humanizeDuration }}}} (SLO {slo.ttft_p95_seconds}s) for 10 minutes.",
+
+
+# The serving alerts; thresholds from the config's SLOs. Each one needs a
+# `promtool test rules` case in tests/rules/ that fires it and one that does not.
+ALERTS: tuple[AlertSpec, ...] = (
+    AlertSpec(
+        name="LlmTimeToFirstTokenHigh",
+        expr=lambda c: f"{TTFT_P95} > {c.slo.ttft_p95_seconds}",
+        for_="10m",
+        severity="warning",
+        summary="Time to first token p95 of {{ $labels.model_name }} is over the SLO",
+        description=lambda c: (
+            f"p95 TTFT is {{{{ $value | humanizeDuration }}}} (SLO {c.slo.ttft_p95_seconds}s) for 10 minutes."
         ),
-        _alert(
-            "LlmRequestsWaiting",
-            f"{REQUESTS_WAITING} > {slo.requests_waiting}",
-            "10m",
-            "warning",
-            "Requests are queueing for {{ $labels.model_name }}",
-            f"{{{{ $value }}}} requests wait for a slot (threshold {slo.requests_waiting}) for 10 minutes: "
-            "replicas are at their maximum or GPU nodes are not coming up.",
+        metrics=(TTFT_P95,),
+    ),
+    AlertSpec(
+        name="LlmRequestsWaiting",
+        expr=lambda c: f"{REQUESTS_WAITING} > {c.slo.requests_waiting}",
+        for_="10m",
+        severity="warning",
+        summary="Requests are queueing for {{ $labels.model_name }}",
+        description=lambda c: (
+            f"{{{{ $value }}}} requests wait for a slot (threshold {c.slo.requests_waiting}) for 10 minutes: "
+            "replicas are at their maximum or GPU nodes are not coming up."
         ),
-        _alert(
-            "LlmKvCacheNearlyFull",
-            f"{KV_CACHE_USAGE} > {slo.kv_cache_usage}",
-            "15m",
-            "warning",
-            "KV cache of {{ $labels.model_name }} is nearly full",
-            f"KV cache usage is {{{{ $value | humanizePercentage }}}} (threshold {slo.kv_cache_usage}): "
-            "requests get preempted and latency climbs.",
+        metrics=(REQUESTS_WAITING,),
+    ),
+    AlertSpec(
+        name="LlmKvCacheNearlyFull",
+        expr=lambda c: f"{KV_CACHE_USAGE} > {c.slo.kv_cache_usage}",
+        for_="15m",
+        severity="warning",
+        summary="KV cache of {{ $labels.model_name }} is nearly full",
+        description=lambda c: (
+            f"KV cache usage is {{{{ $value | humanizePercentage }}}} (threshold {c.slo.kv_cache_usage}): "
+            "requests get preempted and latency climbs."
         ),
-        _alert(
-            "LlmHttp5xxRatioHigh",
-            f"{HTTP_5XX_RATIO} > {slo.error_ratio} and {HTTP_REQUESTS_RATE} > 0.05",
-            "5m",
-            "critical",
-            "Serve application {{ $labels.application }} answers with 5xx",
-            f"{{{{ $value | humanizePercentage }}}} of requests fail with 5xx (SLO {slo.error_ratio}).",
+        metrics=(KV_CACHE_USAGE,),
+    ),
+    AlertSpec(
+        name="LlmHttp5xxRatioHigh",
+        expr=lambda c: f"{HTTP_5XX_RATIO} > {c.slo.error_ratio} and {HTTP_REQUESTS_RATE} > 0.05",
+        for_="5m",
+        severity="critical",
+        summary="Serve application {{ $labels.application }} answers with 5xx",
+        description=lambda c: (
+            f"{{{{ $value | humanizePercentage }}}} of requests fail with 5xx (SLO {c.slo.error_ratio})."
         ),
-        _alert(
-            "RayServeReplicaUnhealthy",
-            "count by (namespace, application, deployment) (ray_serve_deployment_replica_healthy == 0) > 0",
-            "5m",
-            "warning",
-            "Serve deployment {{ $labels.application }}/{{ $labels.deployment }} has unhealthy replicas",
-            "{{ $value }} replicas fail their health checks for 5 minutes.",
-        ),
-        _alert(
-            "RayServiceNotReady",
-            f'kuberay_service_condition_ready{{namespace="{namespace}", condition="false"}} == 1',
-            "15m",
-            "critical",
-            "RayService {{ $labels.name }} is not ready",
-            "KubeRay reports the RayService not Ready for 15 minutes: its Serve applications are not serving.",
-        ),
-        _alert(
-            "GpuXidError",
-            "max by (Hostname, gpu, modelName) (DCGM_FI_DEV_XID_ERRORS) > 0",
-            "0m",
-            "critical",
-            "GPU {{ $labels.gpu }} on {{ $labels.Hostname }} reported XID {{ $value }}",
-            "The driver reported an XID error; check `nvidia-smi -q` and drain the node if it repeats.",
-        ),
-        _alert(
-            "GpuAllocatedButIdle",
-            f'{GPU_UTIL_ALLOCATED}{{pod!~"{HEADROOM_POD_PATTERN}"}} < {GPU_IDLE_UTIL_PERCENT}',
-            f"{slo.gpu_idle_minutes}m",
-            "info",
-            "GPU held by {{ $labels.pod }} is idle",
+        metrics=(HTTP_5XX_RATIO, HTTP_REQUESTS_RATE),
+    ),
+    AlertSpec(
+        name="RayServeReplicaUnhealthy",
+        expr="count by (namespace, application, deployment) (ray_serve_deployment_replica_healthy == 0) > 0",
+        for_="5m",
+        severity="warning",
+        summary="Serve deployment {{ $labels.application }}/{{ $labels.deployment }} has unhealthy replicas",
+        description="{{ $value }} replicas fail their health checks for 5 minutes.",
+        metrics=("ray_serve_deployment_replica_healthy",),
+    ),
+    AlertSpec(
+        name="RayServiceNotReady",
+        expr=lambda c: f'kuberay_service_condition_ready{{namespace="{c.namespace}", condition="false"}} == 1',
+        for_="15m",
+        severity="critical",
+        summary="RayService {{ $labels.name }} is not ready",
+        description="KubeRay reports the RayService not Ready for 15 minutes: its Serve applications are not serving.",
+        metrics=("kuberay_service_condition_ready",),
+    ),
+    AlertSpec(
+        name="GpuXidError",
+        expr="max by (Hostname, gpu, modelName) (DCGM_FI_DEV_XID_ERRORS) > 0",
+        for_="0m",
+        severity="critical",
+        summary="GPU {{ $labels.gpu }} on {{ $labels.Hostname }} reported XID {{ $value }}",
+        description="The driver reported an XID error; check `nvidia-smi -q` and drain the node if it repeats.",
+        metrics=("DCGM_FI_DEV_XID_ERRORS",),
+    ),
+    AlertSpec(
+        name="GpuAllocatedButIdle",
+        expr=f'{GPU_UTIL_ALLOCATED}{{pod!~"{HEADROOM_POD_PATTERN}"}} < {GPU_IDLE_UTIL_PERCENT}',
+        for_=lambda c: f"{c.slo.gpu_idle_minutes}m",
+        severity="info",
+        summary="GPU held by {{ $labels.pod }} is idle",
+        description=lambda c: (
             f"A GPU allocated to a pod stayed under {GPU_IDLE_UTIL_PERCENT}% utilisation for "
-            f"{slo.gpu_idle_minutes} minutes: lower the model's min_replicas or check its traffic.",
+            f"{c.slo.gpu_idle_minutes} minutes: lower the model's min_replicas or check its traffic."
         ),
-        _alert(
-            "GpuPodsPendingNodeGroupAtMax",
-            gpu_pending,
-            "10m",
-            "warning",
-            "GPU pods are pending and a node group is at its maximum",
-            "Pods requesting GPUs have been Pending for 10 minutes while cluster-autoscaler has a node group "
-            "at max_size: raise the group's max_size or lower the models' max_replicas.",
+        metrics=(GPU_UTIL_ALLOCATED,),
+    ),
+    AlertSpec(
+        name="GpuPodsPendingNodeGroupAtMax",
+        expr=_gpu_pods_pending_at_max,
+        for_="10m",
+        severity="warning",
+        summary="GPU pods are pending and a node group is at its maximum",
+        description="Pods requesting GPUs have been Pending for 10 minutes while cluster-autoscaler has a node group "
+        "at max_size: raise the group's max_size or lower the models' max_replicas.",
+        metrics=(
+            "kube_pod_status_phase",
+            "kube_pod_container_resource_requests",
+            "cluster_autoscaler_node_group_target_count",
+            "cluster_autoscaler_node_group_max_count",
         ),
-    ]
+    ),
+)
+
+
+def recording_rules() -> list[dict[str, Any]]:
+    """Per-model and per-application series for the dashboards and alerts."""
+    return [r.rule() for r in RECORDING_RULES]
+
+
+def alert_rules(slo: Slo, namespace: str) -> list[dict[str, Any]]:
+    """The serving alerts; thresholds from the config's SLOs."""
+    ctx = RuleContext(slo=slo, namespace=namespace)
+    return [a.rule(ctx) for a in ALERTS]
 
 
 def prometheus_rule(slo: Slo, namespace: str, labels: dict[str, str]) -> dict[str, Any]:
@@ -220,8 +379,8 @@ def prometheus_rule(slo: Slo, namespace: str, labels: dict[str, str]) -> dict[st
         "metadata": {"name": RULE_NAME, "namespace": namespace, "labels": {**PART_OF, **labels}},
         "spec": {
             "groups": [
-                {"name": "llm-serving.recording", "interval": "30s", "rules": recording_rules()},
-                {"name": "llm-serving.alerts", "rules": alert_rules(slo, namespace)},
+                {"name": RECORDING_GROUP, "interval": RECORDING_INTERVAL, "rules": recording_rules()},
+                {"name": ALERT_GROUP, "rules": alert_rules(slo, namespace)},
             ]
         },
     }

@@ -6,13 +6,13 @@ import pulumi
 
 from infra.aws.layer import AwsLayer
 from infra.config import StackConfig
-from infra.platform.layer import PlatformLayer
+from infra.cluster_services.layer import PlatformLayer
 from infra.serving import kuberay
 from infra.serving.alerts import ServingAlerts, ServingAlertsArgs
 from infra.serving.autoscaling import ServingAutoscaling, ServingAutoscalingArgs
 from infra.serving.batch import BatchWorkers, BatchWorkersArgs
 from infra.serving.dashboards import ServingDashboards, ServingDashboardsArgs
-from infra.serving.endpoint import ServingEndpoint, ServingEndpointArgs, serve_service
+from infra.serving.endpoint import ServingEndpoint, ServingEndpointArgs, serve_service_spec
 from infra.serving.layer import ServingLayer
 from infra.serving.namespace import ServingNamespace, ServingNamespaceArgs
 from infra.serving.ports import RAY_PORTS
@@ -75,7 +75,7 @@ def build_serving(
                 prometheus_url=platform.prometheus_url,
                 grafana_url=platform.grafana_url,
                 serving_priority_class=autoscaling.serving_priority_class,
-                serve_service=serve_service(name, namespace, cfg.endpoint),
+                serve_service=serve_service_spec(name, namespace, cfg.endpoint),
                 redis=aws.redis,
                 redis_secret=ns.redis_secret,
                 depends_on=[*ns.ready, *autoscaling.priority_classes, *ray_crds, *lb_controller],
@@ -98,7 +98,7 @@ def build_serving(
                 image=aws.image,
                 system=aws.system,
                 api_keys_secret=ns.api_keys_secret,
-                serve_service=serve_service(batch_service, namespace, cfg.endpoint),
+                serve_service=serve_service_spec(batch_service, namespace, cfg.endpoint),
                 provider=aws.provider,
                 depends_on=list(ns.ready),
                 keda_crds=platform.keda_crds,

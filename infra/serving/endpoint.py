@@ -32,7 +32,7 @@ EXTERNAL_DNS_ANNOTATION = "external-dns.alpha.kubernetes.io/hostname"
 PENDING_HOSTNAME = "pending-load-balancer"
 
 
-def serve_service(name: str, namespace: str, endpoint: Endpoint) -> dict[str, Any]:
+def serve_service_spec(name: str, namespace: str, endpoint: Endpoint) -> dict[str, Any]:
     """`spec.serveService`: the serve Service as a network load balancer with IP targets."""
     annotations = {
         f"{LB_ANNOTATION}-type": "external",
@@ -55,7 +55,7 @@ def serve_service(name: str, namespace: str, endpoint: Endpoint) -> dict[str, An
         spec["loadBalancerSourceRanges"] = [str(c) for c in endpoint.allowed_cidrs]
     return {
         "metadata": {
-            "name": kuberay.serve_service(name),
+            "name": kuberay.serve_service_name(name),
             "namespace": namespace,
             "labels": dict(PART_OF),
             "annotations": annotations,
@@ -140,7 +140,7 @@ class ServingEndpoint(pulumi.ComponentResource):
             )
         self.urls = {}
         for service, resource in args.ray_services.items():
-            svc_name = kuberay.serve_service(service)
+            svc_name = kuberay.serve_service_name(service)
             # KubeRay creates the serve Service; read it once the RayService is
             # ready (its id is unknown at first preview, so the read waits).
             svc_id = resource.id.apply(_serve_service_id(args.namespace, svc_name))

@@ -28,7 +28,7 @@ def head_service(ray_service: str) -> str:
     return f"{ray_service}-head-svc"
 
 
-def serve_service(ray_service: str) -> str:
+def serve_service_name(ray_service: str) -> str:
     """The Service KubeRay points at the active cluster's Serve proxies."""
     return f"{ray_service}-serve-svc"
 

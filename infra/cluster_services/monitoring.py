@@ -17,7 +17,7 @@ import pulumi_random as random
 
 from infra import versions
 from infra.config import Observability
-from infra.platform.helm import PSA_PRIVILEGED, helm_fullname, namespace, release
+from infra.cluster_services.helm import PSA_PRIVILEGED, helm_fullname, namespace, release
 from infra.scheduling import Placement
 
 NAMESPACE = "monitoring"

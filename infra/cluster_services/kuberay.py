@@ -13,7 +13,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra import versions
-from infra.platform.helm import PSA_RESTRICTED_WARN, namespace, release
+from infra.cluster_services.helm import PSA_RESTRICTED_WARN, namespace, release
 from infra.scheduling import Placement
 
 NAMESPACE = "kuberay"

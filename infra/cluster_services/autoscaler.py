@@ -17,7 +17,7 @@ import pulumi_kubernetes as k8s
 from infra import versions
 from infra.aws.layer import PodIdentity
 from infra.config import ClusterAutoscaling
-from infra.platform.helm import namespace, release
+from infra.cluster_services.helm import namespace, release
 from infra.scheduling import Placement
 
 RELEASE_NAME = "cluster-autoscaler"

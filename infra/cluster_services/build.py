@@ -16,14 +16,14 @@ import pulumi
 
 from infra.aws.layer import AwsLayer
 from infra.config import StackConfig
-from infra.platform import monitoring as mon
-from infra.platform.autoscaler import ClusterAutoscaler, ClusterAutoscalerArgs
-from infra.platform.gpu_operator import GpuOperator, GpuOperatorArgs
-from infra.platform.keda import Keda, KedaArgs
-from infra.platform.kuberay import KubeRayArgs, KubeRayOperator
-from infra.platform.layer import PlatformLayer
-from infra.platform.load_balancer import INGRESS_CLASS, LoadBalancerController, LoadBalancerControllerArgs
-from infra.platform.storage import DefaultStorageClass
+from infra.cluster_services import monitoring as mon
+from infra.cluster_services.autoscaler import ClusterAutoscaler, ClusterAutoscalerArgs
+from infra.cluster_services.gpu_operator import GpuOperator, GpuOperatorArgs
+from infra.cluster_services.keda import Keda, KedaArgs
+from infra.cluster_services.kuberay import KubeRayArgs, KubeRayOperator
+from infra.cluster_services.layer import PlatformLayer
+from infra.cluster_services.load_balancer import INGRESS_CLASS, LoadBalancerController, LoadBalancerControllerArgs
+from infra.cluster_services.storage import DefaultStorageClass
 
 # With `platform.monitoring.enabled: false` (an existing cluster) the program
 # assumes the cluster runs kube-prometheus-stack under its usual names, whose

@@ -16,7 +16,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra import versions
-from infra.platform.helm import PSA_PRIVILEGED, namespace, release
+from infra.cluster_services.helm import PSA_PRIVILEGED, namespace, release
 from infra.scheduling import GpuPlacement, Placement
 
 NAMESPACE = "gpu-operator"

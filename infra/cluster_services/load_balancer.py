@@ -11,7 +11,7 @@ import pulumi_kubernetes as k8s
 
 from infra import versions
 from infra.aws.layer import PodIdentity
-from infra.platform.helm import namespace, release
+from infra.cluster_services.helm import namespace, release
 from infra.scheduling import Placement
 
 RELEASE_NAME = "aws-load-balancer-controller"
