@@ -14,9 +14,11 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from ipaddress import IPv4Network
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pulumi
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from infra import versions
@@ -448,6 +450,47 @@ def _check_gpu_group(i: int, group: GpuNodeGroupSettings) -> Iterable[Problem]:
         )
 
 
+def _check_model_fits_group(path: str, model: Model, group: GpuNodeGroupSettings) -> Iterable[Problem]:
+    """The model's accelerator, parallelism, weights and minimum replicas fit its GPU group."""
+    gpu = group.instance()
+    if model.accelerator_type is not None and model.accelerator_type != gpu.ray_accelerator_type:
+        yield Problem(
+            f"{path}.accelerator_type",
+            f"'{model.accelerator_type}' disagrees with GPU group '{group.name}' ({gpu.ray_accelerator_type}): "
+            "leave it out, it is derived from the group",
+        )
+    tp, pp = model.tensor_parallel_size, model.pipeline_parallel_size
+    if tp > gpu.gpus:
+        yield Problem(
+            f"{path}.tensor_parallel_size",
+            f"{tp} GPUs do not fit {gpu.name} ({gpu.gpus} GPU{'s' if gpu.gpus > 1 else ''})",
+        )
+    elif tp * pp > gpu.gpus and tp != gpu.gpus:
+        yield Problem(
+            f"{path}.pipeline_parallel_size",
+            f"{pp} stages of {tp} GPUs span nodes of {gpu.name} ({gpu.gpus} GPUs) but do not fill them: "
+            f"each pipeline stage must use a whole node (tensor_parallel_size {gpu.gpus})",
+        )
+    else:
+        gpus = tp * pp
+        budget = gpus * gpu.gpu_memory_gib * model.gpu_memory_utilization
+        weights = model.weights_gib()
+        if weights > budget * (1 - KV_CACHE_MIN_SHARE):
+            yield Problem(
+                path,
+                f"weights of {weights:.1f} GiB do not fit {gpus} x {gpu.gpu_model} "
+                f"{gpu.gpu_memory_gib} GiB x gpu_memory_utilization {model.gpu_memory_utilization} "
+                f"= {budget:.1f} GiB with {KV_CACHE_MIN_SHARE:.0%} left for the KV cache",
+            )
+        need = model.autoscaling.min_replicas * _nodes_per_replica(model, gpu)
+        if need > group.max_size:
+            yield Problem(
+                f"{path}.autoscaling.min_replicas",
+                f"{model.autoscaling.min_replicas} replicas need {need} {gpu.name} nodes "
+                f"but node group '{group.name}' has max_size {group.max_size}",
+            )
+
+
 def _check_model(i: int, model: Model, cfg: StackConfig, groups: dict[str, GpuNodeGroupSettings]) -> Iterable[Problem]:
     path = f"models[{i}]"
     group = groups.get(model.gpu_group)
@@ -457,43 +500,7 @@ def _check_model(i: int, model: Model, cfg: StackConfig, groups: dict[str, GpuNo
             f"'{model.gpu_group}' is not a GPU node group (have: {', '.join(groups) or 'none'})",
         )
     elif all(t in GPU_INSTANCE_TYPES for t in group.instance_types):
-        gpu = group.instance()
-        if model.accelerator_type is not None and model.accelerator_type != gpu.ray_accelerator_type:
-            yield Problem(
-                f"{path}.accelerator_type",
-                f"'{model.accelerator_type}' disagrees with GPU group '{group.name}' ({gpu.ray_accelerator_type}): "
-                "leave it out, it is derived from the group",
-            )
-        tp, pp = model.tensor_parallel_size, model.pipeline_parallel_size
-        if tp > gpu.gpus:
-            yield Problem(
-                f"{path}.tensor_parallel_size",
-                f"{tp} GPUs do not fit {gpu.name} ({gpu.gpus} GPU{'s' if gpu.gpus > 1 else ''})",
-            )
-        elif tp * pp > gpu.gpus and tp != gpu.gpus:
-            yield Problem(
-                f"{path}.pipeline_parallel_size",
-                f"{pp} stages of {tp} GPUs span nodes of {gpu.name} ({gpu.gpus} GPUs) but do not fill them: "
-                f"each pipeline stage must use a whole node (tensor_parallel_size {gpu.gpus})",
-            )
-        else:
-            gpus = tp * pp
-            budget = gpus * gpu.gpu_memory_gib * model.gpu_memory_utilization
-            weights = model.weights_gib()
-            if weights > budget * (1 - KV_CACHE_MIN_SHARE):
-                yield Problem(
-                    path,
-                    f"weights of {weights:.1f} GiB do not fit {gpus} x {gpu.gpu_model} "
-                    f"{gpu.gpu_memory_gib} GiB x gpu_memory_utilization {model.gpu_memory_utilization} "
-                    f"= {budget:.1f} GiB with {KV_CACHE_MIN_SHARE:.0%} left for the KV cache",
-                )
-            need = model.autoscaling.min_replicas * _nodes_per_replica(model, gpu)
-            if need > group.max_size:
-                yield Problem(
-                    f"{path}.autoscaling.min_replicas",
-                    f"{model.autoscaling.min_replicas} replicas need {need} {gpu.name} nodes "
-                    f"but node group '{group.name}' has max_size {group.max_size}",
-                )
+        yield from _check_model_fits_group(path, model, group)
     if model.weights_kind == "s3" and not model.source.startswith(f"s3://{cfg.storage.model_bucket}/"):
         yield Problem(
             f"{path}.source",
@@ -760,13 +767,66 @@ def _check_api_keys(value: str) -> list[Problem]:
     ]
 
 
-def load() -> LoadedConfig:
-    """Read, validate and return the stack's config; raise ConfigError."""
+# A stand-in for the API keys secret when a stack file does not carry it
+# (each user sets it with `pulumi config set --secret`); never a real key.
+PLACEHOLDER_API_KEYS = "render-placeholder-key-0000000000000000"
+
+
+def read_stack_file(path: Path) -> tuple[dict[str, str], list[str]]:
+    """Pulumi config (key -> value as the CLI passes it) and its secret keys.
+
+    Structured values reach a program as JSON strings, scalars as strings;
+    `secure:` values can not be decrypted offline and become placeholders.
+    """
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError([Problem(str(path), f"not valid YAML{where}")]) from None
+    raw = doc.get("config") if isinstance(doc, dict) else None
+    if not isinstance(raw, dict):
+        raise ConfigError([Problem(str(path), "needs a `config:` mapping")])
+    config: dict[str, str] = {}
+    secrets: list[str] = []
+    for key, value in raw.items():
+        if isinstance(value, dict) and set(value) == {"secure"}:
+            config[key] = PLACEHOLDER_API_KEYS
+            secrets.append(key)
+        elif isinstance(value, (dict, list)):
+            config[key] = json.dumps(value)
+        elif isinstance(value, bool):
+            config[key] = "true" if value else "false"
+        else:
+            config[key] = "" if value is None else str(value)
+    return config, secrets
+
+
+def sections(values: Mapping[str, str]) -> dict[str, Any]:
+    """Pulumi's flat config (`namespace:key` -> string) as the sections `parse` takes.
+
+    The one translation from what the CLI hands a program to the config
+    model: the program (`load`), the render and the tests all go through it.
+    """
     raw: dict[str, Any] = {}
-    for key, value in sorted(_all_config().items()):
+    for key, value in sorted(values.items()):
         ns, _, name = key.partition(":")
         if ns == NAMESPACE and name != SECRET_API_KEYS:
             raw[name] = _decode(value)
+    if "aws:region" in values:
+        raw["region"] = values["aws:region"]
+    return raw
+
+
+def load_stack_file(path: Path) -> StackConfig:
+    """A stack file (`Pulumi.<stack>.yaml`) as the validated config; raise ConfigError."""
+    values, _ = read_stack_file(path)
+    return parse(sections(values))
+
+
+def load() -> LoadedConfig:
+    """Read, validate and return the stack's config; raise ConfigError."""
+    raw = sections(_all_config())
     region = pulumi.Config("aws").get("region")
     problems: list[Problem] = []
     if region is None:

@@ -25,14 +25,11 @@ from typing import Any
 
 import yaml
 
-from infra.config import ConfigError, Problem
+from infra.config import PLACEHOLDER_API_KEYS, ConfigError, read_stack_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "[secret]"
 PROJECT = "llm-platform"
-# A stand-in for the API keys secret when the stack file does not carry it
-# (each user sets it with `pulumi config set --secret`); never a real key.
-PLACEHOLDER_API_KEYS = "render-placeholder-key-0000000000000000"
 _NOT_MANIFESTS = ("kubernetes:helm.sh/", "kubernetes:yaml", "kubernetes:kustomize")
 _HELM_RELEASE = "kubernetes:helm.sh/v3:Release"
 
@@ -45,36 +42,6 @@ class Rendered:
     manifests: list[dict[str, Any]]
     helm: list[dict[str, Any]]
     outputs: dict[str, Any]
-
-
-def read_stack_file(path: Path) -> tuple[dict[str, str], list[str]]:
-    """Pulumi config (key -> value as the CLI passes it) and its secret keys.
-
-    Structured values reach a program as JSON strings, scalars as strings;
-    `secure:` values can not be decrypted offline and become placeholders.
-    """
-    try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError([Problem(str(path), f"not valid YAML{where}")]) from None
-    raw = doc.get("config") if isinstance(doc, dict) else None
-    if not isinstance(raw, dict):
-        raise ConfigError([Problem(str(path), "needs a `config:` mapping")])
-    config: dict[str, str] = {}
-    secrets: list[str] = []
-    for key, value in raw.items():
-        if isinstance(value, dict) and set(value) == {"secure"}:
-            config[key] = PLACEHOLDER_API_KEYS
-            secrets.append(key)
-        elif isinstance(value, (dict, list)):
-            config[key] = json.dumps(value)
-        elif isinstance(value, bool):
-            config[key] = "true" if value else "false"
-        else:
-            config[key] = "" if value is None else str(value)
-    return config, secrets
 
 
 def _clean(value: Any) -> Any:

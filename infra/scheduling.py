@@ -1,8 +1,9 @@
 """Where pods may run: the labels and taints of each node group.
 
-Made once from the config and handed to both the node groups (which put
-them on nodes) and the workloads (which select and tolerate them), so a
-toleration can never drift from the taint it is meant to match.
+Made once from the config by the node provisioner (infra/aws/provisioning.py)
+and handed to both the nodes it makes (which carry them) and the workloads
+(which select and tolerate them), so a toleration can never drift from the
+taint it is meant to match.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from infra.instance_types import GpuInstanceType
 from infra.config import GpuNodeGroupSettings, StackConfig, Taint
+from infra.instance_types import GpuInstanceType
 
 LABEL_PREFIX = "llm-platform"
 NODE_GROUP_LABEL = f"{LABEL_PREFIX}/node-group"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pulumi
 
 from infra.aws.build import build_aws
-from infra.config import LoadedConfig
 from infra.cluster_services.build import build_platform
+from infra.config import LoadedConfig
 from infra.serving.build import build_serving
 
 

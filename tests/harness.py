@@ -2,17 +2,45 @@
 
 from __future__ import annotations
 
+import copy
+import os
 import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
+from infra.config import StackConfig, load_stack_file, parse, read_stack_file, sections
 from infra.render import ROOT, Rendered, render
+from infra.scheduling import gpu_placements, system_placement
+from infra.serving.endpoint import serve_service_spec
+from infra.serving.ray_service import VllmRayServiceArgs
 
 STACKS = sorted(p.name.split(".")[1] for p in ROOT.glob("Pulumi.*.yaml"))
-REFERENCE = ROOT.parent / "shared" / "reference"
+# The pinned charts' values and CRDs the tests check the program against,
+# kept outside the project; scripts/fetch-reference.sh fetches them.
+REFERENCE_VARIABLE = "LLM_PLATFORM_REFERENCE"
+REFERENCE = Path(os.environ.get(REFERENCE_VARIABLE) or ROOT.parent / "shared" / "reference")
+
+
+def reference_dir() -> Path:
+    """The reference folder, for a test that reads it.
+
+    Without it the test skips, saying why; under CI (`CI=true`) it fails, so a
+    runner that lacks the data never goes green by skipping.
+    """
+    if not REFERENCE.is_dir():
+        message = (
+            f"no reference data at {REFERENCE}: fetch it with scripts/fetch-reference.sh, "
+            f"or set {REFERENCE_VARIABLE} to the folder that holds it"
+        )
+        if os.environ.get("CI", "").lower() in {"true", "1"}:
+            pytest.fail(f"CI=true and {message}", pytrace=False)
+        pytest.skip(message)
+    return REFERENCE
 
 
 @cache
@@ -50,3 +78,95 @@ def release(rendered: Rendered, chart: str) -> dict[str, Any]:
     found = [h for h in rendered.helm if h["chart"] == chart]
     assert len(found) == 1, f"expected one release of {chart}, found {len(found)}"
     return found[0]
+
+
+def waits_for(resources: list[dict[str, Any]], resource: dict[str, Any]) -> set[str]:
+    """Names a resource waits for: its own dependencies and its ancestors'.
+
+    A component's `depends_on` holds back its children: Pulumi registers a
+    child only after its parent, and the parent after its dependencies.
+    """
+    by_name = {r["name"]: r for r in resources}
+    found: set[str] = set()
+    node: dict[str, Any] | None = resource
+    while node is not None:
+        found |= set(node["depends_on"])
+        node = by_name.get(node["parent"]) if node["parent"] else None
+    return found
+
+
+# --- configs from the stack files ----------------------------------------------
+
+ConfigEdit = Callable[[dict[str, Any]], None]
+
+
+def stack_sections(stack: str, edit: ConfigEdit | None = None) -> dict[str, Any]:
+    """A committed stack file's sections, as the program reads them, optionally edited first.
+
+    `edit` changes the file's `config:` mapping (keys like `llm-platform:models`).
+    """
+    doc = copy.deepcopy(stack_doc(stack))
+    if edit is not None:
+        edit(doc["config"])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"Pulumi.{stack}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return sections(read_stack_file(path)[0])
+
+
+def doc_config(doc: dict[str, Any]) -> StackConfig:
+    """A stack file given as a document (`{"config": ...}`), validated as the program would."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "Pulumi.doc.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return load_stack_file(path)
+
+
+def stack_config(stack: str, edit: ConfigEdit | None = None, **overrides: Any) -> StackConfig:
+    """A committed stack's validated config; `edit` changes the file, `overrides` replace whole sections."""
+    if edit is None and not overrides:
+        return load_stack_file(ROOT / f"Pulumi.{stack}.yaml")
+    raw = stack_sections(stack, edit)
+    raw.update(overrides)
+    return parse(raw)
+
+
+# --- the serving layer's inputs and outputs ------------------------------------------
+
+IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/llm-serving@sha256:" + "a" * 64
+
+
+def ray_service_args(cfg: StackConfig, service: str, **overrides: Any) -> VllmRayServiceArgs:
+    """Hand-made arguments for one RayService of `cfg`, as build_serving would give them."""
+    values: dict[str, Any] = {
+        "cfg": cfg,
+        "name": service,
+        "models": cfg.services()[service],
+        "namespace": cfg.serving.namespace,
+        "image": IMAGE,
+        "system": system_placement(cfg),
+        "gpu": gpu_placements(cfg),
+        "model_reader_service_account": "model-reader",
+        "api_keys_secret": "inference-api-keys",
+        "storage_class": "gp3-encrypted",
+        "prometheus_url": "http://prometheus.monitoring.svc:9090",
+        "grafana_url": "http://grafana.monitoring.svc:80",
+        "serving_priority_class": "llm-serving",
+        "serve_service": serve_service_spec(service, cfg.serving.namespace, cfg.endpoint),
+    }
+    values.update(overrides)
+    return VllmRayServiceArgs(**values)
+
+
+def ray_services(stack: str) -> list[dict[str, Any]]:
+    """The RayServices of a rendered stack."""
+    return manifests_of(render_stack(stack), "RayService")
+
+
+def group(ray_service: dict[str, Any], name: str) -> dict[str, Any]:
+    """One worker group of a RayService."""
+    groups = ray_service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    found = [g for g in groups if g["groupName"] == name]
+    assert len(found) == 1, f"{name} not in {[g['groupName'] for g in groups]}"
+    only: dict[str, Any] = found[0]
+    return only

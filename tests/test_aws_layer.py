@@ -11,12 +11,13 @@ import pytest
 
 from infra import versions
 from infra.aws import node_groups as ng
+from infra.aws.cluster import NODE_MANAGED_POLICIES
 from infra.aws.registry import image_tag
-from infra.config import GpuNodeGroupSettings, StackConfig, SystemNodeGroupSettings, parse
+from infra.config import GpuNodeGroupSettings, StackConfig, SystemNodeGroupSettings
 from infra.mocks import fake_digest
 from infra.render import SECRET, Rendered
 from infra.scheduling import GPU_TAINT, gpu_placement, system_placement
-from tests.harness import by_type, render_config, render_stack, stack_doc
+from tests.harness import by_type, doc_config, render_config, render_stack, stack_doc
 
 STACKS = ["dev", "prod"]
 DIGEST_REF = re.compile(r"^.+@sha256:[0-9a-f]{64}$")
@@ -24,9 +25,7 @@ NS = "llm-platform:"
 
 
 def _config(doc: dict[str, Any]) -> StackConfig:
-    raw = {k.removeprefix(NS): v for k, v in doc["config"].items() if k.startswith(NS) and k != f"{NS}api_keys"}
-    raw["region"] = doc["config"]["aws:region"]
-    return parse(raw)
+    return doc_config(doc)
 
 
 def _one(r: Rendered, type_token: str, name: str) -> dict[str, Any]:
@@ -273,10 +272,29 @@ def test_cluster_is_pinned_encrypted_and_exposed_as_configured(stack: tuple[Stac
     # NetworkPolicies are enforced only with the CNI's policy agent on.
     cni = _one(r, "aws:eks/addon:Addon", "vpc-cni")["inputs"]
     assert json.loads(cni["configurationValues"]) == {"enableNetworkPolicy": "true"}
-    # coredns needs nodes: it waits for every node group.
+    # coredns needs nodes: its component waits for every node group (and so, through
+    # the parent, does every add-on in it).
     coredns = _one(r, "aws:eks/addon:Addon", "coredns")
+    workload_addons = _one(r, "llm-platform:aws:EksAddons", coredns["parent"])
     groups = {f"nodes-{cfg.node_groups.system.name}", *(f"nodes-{g.name}" for g in cfg.node_groups.gpu)}
-    assert groups <= set(coredns["depends_on"])
+    assert groups <= set(workload_addons["depends_on"])
+    assert {a["name"] for a in by_type(r, "aws:eks/podIdentityAssociation:PodIdentityAssociation")} <= set(
+        workload_addons["depends_on"]
+    )
+
+
+def test_nodes_wait_for_the_node_addons_and_the_node_role_policies(stack: tuple[StackConfig, Rendered]) -> None:
+    cfg, r = stack
+    node_addons = {"vpc-cni", "kube-proxy", "eks-pod-identity-agent"}
+    policies = {f"cluster-node-{p}" for p in NODE_MANAGED_POLICIES}
+    for group in [cfg.node_groups.system.name, *(g.name for g in cfg.node_groups.gpu)]:
+        # On the component, once: its children register only after it.
+        component = _one(r, "llm-platform:aws:NodeGroup", f"nodes-{group}")
+        assert node_addons | policies <= set(component["depends_on"]), group
+        children = {x["type"] for x in r.resources if x["parent"] == f"nodes-{group}"}
+        assert {"aws:eks/nodeGroup:NodeGroup", "aws:ec2/launchTemplate:LaunchTemplate"} <= children
+    # The node add-ons wait for the control plane the same way.
+    assert "cluster" in _one(r, "llm-platform:aws:EksAddons", "cluster-node-addons")["depends_on"]
 
 
 def test_network_spans_the_zones_with_the_configured_nat(stack: tuple[StackConfig, Rendered]) -> None:

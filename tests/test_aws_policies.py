@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
+from infra import versions
 from infra.aws import policies
 
 BUCKET = "arn:aws:s3:::weights"
@@ -128,3 +131,22 @@ def test_no_policy_grants_s3_on_a_wildcard_resource() -> None:
         for stmt in _statements(doc):
             if any(a.startswith("s3:") for a in _actions(stmt)):
                 assert all(r.startswith(f"{BUCKET}") for r in _resources(stmt)), stmt
+
+
+def test_load_balancer_controller_policy_follows_the_pinned_controller_version() -> None:
+    """The data file is written for one controller version; a new chart pin means re-reading upstream's policy."""
+    assert versions.AWS_LOAD_BALANCER_CONTROLLER.version == policies.LOAD_BALANCER_CONTROLLER_POLICY_VERSION
+
+
+def test_load_balancer_controller_policy_template_fills_every_placeholder() -> None:
+    text = policies.LOAD_BALANCER_CONTROLLER_POLICY_FILE.read_text()
+    assert set(re.findall(r"\$\{(\w+)\}", text)) == {"partition", "region", "account", "cluster", "node_security_group"}
+    doc = policies.load_balancer_controller(*ARGS, node_security_group_id="sg-0abc")
+    assert "$" not in json.dumps(doc)
+    sids = [s["Sid"] for s in _statements(doc)]
+    assert sids == [s["Sid"] for s in policies.LOAD_BALANCER_CONTROLLER_POLICY["Statement"]]
+    assert len(set(sids)) == len(sids)
+    # Filling in returns a copy: the template itself stays a template.
+    doc["Statement"].clear()
+    assert policies.LOAD_BALANCER_CONTROLLER_POLICY["Statement"]
+    assert "${cluster}" in json.dumps(policies.LOAD_BALANCER_CONTROLLER_POLICY)

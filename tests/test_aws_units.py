@@ -1,13 +1,19 @@
-"""Pieces of the AWS layer that need no render: the image tag, the ECR lifecycle, the mocks."""
+"""Pieces of the AWS layer that need no render: image tag, ECR lifecycle, mocks, component signatures."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import inspect
 import json
 import re
 from pathlib import Path
+from types import ModuleType
 
+import pulumi
 import pytest
 
+import infra.aws
 from infra import mocks
 from infra.aws import registry
 from infra.aws.kubernetes import KubernetesAccessArgs
@@ -94,3 +100,45 @@ def test_the_build_uses_the_pinned_base_image_and_the_dockerfile_default_agrees(
     defaults = re.findall(r"^ARG BASE_IMAGE=(\S+)$", dockerfile, flags=re.MULTILINE)
     assert defaults == [registry.versions.RAY_LLM_BASE_IMAGE]
     assert re.search(r"^FROM \$\{BASE_IMAGE\}$", dockerfile, flags=re.MULTILINE)
+
+
+def _aws_modules() -> list[ModuleType]:
+    package = Path(infra.aws.__file__).parent
+    return [
+        importlib.import_module(f"infra.aws.{p.stem}") for p in sorted(package.glob("*.py")) if p.stem != "__init__"
+    ]
+
+
+def test_component_args_carry_no_providers_or_dependencies() -> None:
+    """Providers and `depends_on` travel in each component's `opts`; its children inherit them as `parent=self`.
+
+    Checked on every input dataclass (the `*Args` of the components, the
+    provisioners' NodeTarget); what the layer hands down (AwsLayer) carries
+    the provider and `cluster_ready` on purpose.
+    """
+    checked = []
+    for module in _aws_modules():
+        for cls in vars(module).values():
+            if not (dataclasses.is_dataclass(cls) and isinstance(cls, type) and cls.__module__ == module.__name__):
+                continue
+            if not (cls.__name__.endswith("Args") or cls.__name__ == "NodeTarget"):
+                continue
+            for f in dataclasses.fields(cls):
+                kind = str(f.type)
+                assert f.name not in {"after", "depends_on", "provider", "providers", "opts"}, (cls, f.name)
+                assert "Resource" not in kind and "Provider" not in kind, (cls, f.name, kind)
+            checked.append(cls.__name__)
+    assert {"NodeGroupArgs", "AddonsArgs", "ClusterArgs", "NodeTarget", "PrivateBucketArgs"} <= set(checked)
+
+
+def test_every_component_takes_resource_options() -> None:
+    components = [
+        cls
+        for module in _aws_modules()
+        for cls in vars(module).values()
+        if isinstance(cls, type) and issubclass(cls, pulumi.ComponentResource) and cls.__module__ == module.__name__
+    ]
+    assert len(components) >= 10
+    for cls in components:
+        opts = inspect.signature(cls.__init__).parameters.get("opts")
+        assert opts is not None and opts.default is None, cls

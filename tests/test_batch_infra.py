@@ -17,7 +17,7 @@ import yaml
 
 from infra.aws.layer import BatchQueue
 from infra.aws.queue import RESULTS_PREFIX, queue_names
-from infra.config import Batch, StackConfig, parse
+from infra.config import Batch, StackConfig
 from infra.render import Rendered
 from infra.scheduling import system_placement
 from infra.serving import kuberay
@@ -31,7 +31,17 @@ from infra.serving.batch import (
 from infra.serving.serve_config import MOUNTS
 from policy import rules
 from policy.rules import Resource
-from tests.harness import REFERENCE, by_type, manifests_of, release, render_config, render_stack, stack_doc
+from tests.harness import (
+    by_type,
+    doc_config,
+    manifests_of,
+    reference_dir,
+    release,
+    render_config,
+    render_stack,
+    stack_doc,
+    waits_for,
+)
 from workloads.inference_server.batch_settings import WorkerSettings
 
 NS = "llm-platform:"
@@ -49,9 +59,7 @@ DEV_BATCH = {
 
 
 def _config(doc: dict[str, Any]) -> StackConfig:
-    raw = {k.removeprefix(NS): v for k, v in doc["config"].items() if k.startswith(NS) and k != f"{NS}api_keys"}
-    raw["region"] = doc["config"]["aws:region"]
-    return parse(raw)
+    return doc_config(doc)
 
 
 def _dev_batch_doc() -> dict[str, Any]:
@@ -239,7 +247,7 @@ def test_keda_objects_wait_for_the_keda_release_and_the_deployment(stack: tuple[
     keda_release = next(h for h in by_type(r, "kubernetes:helm.sh/v3:Release") if h["inputs"]["chart"] == "keda")
     so = _one(r, "kubernetes:keda.sh/v1alpha1:ScaledObject", "batch-workers-scaled-object")
     auth = _one(r, "kubernetes:keda.sh/v1alpha1:TriggerAuthentication", "batch-workers-trigger-auth")
-    assert keda_release["name"] in so["depends_on"] and keda_release["name"] in auth["depends_on"]
+    assert keda_release["name"] in waits_for(r.resources, so) and keda_release["name"] in waits_for(r.resources, auth)
     assert {"batch-workers-deployment", "batch-workers-trigger-auth"} <= set(so["depends_on"])
 
 
@@ -284,7 +292,8 @@ def test_worker_env_is_what_the_worker_parses_and_targets_the_batch_models_servi
     service = _manifest(r, "RayService", model.service_name)["spec"]["serveService"]
     port = service["spec"]["ports"][0]["port"]
     assert (
-        settings.base_url == f"http://{kuberay.serve_service_name(model.service_name)}.{cfg.serving.namespace}.svc:{port}/v1"
+        settings.base_url
+        == f"http://{kuberay.serve_service_name(model.service_name)}.{cfg.serving.namespace}.svc:{port}/v1"
     )
     assert settings.model == cfg.batch.model
     assert settings.api_keys_file == MOUNTS.api_keys_file
@@ -329,9 +338,7 @@ def test_the_render_with_batch_passes_every_policy_rule(stack: tuple[StackConfig
 
 
 def _crd_schema(plural: str) -> dict[str, Any]:
-    path = REFERENCE / "keda" / f"crd-{plural}.yaml"
-    if not path.exists():
-        pytest.skip(f"{path} is absent (the pinned KEDA CRDs live outside the project)")
+    path = reference_dir() / "keda" / f"crd-{plural}.yaml"
     crd: dict[str, Any] = yaml.safe_load(path.read_text())
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
     schema: dict[str, Any] = v1["schema"]["openAPIV3Schema"]

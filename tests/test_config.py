@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -14,20 +13,15 @@ import pytest
 import yaml
 
 from infra.config import ConfigError, StackConfig, parse
-from infra.render import ROOT, read_stack_file
+from infra.render import ROOT
+from tests.harness import stack_sections
 
 NS = "llm-platform:"
 
 
 def raw_config(stack: str) -> dict[str, Any]:
-    """The parsed sections of a committed stack, as `load()` hands them to `parse()`."""
-    config, _ = read_stack_file(ROOT / f"Pulumi.{stack}.yaml")
-    raw: dict[str, Any] = {}
-    for key, value in config.items():
-        if key.startswith(NS):
-            raw[key.removeprefix(NS)] = json.loads(value) if value[:1] in "[{" else value
-    raw["region"] = config["aws:region"]
-    return raw
+    """The sections of a committed stack, as `load()` hands them to `parse()`."""
+    return stack_sections(stack)
 
 
 def problems(raw: dict[str, Any]) -> list[str]:

@@ -21,8 +21,8 @@ import yaml
 
 from infra import versions
 from infra.aws.layer import AwsLayer, PodIdentity
+from infra.cluster_services import load_balancer, monitoring
 from infra.config import StackConfig, parse
-from infra.cluster_services import monitoring
 from infra.render import ROOT, SECRET, read_stack_file, run_under_mocks
 from infra.scheduling import GPU_OPERATOR_DEVICE_PLUGIN_LABEL, GPU_TAINT, gpu_placements, system_placement
 
@@ -52,6 +52,16 @@ class PlatformRender:
         """The values one release sets."""
         values: dict[str, Any] = self.releases()[chart]["inputs"].get("values", {})
         return values
+
+    def waits_for(self, resource: dict[str, Any]) -> set[str]:
+        """What a resource waits for: its own dependencies and its ancestors' (children register after parents)."""
+        by_name = {r["name"]: r for r in self.resources}
+        found: set[str] = set()
+        node: dict[str, Any] | None = resource
+        while node is not None:
+            found |= set(node["depends_on"])
+            node = by_name.get(node["parent"]) if node["parent"] else None
+        return found
 
     def of_type(self, token: str) -> list[dict[str, Any]]:
         """Resources of one type."""
@@ -126,8 +136,6 @@ def render_platform(cfg: StackConfig, **aws_changes: Any) -> PlatformRender:
                 layer[name] = _name(await value.urn.future())
             elif isinstance(value, pulumi.Output):
                 layer[name] = SECRET if await value.is_secret() else await value.future()
-            elif name == "releases":
-                layer[name] = {k: _name(await v.urn.future()) for k, v in value.items()}
             else:
                 layer[name] = value
 
@@ -201,7 +209,7 @@ def test_releases_have_fixed_names_and_own_namespaces(stack: str) -> None:
         assert release["inputs"]["createNamespace"] is False
         if expected[chart] != "kube-system":
             assert expected[chart] in namespaces
-            assert f"{expected[chart]}-namespace" in release["depends_on"]
+            assert f"{expected[chart]}-namespace" in render.waits_for(release)
     assert "kube-system" not in namespaces
 
 
@@ -210,24 +218,28 @@ def test_releases_have_fixed_names_and_own_namespaces(stack: str) -> None:
 
 @pytest.mark.parametrize("stack", STACKS)
 def test_every_release_waits_for_the_cluster(stack: str) -> None:
-    for chart, release in stack_render(stack).releases().items():
-        assert CLUSTER_READY in release["depends_on"], chart
+    render = stack_render(stack)
+    for chart, release in render.releases().items():
+        assert CLUSTER_READY in render.waits_for(release), chart
 
 
 @pytest.mark.parametrize("stack", STACKS)
 def test_charts_with_service_monitors_wait_for_the_monitoring_crds(stack: str) -> None:
-    releases = stack_render(stack).releases()
+    render = stack_render(stack)
+    releases = render.releases()
     monitoring = releases["kube-prometheus-stack"]["name"]
     for chart in ALL_CHARTS - {"kube-prometheus-stack"}:
-        assert monitoring in releases[chart]["depends_on"], f"{chart} renders a ServiceMonitor before its CRD exists"
+        waits = render.waits_for(releases[chart])
+        assert monitoring in waits, f"{chart} renders a ServiceMonitor before its CRD exists"
 
 
 @pytest.mark.parametrize("stack", STACKS)
 def test_services_are_created_after_the_load_balancer_webhook(stack: str) -> None:
-    releases = stack_render(stack).releases()
+    render = stack_render(stack)
+    releases = render.releases()
     lbc = releases["aws-load-balancer-controller"]["name"]
     for chart in ALL_CHARTS - {"kube-prometheus-stack", "aws-load-balancer-controller"}:
-        assert lbc in releases[chart]["depends_on"], chart
+        assert lbc in render.waits_for(releases[chart]), chart
 
 
 @pytest.mark.parametrize("stack", STACKS)
@@ -237,7 +249,7 @@ def test_layer_hands_down_the_release_installing_each_crd_group(stack: str) -> N
     assert render.layer["ray_crds"] == releases[CRD_GROUPS["ray.io"]]
     assert render.layer["monitoring_crds"] == releases[CRD_GROUPS["monitoring.coreos.com"]]
     assert render.layer["keda_crds"] == releases[CRD_GROUPS["keda.sh"]]
-    assert render.layer["releases"] == releases
+    assert render.layer["load_balancer_controller"] == releases["aws-load-balancer-controller"]
 
 
 @pytest.mark.parametrize("stack", STACKS)
@@ -253,7 +265,7 @@ def test_custom_resources_depend_on_the_release_installing_their_crd(stack: str)
 @pytest.mark.parametrize("stack", STACKS)
 def test_prometheus_waits_for_its_storage_class(stack: str) -> None:
     render = stack_render(stack)
-    assert "storage-class-class" in render.releases()["kube-prometheus-stack"]["depends_on"]
+    assert "storage-class-class" in render.waits_for(render.releases()["kube-prometheus-stack"])
 
 
 # --- identities, placement ---------------------------------------------------
@@ -319,7 +331,7 @@ def test_load_balancer_controller_knows_cluster_region_and_vpc(stack: str) -> No
     assert values["clusterName"] == cfg.cluster.name
     assert values["region"] == cfg.region
     assert values["vpcId"] == "vpc-0123456789abcdef0"
-    assert stack_render(stack).layer["ingress_class"] == values["ingressClass"]
+    assert values["ingressClass"] == load_balancer.INGRESS_CLASS
 
 
 def test_without_a_known_vpc_the_controller_is_not_given_one() -> None:
@@ -500,8 +512,7 @@ def test_grafana_admin_password_is_a_secret_in_a_secret(stack: str) -> None:
         monitoring.GRAFANA_SECRET_USER_KEY,
         monitoring.GRAFANA_SECRET_PASSWORD_KEY,
     )
-    assert render.layer["grafana_admin_password"] == SECRET
-    assert secrets[0]["name"] in render.releases()["kube-prometheus-stack"]["depends_on"]
+    assert secrets[0]["name"] in render.waits_for(render.releases()["kube-prometheus-stack"])
 
 
 @pytest.mark.parametrize("stack", STACKS)
@@ -512,12 +523,11 @@ def test_in_cluster_addresses_follow_the_release_name(stack: str) -> None:
     port = release["values"]["prometheus"]["service"]["port"]
     assert render.layer["prometheus_url"] == f"http://{name}-prometheus.{ns}.svc:{port}"
     assert render.layer["grafana_url"] == f"http://{name}-grafana.{ns}.svc:80"
-    assert render.layer["grafana_service"] == f"{ns}/{name}-grafana:80"
     assert render.layer["monitoring_namespace"] == ns
 
 
 def test_helm_fullname_follows_the_chart_convention() -> None:
-    from infra.cluster_services.helm import helm_fullname
+    from infra.cluster_services.chart_release import helm_fullname
 
     assert helm_fullname("kube-prometheus-stack", "kube-prometheus-stack", limit=26) == "kube-prometheus-stack"
     assert helm_fullname("kube-prometheus-stack", "grafana") == "kube-prometheus-stack-grafana"
@@ -540,7 +550,7 @@ def test_default_storage_class_is_encrypted_gp3(stack: str) -> None:
     assert inputs["parameters"] == {"type": "gp3", "encrypted": "true", "iops": "3000", "throughput": "125"}
     assert inputs["volumeBindingMode"] == "WaitForFirstConsumer"
     assert inputs["allowVolumeExpansion"] is True
-    assert CLUSTER_READY in sc["depends_on"]
+    assert CLUSTER_READY in render.waits_for(sc)
 
 
 def test_storage_class_uses_the_configured_kms_key_and_performance() -> None:
@@ -596,10 +606,9 @@ def test_existing_cluster_part_switched_off_is_not_installed(part: str, chart: s
 def test_existing_cluster_without_monitoring_targets_the_clusters_stack() -> None:
     render = render_platform(stack_config("dev", _existing(["monitoring"])))
     assert render.layer["prometheus_selector_labels"] == {"release": "kube-prometheus-stack"}
-    assert render.layer["grafana_admin_password"] is None
     assert not render.of_type("random:index/randomPassword:RandomPassword")
     # The other charts' monitors then rely on the cluster's own CRDs.
-    assert CLUSTER_READY in render.releases()["keda"]["depends_on"]
+    assert CLUSTER_READY in render.waits_for(render.releases()["keda"])
 
 
 def test_existing_cluster_with_everything_off_keeps_only_the_storage_class() -> None:
@@ -607,7 +616,7 @@ def test_existing_cluster_with_everything_off_keeps_only_the_storage_class() -> 
     render = render_platform(stack_config("dev", _existing(parts)))
     assert render.releases() == {}
     assert len(render.of_type("kubernetes:storage.k8s.io/v1:StorageClass")) == 1
-    assert render.layer["releases"] == {}
+    assert render.layer["ray_crds"] is None and render.layer["load_balancer_controller"] is None
 
 
 def test_components_are_typed_and_parented() -> None:
@@ -624,3 +633,46 @@ def test_components_are_typed_and_parented() -> None:
     }
     for release in render.releases().values():
         assert release["parent"] in components
+
+
+# --- the parts table ---------------------------------------------------------
+
+
+def test_parts_are_unique_and_wait_only_for_earlier_parts() -> None:
+    from infra.cluster_services.build import PARTS
+
+    names = [p.name for p in PARTS]
+    assert len(names) == len(set(names))
+    for i, part in enumerate(PARTS):
+        assert set(part.after) <= set(names[:i]), f"{part.name} waits for a part declared after it"
+
+
+def test_a_new_part_is_one_entry_and_waits_for_what_it_names() -> None:
+    """A part added to the table is installed with the provider and after the parts it names."""
+    from infra.cluster_services.build import PARTS, install_parts
+    from infra.cluster_services.chart_release import ChartRelease, ChartReleaseArgs
+    from infra.cluster_services.parts import Part, PartContext
+
+    def build(name: str, ctx: PartContext, opts: pulumi.ResourceOptions) -> ChartRelease:
+        args = ChartReleaseArgs(
+            component_type="llm-platform:platform:Example",
+            chart=versions.KEDA,
+            version="1.2.3",
+            release_name="example",
+            namespace="example",
+            values={"nodeSelector": ctx.aws.system.node_selector()},
+        )
+        return ChartRelease(name, args, opts)
+
+    cfg = stack_config("dev")
+    parts = (*PARTS, Part("example", lambda ctx: True, build, after=("kuberay-operator",)))
+
+    async def program() -> None:
+        install_parts(cfg, fake_aws(cfg), parts)
+
+    render = PlatformRender(resources=run_under_mocks("test", {"aws:region": cfg.region}, [], program), layer={})
+    release = next(r for r in render.releases().values() if r["inputs"]["name"] == "example")
+    assert release["inputs"]["namespace"] == "example"
+    waits = render.waits_for(release)
+    assert {"kuberay-operator-release", "example-namespace", CLUSTER_READY} <= waits
+    assert "keda-release" not in waits

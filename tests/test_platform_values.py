@@ -2,26 +2,22 @@
 
 Helm silently ignores a key a chart does not read, so a typo ships as a
 working install that does the wrong thing. The pinned charts' values files
-live beside the project in ../shared/reference/ (not part of the project):
-these tests skip, saying so, when that folder is absent.
+live outside the project, in the folder `tests.harness.REFERENCE` names
+($LLM_PLATFORM_REFERENCE, default ../shared/reference/, filled by
+scripts/fetch-reference.sh): without it these tests skip, saying so, or fail
+under CI=true.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from infra import versions
-from tests.values_keys import REFERENCE_VALUES, documented_keys, key_paths, load_chart_values, unknown_keys
+from tests.harness import reference_dir
 from tests.test_platform_layer import PlatformRender, render_platform, stack_config, stack_render
-
-REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
-needs_reference = pytest.mark.skipif(
-    not REFERENCE.is_dir(),
-    reason=f"pinned chart values not found at {REFERENCE} (kept beside the project, not in it)",
-)
+from tests.values_keys import REFERENCE_VALUES, documented_keys, key_paths, load_chart_values, unknown_keys
 
 
 def _variants() -> dict[str, PlatformRender]:
@@ -86,10 +82,9 @@ def test_every_chart_has_a_reference_values_file_mapped() -> None:
 # --- the program's values against the pinned charts ---------------------------
 
 
-@needs_reference
 @pytest.mark.parametrize("chart", sorted(REFERENCE_VALUES))
 def test_every_value_set_is_a_key_of_the_pinned_chart(chart: str) -> None:
-    defaults = load_chart_values(REFERENCE, chart)
+    defaults = load_chart_values(reference_dir(), chart)
     problems: list[str] = []
     checked = 0
     for variant, render in _variants().items():
@@ -102,10 +97,10 @@ def test_every_value_set_is_a_key_of_the_pinned_chart(chart: str) -> None:
     assert not problems, "\n".join(problems)
 
 
-@needs_reference
 def test_reference_is_the_pinned_chart_version() -> None:
     import yaml
 
+    reference = reference_dir()
     charts = {
         "kuberay-operator": "kuberay/operator-chart.yaml",
         "kube-prometheus-stack": "kube-prometheus-stack/chart-chart.yaml",
@@ -115,25 +110,25 @@ def test_reference_is_the_pinned_chart_version() -> None:
     }
     pinned = {c.chart: c.version for c in versions.HELM_CHARTS}
     for chart, path in charts.items():
-        meta = yaml.safe_load((REFERENCE / path).read_text())
+        meta = yaml.safe_load((reference / path).read_text())
         assert meta["version"] == pinned[chart], f"{chart}: reference is {meta['version']}, pinned {pinned[chart]}"
     # The GPU Operator's Chart.yaml at a git tag carries a development
     # version; its source note names the tag instead.
-    source = (REFERENCE / "gpu-operator" / "SOURCE.txt").read_text()
+    source = (reference / "gpu-operator" / "SOURCE.txt").read_text()
     assert pinned["gpu-operator"] in source
 
 
-@needs_reference
 @pytest.mark.parametrize("stack", ["dev", "prod"])
 def test_whole_program_render_sets_only_chart_keys(stack: str) -> None:
     from tests.harness import render_stack
 
+    reference = reference_dir()
     rendered = render_stack(stack)
     assert {h["chart"] for h in rendered.helm} == set(REFERENCE_VALUES)
     problems: list[str] = []
     for release in rendered.helm:
         assert release["version"] == {c.chart: c.version for c in versions.HELM_CHARTS}[release["chart"]]
-        defaults = load_chart_values(REFERENCE, release["chart"])
+        defaults = load_chart_values(reference, release["chart"])
         problems += [f"{release['chart']}: {p}" for p in unknown_keys(release["values"], defaults)]
     assert not problems, "\n".join(problems)
 

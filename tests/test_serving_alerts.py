@@ -1,11 +1,15 @@
-"""Alerts: only real exporter metrics, thresholds from the SLOs, promtool-checked and unit-tested."""
+"""Alerts as data: every rule comes from `alerts.ALERTS` / `alerts.RECORDING_RULES`,
+reads only metrics of `alerts.METRIC_INVENTORY`, is promtool-checked, and every
+alert has `promtool test rules` cases and a row in the README's alert table."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,59 +17,152 @@ import pytest
 import yaml
 
 from infra.config import Slo
+from infra.render import ROOT
 from infra.serving import alerts, dashboards
 from infra.serving.ports import RAY_PORTS
-from tests.harness import REFERENCE, manifests_of, render_stack
-from tests.test_serving_support import config
+from tests.harness import REFERENCE, manifests_of, reference_dir, render_stack
+from tests.harness import stack_config as config
 
 RULES_DIR = Path(__file__).parent / "rules"
 # The rules the promtool cases in tests/rules/ are written against.
 CASE_SLO = Slo()
 CASE_NAMESPACE = "llm"
-
-# Metrics the exporters of this platform emit (Ray 2.60 with vLLM 0.29 under
-# Serve LLM, KubeRay 1.7 operator, dcgm-exporter 4.x, kube-state-metrics,
-# cluster-autoscaler 1.35). Counters carry Prometheus' `_total`, histograms
-# `_bucket`.
-KNOWN_METRICS = {
-    "ray_vllm_time_to_first_token_seconds_bucket",
-    "ray_vllm_inter_token_latency_seconds_bucket",
-    "ray_vllm_e2e_request_latency_seconds_bucket",
-    "ray_vllm_generation_tokens_total",
-    "ray_vllm_prompt_tokens_total",
-    "ray_vllm_num_requests_waiting",
-    "ray_vllm_num_requests_running",
-    "ray_vllm_kv_cache_usage_perc",
-    "ray_serve_num_http_requests_total",
-    "ray_serve_num_http_error_requests_total",
-    "ray_serve_deployment_replica_healthy",
-    "kuberay_service_condition_ready",
-    "DCGM_FI_DEV_GPU_UTIL",
-    "DCGM_FI_DEV_FB_USED",
-    "DCGM_FI_DEV_FB_FREE",
-    "DCGM_FI_DEV_XID_ERRORS",
-    "DCGM_FI_DEV_POWER_USAGE",
-    "kube_pod_status_phase",
-    "kube_pod_container_resource_requests",
-    "cluster_autoscaler_node_group_target_count",
-    "cluster_autoscaler_node_group_max_count",
-}
+ALERT_NAMES = [a.name for a in alerts.ALERTS]
+RECORDED = {r.record for r in alerts.RECORDING_RULES}
+# Names vLLM removed; they must not come back anywhere.
 REMOVED_BY_VLLM = ("gpu_cache_usage_perc", "time_per_output_token_seconds")
-PROMQL_WORDS = {
-    "sum", "max", "min", "avg", "count", "by", "without", "on", "ignoring", "group_left", "group_right",
-    "and", "or", "unless", "bool", "rate", "irate", "increase", "histogram_quantile", "label_replace",
-    "max_over_time", "changes", "le", "offset",
-}  # fmt: skip
+
+# --- A PromQL reader: the metric names an expression selects. ---
+
+_TOKEN = re.compile(
+    r"""
+      (?P<space>\s+|\#[^\n]*)
+    | (?P<string>"(?:\\.|[^"\\])*"|'(?:\\.|[^'\\])*'|`[^`]*`)
+    | (?P<duration>(?:\d+(?:ms|[smhdwy]))+(?![\w:]))
+    | (?P<number>0[xX][0-9a-fA-F]+|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|(?i:inf|nan)(?![\w:]))
+    | (?P<name>[A-Za-z_:][\w:]*)
+    | (?P<punct>=~|!~|==|!=|>=|<=|[-+*/%^=<>(){}\[\],:@])
+    """,
+    re.VERBOSE,
+)
+# Keywords that take a parenthesised list of label names.
+_LABEL_LIST_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right"}
+_KEYWORDS = _LABEL_LIST_KEYWORDS | {"and", "or", "unless", "bool", "offset", "atan2"}
+_CLOSING = {"(": ")", "{": "}", "[": "]"}
+
+
+def _tokens(expr: str) -> Iterator[tuple[str, str]]:
+    pos = 0
+    while pos < len(expr):
+        match = _TOKEN.match(expr, pos)
+        if match is None:
+            raise ValueError(f"cannot read PromQL at {expr[pos:]!r}")
+        assert match.lastgroup is not None
+        if match.lastgroup != "space":
+            yield match.lastgroup, match.group()
+        pos = match.end()
+
+
+def _skip(tokens: list[tuple[str, str]], start: int) -> int:
+    """The index after the bracket that closes the one at `start`."""
+    opening = tokens[start][1]
+    depth = 0
+    for i in range(start, len(tokens)):
+        text = tokens[i][1] if tokens[i][0] == "punct" else ""
+        depth += (text == opening) - (text == _CLOSING[opening])
+        if depth == 0:
+            return i + 1
+    raise ValueError(f"unclosed {opening!r}")
+
+
+def _selector_name(tokens: list[tuple[str, str]]) -> str | None:
+    """A `__name__="..."` matcher inside a `{...}` selector."""
+    for i, (kind, text) in enumerate(tokens):
+        if kind == "name" and text == "__name__":
+            if tokens[i + 1][1] != "=" or tokens[i + 2][0] != "string":
+                raise ValueError("a __name__ matcher must be an exact string; name the metric")
+            return str(tokens[i + 2][1][1:-1])
+    return None
 
 
 def _metrics_in(expr: str) -> set[str]:
-    """The metric names an expression selects (labels, strings, functions and durations removed)."""
-    expr = re.sub(r'"[^"]*"', "", expr)
-    expr = re.sub(r"\{[^}]*\}", "", expr)
-    expr = re.sub(r"\[[^\]]*\]", "", expr)
-    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
-    names = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr))
-    return {n for n in names if n not in PROMQL_WORDS and not re.fullmatch(r"\d+[smhd]?", n)}
+    """Metric names (or recorded series) an expression selects; label matchers,
+    strings, ranges, function names, keywords and grouping labels are skipped."""
+    tokens = list(_tokens(expr))
+    parens = [text for kind, text in tokens if kind == "punct" and text in "()"]
+    if parens.count("(") != parens.count(")"):
+        raise ValueError("unbalanced parentheses")
+    names: set[str] = set()
+    i = 0
+    while i < len(tokens):
+        kind, text = tokens[i]
+        following = tokens[i + 1][1].lower() if i + 1 < len(tokens) else ""
+        if kind == "punct" and text in ("{", "["):
+            end = _skip(tokens, i)
+            if text == "{" and (name := _selector_name(tokens[i + 1 : end - 1])) is not None:
+                names.add(name)
+            i = end
+        elif kind == "name" and text.lower() in _LABEL_LIST_KEYWORDS and following == "(":
+            i = _skip(tokens, i + 1)
+        elif kind == "name" and (following in ("(", "by", "without") or text.lower() in _KEYWORDS):
+            i += 1  # a function, an aggregation (`sum by (a) (...)` too) or a keyword
+        else:
+            if kind == "name":
+                names.add(text)
+            i += 1
+    return names
+
+
+@pytest.mark.parametrize(
+    ("expr", "names"),
+    [
+        ('sum by (a) (rate(foo_total{x="bar_total"}[5m])) / on () bar', {"foo_total", "bar"}),
+        ('label_replace(up{job="a}b"}, "pod", "$1", "exported_pod", "(.+)") or llm:rule:sum', {"up", "llm:rule:sum"}),
+        ("x * on (pod) group_left (node, by) kube_pod_info", {"x", "kube_pod_info"}),
+        ("a * ignoring (le) group_right b", {"a", "b"}),
+        ("sum without (le) (rate(h_bucket[5m:30s] offset -1h)) > bool 2.5e3", {"h_bucket"}),
+        ('{__name__="by_name", job="x"} unless absent(y @ 1609746000) and z @ start()', {"by_name", "y", "z"}),
+        ("max_over_time(m[1h]) > Inf and on () count(n) > 0x10 or -NaN < p", {"m", "n", "p"}),
+        (r'a{l="x\"}y", k=~`z}`} + b', {"a", "b"}),
+        ("SUM(a) BY (le) + AVG BY (x) (d) # a comment naming c\n", {"a", "d"}),
+        ('topk(3, q) / count_values("v", r) and s offset 5m', {"q", "r", "s"}),
+    ],
+)
+def test_the_metric_parser_finds_what_it_should(expr: str, names: set[str]) -> None:
+    assert _metrics_in(expr) == names
+
+
+@pytest.mark.parametrize("expr", ['{__name__=~"ray_.*"}', "sum(rate(x[5m])", "a ? b"])
+def test_the_metric_parser_refuses_what_it_cannot_read(expr: str) -> None:
+    with pytest.raises(ValueError):
+        _metrics_in(expr)
+
+
+# --- The inventory and the rules. ---
+
+
+def test_metric_inventory_is_one_name_per_exporter_under_its_prefix() -> None:
+    seen: list[str] = []
+    for family in alerts.METRIC_INVENTORY:
+        assert family.names, family.exporter
+        for name in family.names:
+            assert name.startswith(family.prefix), f"{name} is not a {family.exporter} metric ({family.prefix}*)"
+            assert re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", name), name
+        seen += family.names
+    assert len(seen) == len(set(seen)), "a metric is listed twice"
+    assert set(seen) == alerts.KNOWN_METRICS
+    assert not RECORDED & alerts.KNOWN_METRICS
+    for name in seen:
+        assert not any(removed in name for removed in REMOVED_BY_VLLM), name
+
+
+def test_rule_names_are_unique() -> None:
+    names = [*ALERT_NAMES, *(r.record for r in alerts.RECORDING_RULES)]
+    assert len(names) == len(set(names))
+    for name in ALERT_NAMES:
+        assert re.fullmatch(r"[A-Z][A-Za-z0-9]+", name), name
+    for record in RECORDED:
+        assert re.fullmatch(r"llm:[a-z0-9_]+:[a-z0-9_]+", record), record
 
 
 def _rule(stack: str) -> dict[str, Any]:
@@ -78,25 +175,63 @@ def _rules(rule: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("stack", ["dev", "prod"])
-def test_every_expression_reads_only_known_metrics(stack: str) -> None:
-    rules = _rules(_rule(stack))
-    recorded = {r["record"] for r in rules if "record" in r}
-    for rule in rules:
+def test_the_rule_is_rendered_from_the_lists(stack: str) -> None:
+    groups = _rule(stack)["spec"]["groups"]
+    assert [g["name"] for g in groups] == [alerts.RECORDING_GROUP, alerts.ALERT_GROUP]
+    assert [r["record"] for r in groups[0]["rules"]] == [r.record for r in alerts.RECORDING_RULES]
+    assert [r["alert"] for r in groups[1]["rules"]] == ALERT_NAMES
+    severities = {a.name: a.severity for a in alerts.ALERTS}
+    assert {r["alert"]: r["labels"]["severity"] for r in groups[1]["rules"]} == severities
+
+
+@pytest.mark.parametrize("stack", ["dev", "prod"])
+def test_every_expression_reads_only_its_declared_known_metrics(stack: str) -> None:
+    declared = {a.name: a.metrics for a in alerts.ALERTS} | {r.record: r.metrics for r in alerts.RECORDING_RULES}
+    for rule in _rules(_rule(stack)):
         name = rule.get("alert") or rule["record"]
         used = _metrics_in(rule["expr"])
-        assert used <= KNOWN_METRICS | recorded, f"{name}: {used - KNOWN_METRICS - recorded}"
-        # The declared list and the expression agree.
-        assert used == set(alerts.ALERT_METRICS[name]), name
-    for metrics in alerts.ALERT_METRICS.values():
-        assert set(metrics) <= KNOWN_METRICS | recorded
-    assert set(dashboards.DASHBOARD_METRICS) <= KNOWN_METRICS
-    text = json.dumps(_rule(stack)) + json.dumps(dashboards.dashboards())
+        assert used == set(declared[name]), f"{name}: reads {sorted(used)}, declares {sorted(declared[name])}"
+        allowed = alerts.KNOWN_METRICS if "record" in rule else alerts.KNOWN_METRICS | RECORDED
+        assert used <= allowed, f"{name}: not in the metric inventory: {sorted(used - allowed)}"
+
+
+def _dashboard_exprs(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "expr" and isinstance(value, str):
+                yield value
+            else:
+                yield from _dashboard_exprs(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _dashboard_exprs(item)
+
+
+def test_dashboards_read_recorded_series_or_known_metrics() -> None:
+    exprs = [e for body in dashboards.dashboards().values() for e in _dashboard_exprs(json.loads(body))]
+    assert exprs
+    used = set().union(*(_metrics_in(e) for e in exprs))
+    assert used <= RECORDED | set(dashboards.DASHBOARD_METRICS), sorted(used - RECORDED)
+    assert set(dashboards.DASHBOARD_METRICS) <= alerts.KNOWN_METRICS
+
+
+def _project_texts() -> Iterator[tuple[Path, str]]:
+    for folder in ("infra", "workloads", "policy", "tests/rules"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix in {".py", ".yaml", ".yml", ".json", ".md", ".txt"} and "venv" not in path.parts:
+                yield path, path.read_text(errors="replace")
+    yield ROOT / "README.md", (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("stack", ["dev", "prod"])
+def test_names_vllm_removed_appear_nowhere(stack: str) -> None:
+    rendered = render_stack(stack)
+    text = json.dumps(rendered.manifests) + json.dumps(rendered.helm) + json.dumps(dashboards.dashboards())
     for removed in REMOVED_BY_VLLM:
         assert removed not in text
-
-
-def test_the_metric_parser_finds_what_it_should() -> None:
-    assert _metrics_in('sum by (a) (rate(foo_total{x="bar_total"}[5m])) / on () bar') == {"foo_total", "bar"}
+    for path, content in _project_texts():
+        for removed in REMOVED_BY_VLLM:
+            assert removed not in content, f"{path.relative_to(ROOT)} names {removed}"
 
 
 def test_thresholds_come_from_the_slos() -> None:
@@ -109,11 +244,12 @@ def test_thresholds_come_from_the_slos() -> None:
     assert by_alert["LlmKvCacheNearlyFull"]["expr"].endswith(f"> {slo.kv_cache_usage}")
     assert by_alert["GpuAllocatedButIdle"]["for"] == f"{slo.gpu_idle_minutes}m"
     assert f'namespace="{cfg.serving.namespace}"' in by_alert["RayServiceNotReady"]["expr"]
-    assert set(by_alert) >= {
-        "RayServeReplicaUnhealthy",
-        "GpuXidError",
-        "GpuPodsPendingNodeGroupAtMax",
-    }
+    other = alerts.alert_rules(Slo(ttft_p95_seconds=7.5, gpu_idle_minutes=55), "elsewhere")
+    by_other = {r["alert"]: r for r in other}
+    assert by_other["LlmTimeToFirstTokenHigh"]["expr"].endswith("> 7.5")
+    assert "SLO 7.5s" in by_other["LlmTimeToFirstTokenHigh"]["annotations"]["description"]
+    assert by_other["GpuAllocatedButIdle"]["for"] == "55m"
+    assert 'namespace="elsewhere"' in by_other["GpuPodsPendingNodeGroupAtMax"]["expr"]
 
 
 def test_rule_and_monitors_carry_the_prometheus_selector_labels() -> None:
@@ -134,6 +270,9 @@ def test_rule_and_monitors_carry_the_prometheus_selector_labels() -> None:
     workers = monitors["ray-workers"]["spec"]
     assert [e["port"] for e in workers["podMetricsEndpoints"]] == [RAY_PORTS.metrics.name]
     assert workers["selector"]["matchLabels"]["ray.io/node-type"] == "worker"
+
+
+# --- promtool: every rule checked, every alert fired and kept quiet by a case. ---
 
 
 def _promtool() -> str:
@@ -157,7 +296,10 @@ def test_promtool_accepts_the_rendered_rules(stack: str, tmp_path: Path) -> None
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("case", sorted(p.name for p in RULES_DIR.glob("*.yaml")))
+CASE_FILES = sorted(RULES_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("case", [p.name for p in CASE_FILES])
 def test_promtool_rule_cases(case: str, tmp_path: Path) -> None:
     promtool = _promtool()
     rule = alerts.prometheus_rule(CASE_SLO, CASE_NAMESPACE, {})
@@ -174,33 +316,77 @@ def test_promtool_rule_cases(case: str, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_rule_cases_cover_the_main_alerts_firing_and_not() -> None:
-    fired: set[str] = set()
-    silent: set[str] = set()
-    for path in RULES_DIR.glob("*.yaml"):
-        for test in yaml.safe_load(path.read_text())["tests"]:
-            for case in test.get("alert_rule_test", []):
-                (fired if case.get("exp_alerts") else silent).add(case["alertname"])
-    main = {
-        "LlmTimeToFirstTokenHigh",
-        "LlmRequestsWaiting",
-        "LlmKvCacheNearlyFull",
-        "LlmHttp5xxRatioHigh",
-        "RayServeReplicaUnhealthy",
-        "RayServiceNotReady",
-        "GpuXidError",
-        "GpuAllocatedButIdle",
-        "GpuPodsPendingNodeGroupAtMax",
-    }
-    assert main <= fired
-    assert main <= silent
+def _case_tests() -> list[dict[str, Any]]:
+    return [test for path in CASE_FILES for test in yaml.safe_load(path.read_text())["tests"]]
+
+
+def _alert_cases() -> list[dict[str, Any]]:
+    return [case for test in _case_tests() for case in test.get("alert_rule_test", [])]
+
+
+@pytest.mark.parametrize("alert", ALERT_NAMES)
+def test_every_alert_has_a_promtool_case_that_fires_it_and_one_that_does_not(alert: str) -> None:
+    cases = [c for c in _alert_cases() if c["alertname"] == alert]
+    assert any(c.get("exp_alerts") for c in cases), f"no case in {RULES_DIR.name}/ fires {alert}"
+    assert any(not c.get("exp_alerts") for c in cases), f"no case in {RULES_DIR.name}/ keeps {alert} quiet"
+
+
+def test_promtool_cases_name_only_alerts_and_metrics_that_exist() -> None:
+    # A case for a renamed alert would pass forever: it expects no alert and gets none.
+    assert {c["alertname"] for c in _alert_cases()} <= set(ALERT_NAMES)
+    for test in _case_tests():
+        for series in test["input_series"]:
+            name = _metrics_in(series["series"])
+            assert name <= alerts.KNOWN_METRICS | RECORDED, series["series"]
+
+
+# --- The README's alert table, generated from the list. ---
+
+README = ROOT / "README.md"
+TABLE_BEGIN = "<!-- alert table: generated from infra/serving/alerts.py by tests/test_serving_alerts.py -->"
+TABLE_END = "<!-- end of alert table -->"
+# With this set (outside CI), the README test writes the table instead of comparing it.
+UPDATE_ENV = "UPDATE_README_ALERTS"
+
+
+def _readme_text(template: str) -> str:
+    """A Prometheus template as README text: `{{ $labels.pod }}` -> *pod*."""
+    text = re.sub(r"\{\{\s*\$labels\.(\w+)\s*\}\}", r"*\1*", template)
+    text = re.sub(r"\{\{\s*\$value[^}]*\}\}", "*value*", text)
+    assert "{{" not in text, template
+    return text.replace("|", "\\|")
+
+
+def alert_table() -> str:
+    """The README's alert table (`for` with the default SLOs)."""
+    ctx = alerts.RuleContext(slo=Slo(), namespace=CASE_NAMESPACE)
+    rows = [f"| `{a.name}` | {a.severity} | {a.rule(ctx)['for']} | {_readme_text(a.summary)} |" for a in alerts.ALERTS]
+    return "\n".join(["| alert | severity | for | summary |", "|---|---|---|---|", *rows])
+
+
+def test_readme_alert_table_is_generated_from_the_list() -> None:
+    text = README.read_text()
+    assert text.count(TABLE_BEGIN) == 1 and text.count(TABLE_END) == 1, "README.md lost the alert table markers"
+    head, rest = text.split(TABLE_BEGIN)
+    current, tail = rest.split(TABLE_END)
+    wanted = f"\n{alert_table()}\n"
+    if os.environ.get(UPDATE_ENV) and not os.environ.get("CI"):
+        README.write_text(f"{head}{TABLE_BEGIN}{wanted}{TABLE_END}{tail}")
+        return
+    assert current == wanted, (
+        f"README.md's alert table is not alerts.ALERTS; rewrite it with "
+        f"{UPDATE_ENV}=1 venv/bin/python -m pytest -q tests/test_serving_alerts.py -k readme"
+    )
+
+
+def test_the_alert_table_names_every_alert_once() -> None:
+    names = re.findall(r"^\| `(\w+)` \|", alert_table(), flags=re.MULTILINE)
+    assert names == ALERT_NAMES
 
 
 def test_prometheus_rule_matches_the_pinned_crd() -> None:
     jsonschema = pytest.importorskip("jsonschema")
-    path = REFERENCE / "kube-prometheus-stack" / "crd-prometheusrules.yaml"
-    if not path.exists():
-        pytest.skip(f"{path} is absent (the pinned CRDs live outside the project)")
+    path = reference_dir() / "kube-prometheus-stack" / "crd-prometheusrules.yaml"
     crd = yaml.safe_load(path.read_text())
     jsonschema.Draft7Validator(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]).validate(_rule("prod"))
     path = REFERENCE / "kube-prometheus-stack" / "crd-podmonitors.yaml"

@@ -12,8 +12,8 @@ from infra.scheduling import gpu_placements
 from infra.serving import kuberay
 from infra.serving.autoscaling import HEADROOM_CLASS, SERVING_CLASS, headroom_name
 from infra.serving.ray_service import worker_group_name
-from tests.harness import REFERENCE, manifests_of, render_stack
-from tests.test_serving_support import config, ray_services
+from tests.harness import manifests_of, ray_services, reference_dir, render_stack
+from tests.harness import stack_config as config
 
 STACKS = ["dev", "prod"]
 RAY_KINDS = {"RayService", "RayCluster", "RayJob"}
@@ -101,9 +101,7 @@ def test_disruption_budgets_cover_head_and_every_worker_group(stack: str) -> Non
 
 def test_scaled_objects_match_the_pinned_keda_crd() -> None:
     jsonschema = pytest.importorskip("jsonschema")
-    path = REFERENCE / "keda" / "crd-scaledobjects.yaml"
-    if not path.exists():
-        pytest.skip(f"{path} is absent (the pinned CRDs live outside the project)")
+    path = reference_dir() / "keda" / "crd-scaledobjects.yaml"
     crd: dict[str, Any] = yaml.safe_load(path.read_text())
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
     objects = manifests_of(render_stack("prod"), "ScaledObject")

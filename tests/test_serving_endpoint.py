@@ -12,8 +12,8 @@ from infra.serving import kuberay
 from infra.serving.dashboards import dashboards
 from infra.serving.endpoint import EXTERNAL_DNS_ANNOTATION, LB_ANNOTATION, base_url, serve_service_spec
 from infra.serving.ports import HTTPS_PORT, RAY_PORTS
-from tests.harness import manifests_of, render_stack
-from tests.test_serving_support import config, ray_services
+from tests.harness import manifests_of, ray_services, render_stack
+from tests.harness import stack_config as config
 
 STACKS = ["dev", "prod"]
 SERVING_KINDS = {

@@ -22,8 +22,8 @@ from infra.serving.ray_service import (
     worker_group_name,
 )
 from infra.serving.serve_config import IMPORT_PATH, MOUNTS
-from tests.harness import REFERENCE, manifests_of, render_stack
-from tests.test_serving_support import config, group, ray_service_args, ray_services
+from tests.harness import group, manifests_of, ray_service_args, ray_services, reference_dir, render_stack
+from tests.harness import stack_config as config
 
 STACKS = ["dev", "prod"]
 
@@ -244,9 +244,7 @@ def test_serve_config_is_valid_for_ray_serve_and_serve_llm(stack: str) -> None:
 
 
 def _crd_schema(name: str) -> dict[str, Any]:
-    path = REFERENCE / "kuberay" / name
-    if not path.exists():
-        pytest.skip(f"{path} is absent (the pinned CRDs live outside the project)")
+    path = reference_dir() / "kuberay" / name
     crd = yaml.safe_load(path.read_text())
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     schema: dict[str, Any] = v1["schema"]["openAPIV3Schema"]

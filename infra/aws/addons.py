@@ -22,9 +22,6 @@ class AddonsArgs:
 
     cluster_name: pulumi.Input[str]
     names: Sequence[str]
-    # What every add-on waits for (a component's own depends_on does not
-    # reach its children).
-    after: Sequence[pulumi.Resource] = ()
 
 
 class EksAddons(pulumi.ComponentResource):
@@ -35,6 +32,10 @@ class EksAddons(pulumi.ComponentResource):
     and the ones that run as Deployments (coredns, aws-ebs-csi-driver) after
     the node groups: EKS reports those DEGRADED until a node can run them,
     and the create would wait on that until it times out.
+
+    What the add-ons wait for is the component's `depends_on`: the
+    component registers only once its dependencies exist, and each add-on
+    (a child) only once the component has registered.
     """
 
     addons: dict[str, aws.eks.Addon]
@@ -55,7 +56,7 @@ class EksAddons(pulumi.ComponentResource):
                 # the cluster is put back on the next update.
                 resolve_conflicts_on_create="OVERWRITE",
                 resolve_conflicts_on_update="OVERWRITE",
-                opts=pulumi.ResourceOptions(parent=self, depends_on=list(args.after)),
+                opts=pulumi.ResourceOptions(parent=self),
             )
             for addon in args.names
         }

@@ -96,20 +96,7 @@ class PodIdentities(pulumi.ComponentResource):
         self._partition = aws.get_partition_output().partition
         self._account = aws.get_caller_identity_output().account_id
         self.associations = []
-        region = args.region
-
-        reader = model_reader_identity(args.serving_namespace)
-        prefixes = list(args.model_prefixes)
-        reader_arn = self._role(
-            f"{name}-model-reader",
-            reader,
-            "Reads model weights from the model bucket",
-            inline=pulumi.Output.all(args.bucket_arn, args.bucket_key_arn).apply(
-                lambda a: policies.model_reader(a[0], prefixes, a[1], region)
-            ),
-        )
-        self.model_reader = model_reader_identity(args.serving_namespace, reader_arn)
-
+        self.model_reader = self._model_reader(name)
         self.cluster_autoscaler = cluster_autoscaler_identity(
             self._role(
                 f"{name}-cluster-autoscaler",
@@ -118,29 +105,8 @@ class PodIdentities(pulumi.ComponentResource):
                 inline=self._scoped(policies.cluster_autoscaler),
             )
         )
-        self.load_balancer_controller = load_balancer_controller_identity(
-            self._role(
-                f"{name}-load-balancer-controller",
-                load_balancer_controller_identity(),
-                "Manages this cluster's load balancers",
-                inline=pulumi.Output.all(
-                    self._partition, self._account, args.cluster_name, args.node_security_group_id
-                ).apply(lambda a: policies.load_balancer_controller(a[0], region, a[1], a[2], a[3])),
-            )
-        )
-        ebs_key = args.ebs_kms_key_arn
-        ebs = PodIdentity(namespace=KUBE_SYSTEM, service_account=EBS_CSI_SA, role_arn=None)
-        self.ebs_csi = PodIdentity(
-            namespace=KUBE_SYSTEM,
-            service_account=EBS_CSI_SA,
-            role_arn=self._role(
-                f"{name}-ebs-csi",
-                ebs,
-                "Creates and attaches this cluster's EBS volumes",
-                managed=self._partition.apply(lambda p: policies.EBS_CSI_MANAGED_POLICY.format(partition=p)),
-                inline=(pulumi.Output.from_input(policies.kms_grants_for_ebs(ebs_key, region)) if ebs_key else None),
-            ),
-        )
+        self.load_balancer_controller = self._load_balancer_controller(name)
+        self.ebs_csi = self._ebs_csi(name)
         self.keda_operator = keda_operator_identity()
         self.batch_worker = None
         if args.batch is not None:
@@ -154,6 +120,54 @@ class PodIdentities(pulumi.ComponentResource):
                 "load_balancer_controller_role_arn": self.load_balancer_controller.role_arn,
                 "ebs_csi_role_arn": self.ebs_csi.role_arn,
             }
+        )
+
+    def _model_reader(self, name: str) -> PodIdentity:
+        """The model pods: read the served models' prefixes of the model bucket."""
+        args = self._args
+        region = args.region
+        prefixes = list(args.model_prefixes)
+        return model_reader_identity(
+            args.serving_namespace,
+            self._role(
+                f"{name}-model-reader",
+                model_reader_identity(args.serving_namespace),
+                "Reads model weights from the model bucket",
+                inline=pulumi.Output.all(args.bucket_arn, args.bucket_key_arn).apply(
+                    lambda a: policies.model_reader(a[0], prefixes, a[1], region)
+                ),
+            ),
+        )
+
+    def _load_balancer_controller(self, name: str) -> PodIdentity:
+        """The load balancer controller: this cluster's load balancers, and the nodes' security group."""
+        args = self._args
+        region = args.region
+        return load_balancer_controller_identity(
+            self._role(
+                f"{name}-load-balancer-controller",
+                load_balancer_controller_identity(),
+                "Manages this cluster's load balancers",
+                inline=pulumi.Output.all(
+                    self._partition, self._account, args.cluster_name, args.node_security_group_id
+                ).apply(lambda a: policies.load_balancer_controller(a[0], region, a[1], a[2], a[3])),
+            )
+        )
+
+    def _ebs_csi(self, name: str) -> PodIdentity:
+        """The EBS CSI driver: AWS's managed policy, plus grants on the StorageClass' key if it has one."""
+        ebs_key = self._args.ebs_kms_key_arn
+        region = self._args.region
+        return PodIdentity(
+            namespace=KUBE_SYSTEM,
+            service_account=EBS_CSI_SA,
+            role_arn=self._role(
+                f"{name}-ebs-csi",
+                PodIdentity(namespace=KUBE_SYSTEM, service_account=EBS_CSI_SA, role_arn=None),
+                "Creates and attaches this cluster's EBS volumes",
+                managed=self._partition.apply(lambda p: policies.EBS_CSI_MANAGED_POLICY.format(partition=p)),
+                inline=(pulumi.Output.from_input(policies.kms_grants_for_ebs(ebs_key, region)) if ebs_key else None),
+            ),
         )
 
     def _batch(self, name: str, batch: BatchQueue) -> None:

@@ -9,6 +9,10 @@ import pulumi_kubernetes as k8s
 
 from infra.scheduling import GpuPlacement, Placement
 
+# `cluster.node_provisioner` of EKS managed node groups scaled by cluster-autoscaler
+# (infra/aws/provisioning.py), the one provisioner so far.
+MANAGED_NODE_GROUPS = "managed_node_groups"
+
 
 @dataclass(frozen=True)
 class PodIdentity:
@@ -63,6 +67,7 @@ class AwsLayer:
     kubeconfig: pulumi.Output[str] | None
     system: Placement
     gpu: dict[str, GpuPlacement]
+    # The AWS name of each placement's node group (or pool), by placement group.
     node_group_names: dict[str, pulumi.Output[str]]
     model_bucket: pulumi.Output[str]
     image: pulumi.Output[str]
@@ -79,3 +84,6 @@ class AwsLayer:
     batch_worker: PodIdentity | None = None
     # What in-cluster resources wait for: node groups and core add-ons.
     cluster_ready: list[pulumi.Resource] = field(default_factory=list)
+    # Which node provisioner made the nodes (infra/aws/provisioning.py): the
+    # platform installs cluster-autoscaler only for managed node groups.
+    node_provisioner: str = MANAGED_NODE_GROUPS

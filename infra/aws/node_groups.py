@@ -72,8 +72,6 @@ class NodeGroupArgs:
     node_role_arn: pulumi.Input[str]
     subnet_ids: pulumi.Input[Sequence[str]]
     tags: dict[str, str] = field(default_factory=dict)
-    # What the node group waits for (the add-ons a node needs to turn Ready).
-    after: Sequence[pulumi.Resource] = ()
 
 
 class NodeGroup(pulumi.ComponentResource):
@@ -85,6 +83,8 @@ class NodeGroup(pulumi.ComponentResource):
     entries replace the aws-auth mapping that ManagedNodeGroup adds, and the
     autoscaler's node-template tags must also go on the Auto Scaling group
     that EKS creates, whose name only the node group resource exposes.
+    What the group waits for (the add-ons a node needs to turn Ready) is the
+    component's `depends_on`.
     """
 
     name: pulumi.Output[str]
@@ -92,15 +92,21 @@ class NodeGroup(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: NodeGroupArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("llm-platform:aws:NodeGroup", name, None, opts)
-        child = pulumi.ResourceOptions(parent=self)
-        group = args.config
-        placement = args.placement
-        ami = ami_type(placement)
-        cluster = args.cluster_name
+        self.launch_template = self._launch_template(name, args)
+        self.node_group = self._node_group(name, args)
+        self.name = self.node_group.node_group_name
+        self.autoscaling_group = self.node_group.resources.apply(
+            lambda rs: (rs[0].autoscaling_groups[0].name or "") if rs and rs[0].autoscaling_groups else ""
+        )
+        self._tag_autoscaling_group(name, args)
+        self.register_outputs({"name": self.name, "autoscaling_group": self.autoscaling_group})
 
-        self.launch_template = aws.ec2.LaunchTemplate(
+    def _launch_template(self, name: str, args: NodeGroupArgs) -> aws.ec2.LaunchTemplate:
+        """IMDSv2 with a hop limit pods can use, encrypted gp3 volumes, the group's name on instances and volumes."""
+        group = args.placement.group
+        return aws.ec2.LaunchTemplate(
             name,
-            description=f"Nodes of node group {placement.group}",
+            description=f"Nodes of node group {group}",
             update_default_version=True,
             metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
                 http_endpoint="enabled",
@@ -108,21 +114,26 @@ class NodeGroup(pulumi.ComponentResource):
                 http_put_response_hop_limit=IMDS_HOP_LIMIT,
                 instance_metadata_tags="disabled",
             ),
-            block_device_mappings=_volumes(ami, group.disk_size_gib),
+            block_device_mappings=_volumes(ami_type(args.placement), args.config.disk_size_gib),
             tag_specifications=[
                 aws.ec2.LaunchTemplateTagSpecificationArgs(
-                    resource_type=kind, tags={**args.tags, "llm-platform/node-group": placement.group}
+                    resource_type=kind, tags={**args.tags, "llm-platform/node-group": group}
                 )
                 for kind in ("instance", "volume")
             ],
             tags=args.tags,
-            opts=child,
+            opts=pulumi.ResourceOptions(parent=self),
         )
 
-        ca_tags = pulumi.Output.from_input(cluster).apply(lambda c: autoscaler_tags(c, placement, group.disk_size_gib))
-        self.node_group = aws.eks.NodeGroup(
+    def _node_group(self, name: str, args: NodeGroupArgs) -> aws.eks.NodeGroup:
+        """The managed node group: size and instance types from config, labels and taints from the placement."""
+        group, placement = args.config, args.placement
+        ca_tags = pulumi.Output.from_input(args.cluster_name).apply(
+            lambda c: autoscaler_tags(c, placement, group.disk_size_gib)
+        )
+        return aws.eks.NodeGroup(
             name,
-            cluster_name=cluster,
+            cluster_name=args.cluster_name,
             # A prefix, not a fixed name: changing instance types or capacity
             # type replaces the group, and the new one must be created while
             # the old one still serves.
@@ -130,7 +141,7 @@ class NodeGroup(pulumi.ComponentResource):
             version=args.kubernetes_version,
             node_role_arn=args.node_role_arn,
             subnet_ids=args.subnet_ids,
-            ami_type=ami,
+            ami_type=ami_type(placement),
             capacity_type=CAPACITY_TYPES[group.capacity_type],
             instance_types=list(group.instance_types),
             scaling_config=aws.eks.NodeGroupScalingConfigArgs(
@@ -148,27 +159,25 @@ class NodeGroup(pulumi.ComponentResource):
             tags=ca_tags.apply(lambda t: {**args.tags, **t}),
             opts=pulumi.ResourceOptions(
                 parent=self,
-                depends_on=list(args.after),
                 # cluster-autoscaler owns the desired size once the group exists.
                 ignore_changes=["scalingConfig.desiredSize"],
             ),
         )
-        self.name = self.node_group.node_group_name
-        self.autoscaling_group = self.node_group.resources.apply(
-            lambda rs: (rs[0].autoscaling_groups[0].name or "") if rs and rs[0].autoscaling_groups else ""
-        )
 
-        # EKS does not copy node group tags to the Auto Scaling group, where
-        # cluster-autoscaler reads the node template from. (The two discovery
-        # tags EKS puts on the group itself.)
-        for key, value in node_template_tags(placement, group.disk_size_gib).items():
+    def _tag_autoscaling_group(self, name: str, args: NodeGroupArgs) -> None:
+        """Copies the node template onto the Auto Scaling group EKS made for the node group.
+
+        EKS does not copy node group tags to the Auto Scaling group, where
+        cluster-autoscaler reads the node template from. (The two discovery
+        tags EKS puts on the group itself.)
+        """
+        for key, value in node_template_tags(args.placement, args.config.disk_size_gib).items():
             aws.autoscaling.Tag(
                 f"{name}-{key.removeprefix(NODE_TEMPLATE + '/').replace('/', '-')}",
                 autoscaling_group_name=self.autoscaling_group,
                 tag=aws.autoscaling.TagTagArgs(key=key, value=value, propagate_at_launch=False),
-                opts=child,
+                opts=pulumi.ResourceOptions(parent=self),
             )
-        self.register_outputs({"name": self.name, "autoscaling_group": self.autoscaling_group})
 
 
 def _volumes(ami: str, disk_size_gib: int) -> list[aws.ec2.LaunchTemplateBlockDeviceMappingArgs]:

@@ -8,7 +8,10 @@ with a condition where IAM offers one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from string import Template
 from typing import Any
 
 Policy = dict[str, Any]
@@ -17,10 +20,30 @@ VERSION = "2012-10-17"
 # The tag EKS puts on a managed node group's Auto Scaling group, and that
 # the cluster-autoscaler's auto-discovery looks for.
 AUTOSCALER_ENABLED_TAG = "k8s.io/cluster-autoscaler/enabled"
-# The tag the load balancer controller puts on every resource it creates.
-LBC_CLUSTER_TAG = "elbv2.k8s.aws/cluster"
-
 EBS_CSI_MANAGED_POLICY = "arn:{partition}:iam::aws:policy/service-role/AmazonEBSCSIDriverPolicy"
+
+# The AWS load balancer controller's policy, kept as data beside this module
+# (it is long, and a reviewer compares it with upstream's statement by
+# statement). Its action set follows upstream's published policy for the
+# pinned controller version: docs/install/iam_policy.json of
+# kubernetes-sigs/aws-load-balancer-controller at
+# LOAD_BALANCER_CONTROLLER_POLICY_VERSION, the chart version pinned in
+# infra/versions.py (a test holds the two together). It is narrowed, not
+# copied:
+# - every ARN names this partition, region and account (`${partition}`,
+#   `${region}`, `${account}` are filled in by load_balancer_controller);
+# - every create, change and delete requires the tag the controller puts
+#   on what it creates, `elbv2.k8s.aws/cluster`, to equal this cluster's
+#   name (`${cluster}`): upstream only requires the tag to exist, which lets
+#   one cluster's controller change another's load balancers;
+# - the one untagged security group the controller may open to its load
+#   balancers (NodeSecurityGroupRules) is the nodes' group
+#   (`${node_security_group}`) when it is known;
+# - listeners and rules carry no controller tag of their own; they are
+#   reached through the load balancers they belong to (ListenersAndRules).
+LOAD_BALANCER_CONTROLLER_POLICY_VERSION = "3.5.0"
+LOAD_BALANCER_CONTROLLER_POLICY_FILE = Path(__file__).with_name("load_balancer_controller_policy.json")
+LOAD_BALANCER_CONTROLLER_POLICY: Policy = json.loads(LOAD_BALANCER_CONTROLLER_POLICY_FILE.read_text())
 
 
 def autoscaler_cluster_tag(cluster: str) -> str:
@@ -30,6 +53,17 @@ def autoscaler_cluster_tag(cluster: str) -> str:
 
 def _doc(*statements: Policy) -> Policy:
     return {"Version": VERSION, "Statement": list(statements)}
+
+
+def _fill(template: Any, values: Mapping[str, str]) -> Any:
+    """A copy of a policy template with every `${name}` replaced; an unknown name raises KeyError."""
+    if isinstance(template, dict):
+        return {_fill(k, values): _fill(v, values) for k, v in template.items()}
+    if isinstance(template, list):
+        return [_fill(v, values) for v in template]
+    if isinstance(template, str):
+        return Template(template).substitute(values)
+    return template
 
 
 def pod_identity_trust(account: str, cluster: str, namespace: str, service_account: str) -> Policy:
@@ -151,220 +185,24 @@ def load_balancer_controller(
 ) -> Policy:
     """What the AWS load balancer controller (v3.5) calls, scoped to this cluster.
 
-    The action set follows the controller's documented IAM requirements for
-    its v3.5.0 release (docs/install/iam_policy.json in
-    kubernetes-sigs/aws-load-balancer-controller). Written out here rather
-    than vendored so it is narrowed further: ARNs are limited to this
-    account and region, and every create, change and delete requires the
-    controller's `elbv2.k8s.aws/cluster` tag to equal this cluster's name
-    (upstream only requires the tag to exist, which lets one cluster's
-    controller change another's load balancers), and the untagged group it
-    opens to its load balancers is the nodes' group only, when known.
+    The document is LOAD_BALANCER_CONTROLLER_POLICY (see there for where it
+    comes from and how it is narrowed) with this cluster's partition,
+    region, account and name filled in. The nodes' security group, when
+    known, is the only untagged group the controller may open to its load
+    balancers (the controller does not tag that group); otherwise any group
+    of the account and region.
     """
-    arn = f"arn:{partition}"
-    elb = f"{arn}:elasticloadbalancing:{region}:{account}"
-    sg = f"{arn}:ec2:{region}:{account}:security-group/*"
-    lb_and_tg = [f"{elb}:targetgroup/*/*", f"{elb}:loadbalancer/net/*/*", f"{elb}:loadbalancer/app/*/*"]
-    listeners = [
-        f"{elb}:listener/net/*/*/*",
-        f"{elb}:listener/app/*/*/*",
-        f"{elb}:listener-rule/net/*/*/*",
-        f"{elb}:listener-rule/app/*/*/*",
-    ]
-    owned = {f"aws:ResourceTag/{LBC_CLUSTER_TAG}": cluster}
-    requested = {f"aws:RequestTag/{LBC_CLUSTER_TAG}": cluster}
-    return _doc(
+    filled: Policy = _fill(
+        LOAD_BALANCER_CONTROLLER_POLICY,
         {
-            "Sid": "ServiceLinkedRole",
-            "Effect": "Allow",
-            "Action": ["iam:CreateServiceLinkedRole"],
-            "Resource": f"{arn}:iam::{account}:role/aws-service-role/elasticloadbalancing.amazonaws.com/*",
-            "Condition": {"StringEquals": {"iam:AWSServiceName": "elasticloadbalancing.amazonaws.com"}},
-        },
-        {
-            "Sid": "Discover",
-            "Effect": "Allow",
-            "Action": [
-                "ec2:DescribeAccountAttributes",
-                "ec2:DescribeAddresses",
-                "ec2:DescribeAvailabilityZones",
-                "ec2:DescribeInternetGateways",
-                "ec2:DescribeVpcs",
-                "ec2:DescribeVpcPeeringConnections",
-                "ec2:DescribeSubnets",
-                "ec2:DescribeSecurityGroups",
-                "ec2:DescribeInstances",
-                "ec2:DescribeNetworkInterfaces",
-                "ec2:DescribeTags",
-                "ec2:DescribeRouteTables",
-                "ec2:DescribeIpamPools",
-                "ec2:DescribeCoipPools",
-                "ec2:GetCoipPoolUsage",
-                "ec2:GetSecurityGroupsForVpc",
-                "elasticloadbalancing:DescribeLoadBalancers",
-                "elasticloadbalancing:DescribeLoadBalancerAttributes",
-                "elasticloadbalancing:DescribeListeners",
-                "elasticloadbalancing:DescribeListenerAttributes",
-                "elasticloadbalancing:DescribeListenerCertificates",
-                "elasticloadbalancing:DescribeSSLPolicies",
-                "elasticloadbalancing:DescribeRules",
-                "elasticloadbalancing:DescribeTargetGroups",
-                "elasticloadbalancing:DescribeTargetGroupAttributes",
-                "elasticloadbalancing:DescribeTargetHealth",
-                "elasticloadbalancing:DescribeTags",
-                "elasticloadbalancing:DescribeTrustStores",
-                "elasticloadbalancing:DescribeCapacityReservation",
-                "acm:ListCertificates",
-                "acm:DescribeCertificate",
-                "iam:ListServerCertificates",
-                "iam:GetServerCertificate",
-                "cognito-idp:DescribeUserPoolClient",
-                "wafv2:GetWebACL",
-                "wafv2:GetWebACLForResource",
-                "waf-regional:GetWebACL",
-                "waf-regional:GetWebACLForResource",
-                "shield:GetSubscriptionState",
-                "shield:DescribeProtection",
-            ],
-            "Resource": "*",
-        },
-        {
-            "Sid": "AttachWebAclAndShield",
-            "Effect": "Allow",
-            "Action": [
-                "wafv2:AssociateWebACL",
-                "wafv2:DisassociateWebACL",
-                "waf-regional:AssociateWebACL",
-                "waf-regional:DisassociateWebACL",
-                "shield:CreateProtection",
-                "shield:DeleteProtection",
-            ],
-            "Resource": "*",
-        },
-        {
-            # The controller opens the nodes' security group to its load
-            # balancers; that group is not tagged by the controller.
-            "Sid": "NodeSecurityGroupRules",
-            "Effect": "Allow",
-            "Action": ["ec2:AuthorizeSecurityGroupIngress", "ec2:RevokeSecurityGroupIngress"],
-            "Resource": f"{arn}:ec2:{region}:{account}:security-group/{node_security_group_id}"
-            if node_security_group_id
-            else sg,
-        },
-        {
-            "Sid": "CreateSecurityGroup",
-            "Effect": "Allow",
-            "Action": ["ec2:CreateSecurityGroup"],
-            "Resource": [sg, f"{arn}:ec2:{region}:{account}:vpc/*"],
-        },
-        {
-            "Sid": "TagNewSecurityGroup",
-            "Effect": "Allow",
-            "Action": ["ec2:CreateTags"],
-            "Resource": sg,
-            "Condition": {"StringEquals": {"ec2:CreateAction": "CreateSecurityGroup", **requested}},
-        },
-        {
-            "Sid": "RetagOwnSecurityGroups",
-            "Effect": "Allow",
-            "Action": ["ec2:CreateTags", "ec2:DeleteTags"],
-            "Resource": sg,
-            "Condition": {
-                "StringEquals": owned,
-                "Null": {f"aws:RequestTag/{LBC_CLUSTER_TAG}": "true"},
-            },
-        },
-        {
-            "Sid": "ChangeOwnSecurityGroups",
-            "Effect": "Allow",
-            "Action": [
-                "ec2:AuthorizeSecurityGroupIngress",
-                "ec2:RevokeSecurityGroupIngress",
-                "ec2:DeleteSecurityGroup",
-            ],
-            "Resource": sg,
-            "Condition": {"StringEquals": owned},
-        },
-        {
-            "Sid": "CreateOwnedLoadBalancers",
-            "Effect": "Allow",
-            "Action": ["elasticloadbalancing:CreateLoadBalancer", "elasticloadbalancing:CreateTargetGroup"],
-            "Resource": lb_and_tg,
-            "Condition": {"StringEquals": requested},
-        },
-        {
-            "Sid": "TagOnCreate",
-            "Effect": "Allow",
-            "Action": ["elasticloadbalancing:AddTags"],
-            "Resource": lb_and_tg,
-            "Condition": {
-                "StringEquals": {
-                    "elasticloadbalancing:CreateAction": ["CreateTargetGroup", "CreateLoadBalancer"],
-                    **requested,
-                }
-            },
-        },
-        {
-            "Sid": "RetagOwnLoadBalancers",
-            "Effect": "Allow",
-            "Action": ["elasticloadbalancing:AddTags", "elasticloadbalancing:RemoveTags"],
-            "Resource": lb_and_tg,
-            "Condition": {
-                "StringEquals": owned,
-                "Null": {f"aws:RequestTag/{LBC_CLUSTER_TAG}": "true"},
-            },
-        },
-        {
-            "Sid": "ChangeOwnLoadBalancers",
-            "Effect": "Allow",
-            "Action": [
-                "elasticloadbalancing:ModifyLoadBalancerAttributes",
-                "elasticloadbalancing:SetIpAddressType",
-                "elasticloadbalancing:SetSecurityGroups",
-                "elasticloadbalancing:SetSubnets",
-                "elasticloadbalancing:DeleteLoadBalancer",
-                "elasticloadbalancing:ModifyTargetGroup",
-                "elasticloadbalancing:ModifyTargetGroupAttributes",
-                "elasticloadbalancing:DeleteTargetGroup",
-                "elasticloadbalancing:ModifyCapacityReservation",
-                "elasticloadbalancing:ModifyIpPools",
-                "elasticloadbalancing:SetWebAcl",
-            ],
-            "Resource": lb_and_tg,
-            "Condition": {"StringEquals": owned},
-        },
-        {
-            "Sid": "Targets",
-            "Effect": "Allow",
-            "Action": ["elasticloadbalancing:RegisterTargets", "elasticloadbalancing:DeregisterTargets"],
-            "Resource": f"{elb}:targetgroup/*/*",
-        },
-        {
-            # Listeners and rules carry no controller tag of their own; they
-            # live under the load balancers above.
-            "Sid": "ListenersAndRules",
-            "Effect": "Allow",
-            "Action": [
-                "elasticloadbalancing:CreateListener",
-                "elasticloadbalancing:DeleteListener",
-                "elasticloadbalancing:ModifyListener",
-                "elasticloadbalancing:ModifyListenerAttributes",
-                "elasticloadbalancing:AddListenerCertificates",
-                "elasticloadbalancing:RemoveListenerCertificates",
-                "elasticloadbalancing:CreateRule",
-                "elasticloadbalancing:DeleteRule",
-                "elasticloadbalancing:ModifyRule",
-                "elasticloadbalancing:SetRulePriorities",
-            ],
-            "Resource": [f"{elb}:loadbalancer/net/*/*", f"{elb}:loadbalancer/app/*/*", *listeners],
-        },
-        {
-            "Sid": "TagListenersAndRules",
-            "Effect": "Allow",
-            "Action": ["elasticloadbalancing:AddTags", "elasticloadbalancing:RemoveTags"],
-            "Resource": listeners,
+            "partition": partition,
+            "region": region,
+            "account": account,
+            "cluster": cluster,
+            "node_security_group": node_security_group_id or "*",
         },
     )
+    return filled
 
 
 def kms_grants_for_ebs(key_arn: str, region: str) -> Policy:

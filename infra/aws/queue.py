@@ -16,6 +16,7 @@ import pulumi_aws as aws
 
 from infra.aws import policies
 from infra.aws.layer import BatchQueue
+from infra.aws.private_bucket import Expiry, PrivateBucket, PrivateBucketArgs
 from infra.config import Batch
 
 RESULTS_PREFIX = "results/"
@@ -59,19 +60,51 @@ class BatchQueueArgs:
 class BatchQueues(pulumi.ComponentResource):
     """The request queue and its dead-letter queue (SSE, TLS only), and the results bucket.
 
-    The results bucket is private, encrypted, TLS-only, protected like the
-    model bucket (it holds answers a redeploy can not recreate), and expires
-    results after RESULTS_RETENTION_DAYS.
+    The results bucket is a PrivateBucket (private, TLS-only, protected like
+    the model bucket: it holds answers a redeploy can not recreate) with
+    SSE-S3, so that readers of results need no grants on a key, and it
+    expires results after RESULTS_RETENTION_DAYS.
     """
 
     queue: BatchQueue
 
     def __init__(self, name: str, args: BatchQueueArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("llm-platform:aws:BatchQueue", name, None, opts)
+        settings = args.settings
+        queue, dlq = self._queues(name, args)
+        results = PrivateBucket(
+            f"{name}-results",
+            PrivateBucketArgs(
+                encryption="s3",
+                expiry=Expiry(rule_id="expire-results", prefix=RESULTS_PREFIX, days=RESULTS_RETENTION_DAYS),
+                tags=args.tags,
+            ),
+            owner=self,
+        )
+        self.queue = BatchQueue(
+            url=queue.id,
+            arn=queue.arn,
+            dead_letter_url=dlq.id,
+            dead_letter_arn=dlq.arn,
+            results_bucket=results.bucket_name,
+            results_bucket_arn=results.arn,
+            results_prefix=RESULTS_PREFIX,
+            region=args.region,
+            visibility_timeout_seconds=settings.visibility_timeout_seconds,
+        )
+        self.register_outputs(
+            {
+                "queue_url": self.queue.url,
+                "dead_letter_queue_url": self.queue.dead_letter_url,
+                "results_bucket": self.queue.results_bucket,
+            }
+        )
+
+    def _queues(self, name: str, args: BatchQueueArgs) -> tuple[aws.sqs.Queue, aws.sqs.Queue]:
+        """The request queue and its dead-letter queue, each with a TLS-only policy."""
         child = pulumi.ResourceOptions(parent=self)
         settings = args.settings
         queue_name, dlq_name = queue_names(args.cluster_name)
-
         dlq = aws.sqs.Queue(
             f"{name}-dlq",
             name=dlq_name,
@@ -105,86 +138,4 @@ class BatchQueues(pulumi.ComponentResource):
                 policy=pulumi.Output.json_dumps(q.arn.apply(policies.queue_tls_only)),
                 opts=child,
             )
-
-        bucket = self._results_bucket(f"{name}-results", args.tags)
-        self.queue = BatchQueue(
-            url=queue.id,
-            arn=queue.arn,
-            dead_letter_url=dlq.id,
-            dead_letter_arn=dlq.arn,
-            results_bucket=bucket.bucket,
-            results_bucket_arn=bucket.arn,
-            results_prefix=RESULTS_PREFIX,
-            region=args.region,
-            visibility_timeout_seconds=settings.visibility_timeout_seconds,
-        )
-        self.register_outputs(
-            {
-                "queue_url": self.queue.url,
-                "dead_letter_queue_url": self.queue.dead_letter_url,
-                "results_bucket": self.queue.results_bucket,
-            }
-        )
-
-    def _results_bucket(self, name: str, tags: dict[str, str]) -> aws.s3.Bucket:
-        child = pulumi.ResourceOptions(parent=self)
-        # Named by Pulumi (a suffix keeps it globally unique); the stack exports the name.
-        bucket = aws.s3.Bucket(
-            name,
-            force_destroy=False,
-            tags=tags,
-            opts=pulumi.ResourceOptions(parent=self, protect=True, retain_on_delete=True),
-        )
-        public_access = aws.s3.BucketPublicAccessBlock(
-            name,
-            bucket=bucket.id,
-            block_public_acls=True,
-            block_public_policy=True,
-            ignore_public_acls=True,
-            restrict_public_buckets=True,
-            opts=child,
-        )
-        aws.s3.BucketOwnershipControls(
-            name,
-            bucket=bucket.id,
-            rule=aws.s3.BucketOwnershipControlsRuleArgs(object_ownership="BucketOwnerEnforced"),
-            opts=child,
-        )
-        # SSE-S3: encrypted at rest without a key policy that every reader of
-        # results would also need grants on.
-        aws.s3.BucketServerSideEncryptionConfiguration(
-            name,
-            bucket=bucket.id,
-            rules=[
-                aws.s3.BucketServerSideEncryptionConfigurationRuleArgs(
-                    apply_server_side_encryption_by_default=aws.s3.BucketServerSideEncryptionConfigurationRuleApplyServerSideEncryptionByDefaultArgs(
-                        sse_algorithm="AES256"
-                    ),
-                )
-            ],
-            opts=child,
-        )
-        aws.s3.BucketLifecycleConfiguration(
-            name,
-            bucket=bucket.id,
-            rules=[
-                aws.s3.BucketLifecycleConfigurationRuleArgs(
-                    id="expire-results",
-                    status="Enabled",
-                    filter=aws.s3.BucketLifecycleConfigurationRuleFilterArgs(prefix=RESULTS_PREFIX),
-                    expiration=aws.s3.BucketLifecycleConfigurationRuleExpirationArgs(days=RESULTS_RETENTION_DAYS),
-                    abort_incomplete_multipart_upload=aws.s3.BucketLifecycleConfigurationRuleAbortIncompleteMultipartUploadArgs(
-                        days_after_initiation=1
-                    ),
-                )
-            ],
-            opts=child,
-        )
-        aws.s3.BucketPolicy(
-            name,
-            bucket=bucket.id,
-            policy=pulumi.Output.json_dumps(bucket.arn.apply(policies.bucket_tls_only)),
-            # S3 rejects a policy while the public access block is being set.
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[public_access]),
-        )
-        return bucket
+        return queue, dlq

@@ -46,34 +46,16 @@ class GcsRedis(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: RedisArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("llm-platform:aws:GcsRedis", name, None, opts)
-        child = pulumi.ResourceOptions(parent=self)
         if len(args.zones) < 2:
             raise ValueError("network.zones: Redis for GCS fault tolerance needs two zones")
-
-        self.security_group = aws.ec2.SecurityGroup(
-            name,
-            vpc_id=args.vpc_id,
-            description=f"Ray GCS Redis of cluster {args.cluster_name}: clients are the cluster's nodes",
-            tags={**args.tags, "Name": f"{args.cluster_name}-ray-gcs"},
-            opts=child,
-        )
-        aws.vpc.SecurityGroupIngressRule(
-            f"{name}-from-nodes",
-            security_group_id=self.security_group.id,
-            referenced_security_group_id=args.client_security_group_id,
-            ip_protocol="tcp",
-            from_port=REDIS_PORT,
-            to_port=REDIS_PORT,
-            description="Redis from the cluster's nodes",
-            opts=child,
-        )
+        self.security_group = self._security_group(name, args)
         subnets = aws.elasticache.SubnetGroup(
             name,
             name=f"{args.cluster_name}-ray-gcs",
             description=f"Private subnets of cluster {args.cluster_name}",
             subnet_ids=args.subnet_ids,
             tags=args.tags,
-            opts=child,
+            opts=pulumi.ResourceOptions(parent=self),
         )
         self.password = random.RandomPassword(
             f"{name}-auth-token",
@@ -82,7 +64,38 @@ class GcsRedis(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, additional_secret_outputs=["result"]),
         )
         token: pulumi.Output[str] = pulumi.Output.secret(self.password.result)
-        self.replication_group = aws.elasticache.ReplicationGroup(
+        self.replication_group = self._replication_group(name, args, subnets, token)
+        address = self.replication_group.primary_endpoint_address.apply(lambda host: f"{host}:{REDIS_PORT}")
+        self.endpoint = RedisEndpoint(address=address, password=token, tls=True)
+        self.register_outputs({"address": address})
+
+    def _security_group(self, name: str, args: RedisArgs) -> aws.ec2.SecurityGroup:
+        """The Redis' security group: 6379 from the client group (the nodes') and nothing else."""
+        child = pulumi.ResourceOptions(parent=self)
+        group = aws.ec2.SecurityGroup(
+            name,
+            vpc_id=args.vpc_id,
+            description=f"Ray GCS Redis of cluster {args.cluster_name}: clients are the cluster's nodes",
+            tags={**args.tags, "Name": f"{args.cluster_name}-ray-gcs"},
+            opts=child,
+        )
+        aws.vpc.SecurityGroupIngressRule(
+            f"{name}-from-nodes",
+            security_group_id=group.id,
+            referenced_security_group_id=args.client_security_group_id,
+            ip_protocol="tcp",
+            from_port=REDIS_PORT,
+            to_port=REDIS_PORT,
+            description="Redis from the cluster's nodes",
+            opts=child,
+        )
+        return group
+
+    def _replication_group(
+        self, name: str, args: RedisArgs, subnets: aws.elasticache.SubnetGroup, token: pulumi.Output[str]
+    ) -> aws.elasticache.ReplicationGroup:
+        """A primary and a replica in the first two zones, failing over automatically, TLS and auth token."""
+        return aws.elasticache.ReplicationGroup(
             name,
             replication_group_id=f"{args.cluster_name}-ray-gcs",
             description=f"Ray GCS fault tolerance for cluster {args.cluster_name}",
@@ -103,6 +116,3 @@ class GcsRedis(pulumi.ComponentResource):
             tags=args.tags,
             opts=pulumi.ResourceOptions(parent=self, additional_secret_outputs=["authToken"]),
         )
-        address = self.replication_group.primary_endpoint_address.apply(lambda host: f"{host}:{REDIS_PORT}")
-        self.endpoint = RedisEndpoint(address=address, password=token, tls=True)
-        self.register_outputs({"address": address})

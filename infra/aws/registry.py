@@ -145,12 +145,23 @@ class ServingImage(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: RegistryArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("llm-platform:aws:ServingImage", name, None, opts)
-        child = pulumi.ResourceOptions(parent=self)
+        self.repository = self._repository(name, args)
+        self.repository_url = self.repository.repository_url
+        if args.reference is not None:
+            self.reference = pulumi.Output.from_input(args.reference)
+            self.register_outputs({"repository_url": self.repository_url, "reference": self.reference})
+            return
+        self.cache_repository = self._cache_repository(name, args)
+        tag = image_tag(args.context)
+        self.image = self._build(name, args, tag)
+        self.reference = pulumi.Output.all(self.repository_url, self.image.digest).apply(lambda a: f"{a[0]}@{a[1]}")
+        self.register_outputs({"repository_url": self.repository_url, "reference": self.reference, "tag": tag})
+
+    def _repository(self, name: str, args: RegistryArgs) -> aws.ecr.Repository:
+        """The image repository: immutable tags, scanned on push, KMS-encrypted, kept."""
         # Running RayServices pull by digest from here: the repository must
         # survive a destroy or a rename of the stack.
-        keep = pulumi.ResourceOptions(parent=self, protect=True, retain_on_delete=True)
-
-        self.repository = aws.ecr.Repository(
+        repository = aws.ecr.Repository(
             name,
             name=args.repository_name,
             image_tag_mutability="IMMUTABLE",
@@ -158,17 +169,17 @@ class ServingImage(pulumi.ComponentResource):
             encryption_configurations=[aws.ecr.RepositoryEncryptionConfigurationArgs(encryption_type="KMS")],
             force_delete=False,
             tags=args.tags,
-            opts=keep,
+            opts=pulumi.ResourceOptions(parent=self, protect=True, retain_on_delete=True),
         )
-        aws.ecr.LifecyclePolicy(name, repository=self.repository.name, policy=lifecycle_policy(), opts=child)
-        self.repository_url = self.repository.repository_url
+        aws.ecr.LifecyclePolicy(
+            name, repository=repository.name, policy=lifecycle_policy(), opts=pulumi.ResourceOptions(parent=self)
+        )
+        return repository
 
-        if args.reference is not None:
-            self.reference = pulumi.Output.from_input(args.reference)
-            self.register_outputs({"repository_url": self.repository_url, "reference": self.reference})
-            return
-
-        self.cache_repository = aws.ecr.Repository(
+    def _cache_repository(self, name: str, args: RegistryArgs) -> aws.ecr.Repository:
+        """The build cache's repository: mutable (the cache tag moves on every build), superseded manifests expire."""
+        child = pulumi.ResourceOptions(parent=self)
+        cache = aws.ecr.Repository(
             f"{name}-cache",
             name=f"{args.repository_name}-cache",
             image_tag_mutability="MUTABLE",
@@ -177,18 +188,15 @@ class ServingImage(pulumi.ComponentResource):
             tags=args.tags,
             opts=child,
         )
-        aws.ecr.LifecyclePolicy(
-            f"{name}-cache",
-            repository=self.cache_repository.name,
-            policy=_cache_lifecycle_policy(),
-            opts=child,
-        )
+        aws.ecr.LifecyclePolicy(f"{name}-cache", repository=cache.name, policy=_cache_lifecycle_policy(), opts=child)
+        return cache
 
+    def _build(self, name: str, args: RegistryArgs, tag: str) -> docker_build.Image:
+        """Builds workloads/ for linux/amd64 (never during preview) and pushes it as `<repository>:<tag>`."""
         token = aws.ecr.get_authorization_token_output(registry_id=self.repository.registry_id)
         registry = self.repository_url.apply(lambda url: url.split("/", 1)[0])
         cache_ref = self.cache_repository.repository_url.apply(lambda url: f"{url}:{CACHE_TAG}")
-        tag = image_tag(args.context)
-        self.image = docker_build.Image(
+        return docker_build.Image(
             name,
             context=docker_build.BuildContextArgs(location=str(args.context)),
             dockerfile=docker_build.DockerfileArgs(location=str(args.context / "Dockerfile")),
@@ -216,7 +224,5 @@ class ServingImage(pulumi.ComponentResource):
                     )
                 )
             ],
-            opts=child,
+            opts=pulumi.ResourceOptions(parent=self),
         )
-        self.reference = pulumi.Output.all(self.repository_url, self.image.digest).apply(lambda a: f"{a[0]}@{a[1]}")
-        self.register_outputs({"repository_url": self.repository_url, "reference": self.reference, "tag": tag})

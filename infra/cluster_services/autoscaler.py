@@ -7,17 +7,15 @@ Pod Identity.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pulumi
-import pulumi_kubernetes as k8s
 
 from infra import versions
 from infra.aws.layer import PodIdentity
+from infra.cluster_services.chart_release import ChartRelease, ChartReleaseArgs
+from infra.cluster_services.parts import PartContext
 from infra.config import ClusterAutoscaling
-from infra.cluster_services.helm import namespace, release
 from infra.scheduling import Placement
 
 RELEASE_NAME = "cluster-autoscaler"
@@ -30,7 +28,6 @@ def autoscaler_values(
     region: str,
     identity: PodIdentity,
     system: Placement,
-    service_monitor: bool,
 ) -> dict[str, Any]:
     """The chart values: discovery, identity, expander and scale-down timing."""
     values: dict[str, Any] = {
@@ -55,63 +52,36 @@ def autoscaler_values(
             "emit-per-nodegroup-metrics": True,
         },
         "nodeSelector": system.node_selector(),
-        "serviceMonitor": {"enabled": service_monitor, "namespace": identity.namespace},
+        "serviceMonitor": {"enabled": True, "namespace": identity.namespace},
     }
     if system.taints:
         values["tolerations"] = system.tolerations()
     return values
 
 
-@dataclass(frozen=True)
-class ClusterAutoscalerArgs:
-    """What the cluster-autoscaler release is built from."""
-
-    version: str
-    settings: ClusterAutoscaling
-    cluster_name: pulumi.Input[str]
-    region: str
-    identity: PodIdentity
-    system: Placement
-    service_monitor: bool
-    provider: k8s.Provider
-    depends_on: Sequence[pulumi.Resource]
-    # False when another component already declares this namespace (both
-    # pod identities in one namespace).
-    own_namespace: bool = True
+LOAD_BALANCER_PART = "load-balancer-controller"
 
 
-class ClusterAutoscaler(pulumi.ComponentResource):
+def build(name: str, ctx: PartContext, opts: pulumi.ResourceOptions) -> ChartRelease:
     """The cluster-autoscaler release, in its pod identity's namespace."""
-
-    release: k8s.helm.v3.Release
-    namespace_resource: k8s.core.v1.Namespace | None
-
-    def __init__(self, name: str, args: ClusterAutoscalerArgs, opts: pulumi.ResourceOptions | None = None) -> None:
-        super().__init__("llm-platform:platform:ClusterAutoscaler", name, None, opts)
-        ns_name = args.identity.namespace
-        ns = (
-            namespace(ns_name, parent=self, provider=args.provider, depends_on=args.depends_on)
-            if args.own_namespace
-            else None
-        )
-        self.namespace_resource = ns
-        values = autoscaler_values(
-            settings=args.settings,
-            cluster_name=args.cluster_name,
-            region=args.region,
-            identity=args.identity,
-            system=args.system,
-            service_monitor=args.service_monitor,
-        )
-        self.release = release(
-            f"{name}-release",
-            chart=versions.CLUSTER_AUTOSCALER,
-            version=args.version,
-            release_name=RELEASE_NAME,
-            namespace=ns_name,
-            values=values,
-            parent=self,
-            provider=args.provider,
-            depends_on=[*args.depends_on, *([ns] if ns else [])],
-        )
-        self.register_outputs({"namespace": ns_name})
+    identity = ctx.aws.cluster_autoscaler
+    # Both pod identities may share one namespace: declare it once.
+    lbc = ctx.installed.get(LOAD_BALANCER_PART)
+    shared = isinstance(lbc, ChartRelease) and lbc.namespace == identity.namespace
+    values = autoscaler_values(
+        settings=ctx.cfg.autoscaling.cluster,
+        cluster_name=ctx.aws.cluster_name,
+        region=ctx.cfg.region,
+        identity=identity,
+        system=ctx.aws.system,
+    )
+    args = ChartReleaseArgs(
+        component_type="llm-platform:platform:ClusterAutoscaler",
+        chart=versions.CLUSTER_AUTOSCALER,
+        version=ctx.cfg.versions.cluster_autoscaler,
+        release_name=RELEASE_NAME,
+        namespace=identity.namespace,
+        values=values,
+        own_namespace=not shared,
+    )
+    return ChartRelease(name, args, opts)

@@ -8,15 +8,14 @@ Bottlerocket, which has its own), DCGM metrics and node labels.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import pulumi
-import pulumi_kubernetes as k8s
 
 from infra import versions
-from infra.cluster_services.helm import PSA_PRIVILEGED, namespace, release
+from infra.cluster_services.chart_release import PSA_PRIVILEGED, ChartRelease, ChartReleaseArgs
+from infra.cluster_services.parts import PartContext
 from infra.scheduling import GpuPlacement, Placement
 
 NAMESPACE = "gpu-operator"
@@ -79,39 +78,17 @@ def gpu_operator_values(
     }
 
 
-@dataclass(frozen=True)
-class GpuOperatorArgs:
-    """What the GPU Operator release is built from."""
-
-    version: str
-    mig_strategy: MigStrategy
-    gpu: Mapping[str, GpuPlacement]
-    system: Placement
-    provider: k8s.Provider
-    depends_on: Sequence[pulumi.Resource]
-
-
-class GpuOperator(pulumi.ComponentResource):
+def build(name: str, ctx: PartContext, opts: pulumi.ResourceOptions) -> ChartRelease:
     """The NVIDIA GPU Operator release in its own namespace."""
-
-    release: k8s.helm.v3.Release
-
-    def __init__(self, name: str, args: GpuOperatorArgs, opts: pulumi.ResourceOptions | None = None) -> None:
-        super().__init__("llm-platform:platform:GpuOperator", name, None, opts)
-        values = gpu_operator_values(mig_strategy=args.mig_strategy, gpu=args.gpu, system=args.system)
-        ns = namespace(
-            NAMESPACE, parent=self, provider=args.provider, labels=PSA_PRIVILEGED, depends_on=args.depends_on
-        )
-        self.release = release(
-            f"{name}-release",
-            chart=versions.GPU_OPERATOR,
-            version=args.version,
-            release_name=RELEASE_NAME,
-            namespace=NAMESPACE,
-            values=values,
-            parent=self,
-            provider=args.provider,
-            depends_on=[*args.depends_on, *([ns] if ns else [])],
-            timeout_seconds=900,
-        )
-        self.register_outputs({"namespace": NAMESPACE})
+    settings = ctx.cfg.platform.gpu_operator
+    args = ChartReleaseArgs(
+        component_type="llm-platform:platform:GpuOperator",
+        chart=versions.GPU_OPERATOR,
+        version=ctx.cfg.versions.gpu_operator,
+        release_name=RELEASE_NAME,
+        namespace=NAMESPACE,
+        values=gpu_operator_values(mig_strategy=settings.mig_strategy, gpu=ctx.aws.gpu, system=ctx.aws.system),
+        namespace_labels=PSA_PRIVILEGED,
+        timeout_seconds=900,
+    )
+    return ChartRelease(name, args, opts)

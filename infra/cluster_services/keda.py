@@ -9,22 +9,20 @@ operator's own credentials).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pulumi
-import pulumi_kubernetes as k8s
 
 from infra import versions
 from infra.aws.layer import PodIdentity
-from infra.cluster_services.helm import PSA_RESTRICTED_WARN, namespace, release
+from infra.cluster_services.chart_release import PSA_RESTRICTED_WARN, ChartRelease, ChartReleaseArgs
+from infra.cluster_services.parts import PartContext
 from infra.scheduling import Placement
 
 RELEASE_NAME = "keda"
 
 
-def keda_values(*, system: Placement, service_monitor: bool, operator: PodIdentity) -> dict[str, Any]:
+def keda_values(*, system: Placement, operator: PodIdentity) -> dict[str, Any]:
     """The chart values: on system nodes, each component's metrics scraped, the operator's account named."""
     values: dict[str, Any] = {
         "crds": {"install": True},
@@ -34,9 +32,9 @@ def keda_values(*, system: Placement, service_monitor: bool, operator: PodIdenti
         # server and the admission webhooks alike.
         "nodeSelector": system.node_selector(),
         "prometheus": {
-            "operator": {"enabled": True, "serviceMonitor": {"enabled": service_monitor}},
-            "metricServer": {"enabled": True, "serviceMonitor": {"enabled": service_monitor}},
-            "webhooks": {"enabled": True, "serviceMonitor": {"enabled": service_monitor}},
+            "operator": {"enabled": True, "serviceMonitor": {"enabled": True}},
+            "metricServer": {"enabled": True, "serviceMonitor": {"enabled": True}},
+            "webhooks": {"enabled": True, "serviceMonitor": {"enabled": True}},
         },
     }
     if system.taints:
@@ -44,38 +42,16 @@ def keda_values(*, system: Placement, service_monitor: bool, operator: PodIdenti
     return values
 
 
-@dataclass(frozen=True)
-class KedaArgs:
-    """What the KEDA release is built from."""
-
-    version: str
-    system: Placement
-    service_monitor: bool
-    operator: PodIdentity
-    provider: k8s.Provider
-    depends_on: Sequence[pulumi.Resource]
-
-
-class Keda(pulumi.ComponentResource):
-    """The KEDA release; it owns the keda.sh CRDs."""
-
-    release: k8s.helm.v3.Release
-
-    def __init__(self, name: str, args: KedaArgs, opts: pulumi.ResourceOptions | None = None) -> None:
-        super().__init__("llm-platform:platform:Keda", name, None, opts)
-        ns_name = args.operator.namespace
-        ns = namespace(
-            ns_name, parent=self, provider=args.provider, labels=PSA_RESTRICTED_WARN, depends_on=args.depends_on
-        )
-        self.release = release(
-            f"{name}-release",
-            chart=versions.KEDA,
-            version=args.version,
-            release_name=RELEASE_NAME,
-            namespace=ns_name,
-            values=keda_values(system=args.system, service_monitor=args.service_monitor, operator=args.operator),
-            parent=self,
-            provider=args.provider,
-            depends_on=[*args.depends_on, *([ns] if ns else [])],
-        )
-        self.register_outputs({"namespace": ns_name})
+def build(name: str, ctx: PartContext, opts: pulumi.ResourceOptions) -> ChartRelease:
+    """The KEDA release, in its operator's pod identity namespace; it owns the keda.sh CRDs."""
+    operator = ctx.aws.keda_operator
+    args = ChartReleaseArgs(
+        component_type="llm-platform:platform:Keda",
+        chart=versions.KEDA,
+        version=ctx.cfg.versions.keda,
+        release_name=RELEASE_NAME,
+        namespace=operator.namespace,
+        values=keda_values(system=ctx.aws.system, operator=operator),
+        namespace_labels=PSA_RESTRICTED_WARN,
+    )
+    return ChartRelease(name, args, opts)

@@ -5,28 +5,26 @@ The release installs the ray.io CRDs, so every RayService waits for it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pulumi
-import pulumi_kubernetes as k8s
 
 from infra import versions
-from infra.cluster_services.helm import PSA_RESTRICTED_WARN, namespace, release
+from infra.cluster_services.chart_release import PSA_RESTRICTED_WARN, ChartRelease, ChartReleaseArgs
+from infra.cluster_services.parts import PartContext
 from infra.scheduling import Placement
 
 NAMESPACE = "kuberay"
 RELEASE_NAME = "kuberay-operator"
 
 
-def kuberay_values(*, system: Placement, service_monitor: bool) -> dict[str, Any]:
+def kuberay_values(*, system: Placement) -> dict[str, Any]:
     """The chart values: on system nodes, control-plane metrics scraped."""
     values: dict[str, Any] = {
         "nodeSelector": system.node_selector(),
         "metrics": {
             "enabled": True,
-            "serviceMonitor": {"enabled": service_monitor, "honorLabels": True},
+            "serviceMonitor": {"enabled": True, "honorLabels": True},
         },
     }
     if system.taints:
@@ -34,36 +32,15 @@ def kuberay_values(*, system: Placement, service_monitor: bool) -> dict[str, Any
     return values
 
 
-@dataclass(frozen=True)
-class KubeRayArgs:
-    """What the KubeRay operator release is built from."""
-
-    version: str
-    system: Placement
-    service_monitor: bool
-    provider: k8s.Provider
-    depends_on: Sequence[pulumi.Resource]
-
-
-class KubeRayOperator(pulumi.ComponentResource):
+def build(name: str, ctx: PartContext, opts: pulumi.ResourceOptions) -> ChartRelease:
     """The KubeRay operator release; it owns the ray.io CRDs."""
-
-    release: k8s.helm.v3.Release
-
-    def __init__(self, name: str, args: KubeRayArgs, opts: pulumi.ResourceOptions | None = None) -> None:
-        super().__init__("llm-platform:platform:KubeRayOperator", name, None, opts)
-        ns = namespace(
-            NAMESPACE, parent=self, provider=args.provider, labels=PSA_RESTRICTED_WARN, depends_on=args.depends_on
-        )
-        self.release = release(
-            f"{name}-release",
-            chart=versions.KUBERAY_OPERATOR,
-            version=args.version,
-            release_name=RELEASE_NAME,
-            namespace=NAMESPACE,
-            values=kuberay_values(system=args.system, service_monitor=args.service_monitor),
-            parent=self,
-            provider=args.provider,
-            depends_on=[*args.depends_on, *([ns] if ns else [])],
-        )
-        self.register_outputs({"namespace": NAMESPACE})
+    args = ChartReleaseArgs(
+        component_type="llm-platform:platform:KubeRayOperator",
+        chart=versions.KUBERAY_OPERATOR,
+        version=ctx.cfg.versions.kuberay_operator,
+        release_name=RELEASE_NAME,
+        namespace=NAMESPACE,
+        values=kuberay_values(system=ctx.aws.system),
+        namespace_labels=PSA_RESTRICTED_WARN,
+    )
+    return ChartRelease(name, args, opts)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pulumi
 
@@ -24,19 +24,10 @@ class PlatformLayer:
     dashboard_label: tuple[str, str]
     # Label Prometheus' rule/monitor selectors match; empty when they are open.
     prometheus_selector_labels: dict[str, str]
-    grafana_service: str  # "namespace/name:port"
     prometheus_url: str  # in-cluster URL, for Ray's dashboard
     grafana_url: str  # in-cluster URL, for Ray's dashboard
     storage_class: str
-    # Added by the platform layer (defaults keep older callers working):
-    # the IngressClass of the AWS load balancer controller, and its release,
-    # which an Ingress or LoadBalancer Service must wait for (its webhook
-    # mutates Services); the release is None when not installed here.
-    ingress_class: str | None = None
+    # The AWS load balancer controller's release, which a LoadBalancer
+    # Service must wait for (its webhook mutates Services); None when not
+    # installed here.
     load_balancer_controller: pulumi.Resource | None = None
-    # Grafana's generated admin password (a secret output); None when
-    # Grafana is not installed here.
-    grafana_admin_password: pulumi.Output[str] | None = None
-    # Every release this layer installed, for anything that must come after
-    # the whole platform.
-    releases: dict[str, pulumi.Resource] = field(default_factory=dict)

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pulumi
-import pulumi_kubernetes as k8s
 
 from infra import versions
 from infra.aws.layer import PodIdentity
-from infra.cluster_services.helm import namespace, release
+from infra.cluster_services.chart_release import ChartRelease, ChartReleaseArgs
+from infra.cluster_services.parts import PartContext
 from infra.scheduling import Placement
 
 RELEASE_NAME = "aws-load-balancer-controller"
@@ -26,7 +24,6 @@ def load_balancer_values(
     vpc_id: pulumi.Input[str] | None,
     identity: PodIdentity,
     system: Placement,
-    service_monitor: bool,
 ) -> dict[str, Any]:
     """The chart values: cluster, region, VPC and the pod identity's account."""
     values: dict[str, Any] = {
@@ -37,7 +34,7 @@ def load_balancer_values(
         "ingressClass": INGRESS_CLASS,
         "createIngressClassResource": True,
         "nodeSelector": system.node_selector(),
-        "serviceMonitor": {"enabled": service_monitor},
+        "serviceMonitor": {"enabled": True},
     }
     # Given explicitly the controller needs no instance metadata (IMDS) to
     # find its VPC; on an existing cluster without a known VPC it falls back.
@@ -48,58 +45,22 @@ def load_balancer_values(
     return values
 
 
-@dataclass(frozen=True)
-class LoadBalancerControllerArgs:
-    """What the load balancer controller release is built from."""
-
-    version: str
-    cluster_name: pulumi.Input[str]
-    region: str
-    vpc_id: pulumi.Input[str] | None
-    identity: PodIdentity
-    system: Placement
-    service_monitor: bool
-    provider: k8s.Provider
-    depends_on: Sequence[pulumi.Resource]
-    # False when another component already declares this namespace (both
-    # pod identities in one namespace).
-    own_namespace: bool = True
-
-
-class LoadBalancerController(pulumi.ComponentResource):
+def build(name: str, ctx: PartContext, opts: pulumi.ResourceOptions) -> ChartRelease:
     """The AWS Load Balancer Controller release, in its pod identity's namespace."""
-
-    release: k8s.helm.v3.Release
-    namespace_resource: k8s.core.v1.Namespace | None
-    ingress_class: str
-
-    def __init__(self, name: str, args: LoadBalancerControllerArgs, opts: pulumi.ResourceOptions | None = None) -> None:
-        super().__init__("llm-platform:platform:LoadBalancerController", name, None, opts)
-        ns_name = args.identity.namespace
-        ns = (
-            namespace(ns_name, parent=self, provider=args.provider, depends_on=args.depends_on)
-            if args.own_namespace
-            else None
-        )
-        self.namespace_resource = ns
-        values = load_balancer_values(
-            cluster_name=args.cluster_name,
-            region=args.region,
-            vpc_id=args.vpc_id,
-            identity=args.identity,
-            system=args.system,
-            service_monitor=args.service_monitor,
-        )
-        self.release = release(
-            f"{name}-release",
-            chart=versions.AWS_LOAD_BALANCER_CONTROLLER,
-            version=args.version,
-            release_name=RELEASE_NAME,
-            namespace=ns_name,
-            values=values,
-            parent=self,
-            provider=args.provider,
-            depends_on=[*args.depends_on, *([ns] if ns else [])],
-        )
-        self.ingress_class = INGRESS_CLASS
-        self.register_outputs({"namespace": ns_name, "ingress_class": INGRESS_CLASS})
+    identity = ctx.aws.load_balancer_controller
+    values = load_balancer_values(
+        cluster_name=ctx.aws.cluster_name,
+        region=ctx.cfg.region,
+        vpc_id=ctx.aws.vpc_id,
+        identity=identity,
+        system=ctx.aws.system,
+    )
+    args = ChartReleaseArgs(
+        component_type="llm-platform:platform:LoadBalancerController",
+        chart=versions.AWS_LOAD_BALANCER_CONTROLLER,
+        version=ctx.cfg.versions.aws_load_balancer_controller,
+        release_name=RELEASE_NAME,
+        namespace=identity.namespace,
+        values=values,
+    )
+    return ChartRelease(name, args, opts)

@@ -7,8 +7,6 @@ for it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pulumi
@@ -16,8 +14,9 @@ import pulumi_kubernetes as k8s
 import pulumi_random as random
 
 from infra import versions
+from infra.cluster_services.chart_release import PSA_PRIVILEGED, ChartRelease, ChartReleaseArgs, helm_fullname
+from infra.cluster_services.parts import PartContext
 from infra.config import Observability
-from infra.cluster_services.helm import PSA_PRIVILEGED, helm_fullname, namespace, release
 from infra.scheduling import Placement
 
 NAMESPACE = "monitoring"
@@ -58,11 +57,6 @@ def grafana_url(ns: str = NAMESPACE, release_name: str = RELEASE_NAME) -> str:
     return f"http://{grafana_service_name(release_name)}.{ns}.svc:{GRAFANA_PORT}"
 
 
-def grafana_service(ns: str = NAMESPACE, release_name: str = RELEASE_NAME) -> str:
-    """The Grafana Service as "namespace/name:port"."""
-    return f"{ns}/{grafana_service_name(release_name)}:{GRAFANA_PORT}"
-
-
 def _volume_claim(storage_class: str, gib: int) -> dict[str, Any]:
     return {
         "volumeClaimTemplate": {
@@ -72,6 +66,43 @@ def _volume_claim(storage_class: str, gib: int) -> dict[str, Any]:
                 "resources": {"requests": {"storage": f"{gib}Gi"}},
             }
         }
+    }
+
+
+def _alertmanager(obs: Observability, storage_class: str, scheduling: dict[str, Any], ha: bool) -> dict[str, Any]:
+    return {
+        "enabled": True,
+        "alertmanagerSpec": {
+            **scheduling,
+            # Alertmanager replicas gossip silences and dedupe
+            # notifications, so three survive a node loss.
+            "replicas": 3 if ha else 1,
+            "storage": _volume_claim(storage_class, ALERTMANAGER_STORAGE_GIB),
+            # The operator reads alertmanager.yaml from this Secret
+            # instead of the chart's default (which routes nowhere).
+            **({"configSecret": obs.alertmanager_config_secret} if obs.alertmanager_config_secret else {}),
+        },
+    }
+
+
+def _prometheus(obs: Observability, storage_class: str, scheduling: dict[str, Any]) -> dict[str, Any]:
+    retention_size = int(obs.prometheus_storage_gib * _RETENTION_SIZE_SHARE)
+    return {
+        "enabled": True,
+        "service": {"port": PROMETHEUS_PORT},
+        "prometheusSpec": {
+            **scheduling,
+            "retention": obs.prometheus_retention,
+            "retentionSize": f"{retention_size}GB",
+            "storageSpec": _volume_claim(storage_class, obs.prometheus_storage_gib),
+            # Open selectors: monitors and rules from every namespace
+            # are picked up without carrying this release's label.
+            "ruleSelectorNilUsesHelmValues": False,
+            "serviceMonitorSelectorNilUsesHelmValues": False,
+            "podMonitorSelectorNilUsesHelmValues": False,
+            "probeSelectorNilUsesHelmValues": False,
+            "scrapeConfigSelectorNilUsesHelmValues": False,
+        },
     }
 
 
@@ -87,22 +118,9 @@ def monitoring_values(
     scheduling: dict[str, Any] = {"nodeSelector": system.node_selector()}
     if system.taints:
         scheduling["tolerations"] = system.tolerations()
-    retention_size = int(obs.prometheus_storage_gib * _RETENTION_SIZE_SHARE)
     return {
         "crds": {"enabled": True},
-        "alertmanager": {
-            "enabled": True,
-            "alertmanagerSpec": {
-                **scheduling,
-                # Alertmanager replicas gossip silences and dedupe
-                # notifications, so three survive a node loss.
-                "replicas": 3 if highly_available else 1,
-                "storage": _volume_claim(storage_class, ALERTMANAGER_STORAGE_GIB),
-                # The operator reads alertmanager.yaml from this Secret
-                # instead of the chart's default (which routes nowhere).
-                **({"configSecret": obs.alertmanager_config_secret} if obs.alertmanager_config_secret else {}),
-            },
-        },
+        "alertmanager": _alertmanager(obs, storage_class, scheduling, highly_available),
         "grafana": {
             "enabled": True,
             "admin": {
@@ -120,56 +138,28 @@ def monitoring_values(
             },
         },
         "prometheusOperator": {"enabled": True, **scheduling},
-        "prometheus": {
-            "enabled": True,
-            "service": {"port": PROMETHEUS_PORT},
-            "prometheusSpec": {
-                **scheduling,
-                "retention": obs.prometheus_retention,
-                "retentionSize": f"{retention_size}GB",
-                "storageSpec": _volume_claim(storage_class, obs.prometheus_storage_gib),
-                # Open selectors: monitors and rules from every namespace
-                # are picked up without carrying this release's label.
-                "ruleSelectorNilUsesHelmValues": False,
-                "serviceMonitorSelectorNilUsesHelmValues": False,
-                "podMonitorSelectorNilUsesHelmValues": False,
-                "probeSelectorNilUsesHelmValues": False,
-                "scrapeConfigSelectorNilUsesHelmValues": False,
-            },
-        },
+        "prometheus": _prometheus(obs, storage_class, scheduling),
     }
 
 
-@dataclass(frozen=True)
-class MonitoringArgs:
-    """What the monitoring stack is built from."""
-
-    observability: Observability
-    version: str
-    storage_class: str
-    system: Placement
-    highly_available: bool
-    provider: k8s.Provider
-    depends_on: Sequence[pulumi.Resource]
+ADMIN_SECRET_NAME = f"{grafana_service_name()}-admin"
 
 
-class Monitoring(pulumi.ComponentResource):
-    """kube-prometheus-stack with Grafana's admin password as a secret."""
+class Monitoring(ChartRelease):
+    """kube-prometheus-stack, with Grafana's admin password generated here and kept in a Secret."""
 
-    release: k8s.helm.v3.Release
-    namespace: str
+    admin_password: pulumi.Output[str]
     prometheus_url: str
     grafana_url: str
-    grafana_service: str
-    admin_password: pulumi.Output[str]
 
-    def __init__(self, name: str, args: MonitoringArgs, opts: pulumi.ResourceOptions | None = None) -> None:
-        super().__init__("llm-platform:platform:Monitoring", name, None, opts)
-        self.namespace = NAMESPACE
-        # node-exporter needs the host's network and PID namespaces.
-        ns = namespace(
-            NAMESPACE, parent=self, provider=args.provider, labels=PSA_PRIVILEGED, depends_on=args.depends_on
-        )
+    def __init__(self, name: str, args: ChartReleaseArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        self.prometheus_url = prometheus_url(args.namespace, args.release_name)
+        self.grafana_url = grafana_url(args.namespace, args.release_name)
+        super().__init__(name, args, opts)
+
+    def _before_release(
+        self, name: str, args: ChartReleaseArgs, ns: k8s.core.v1.Namespace | None
+    ) -> list[pulumi.Resource]:
         password = random.RandomPassword(
             f"{name}-grafana-admin-password",
             length=32,
@@ -180,10 +170,9 @@ class Monitoring(pulumi.ComponentResource):
         # reach a plain output or the render.
         generated: pulumi.Output[str] = password.result
         self.admin_password = pulumi.Output.secret(generated)
-        secret_name = f"{grafana_service_name()}-admin"
         secret = k8s.core.v1.Secret(
             f"{name}-grafana-admin",
-            metadata=k8s.meta.v1.ObjectMetaArgs(name=secret_name, namespace=NAMESPACE),
+            metadata=k8s.meta.v1.ObjectMetaArgs(name=ADMIN_SECRET_NAME, namespace=args.namespace),
             type="Opaque",
             string_data={
                 GRAFANA_SECRET_USER_KEY: GRAFANA_ADMIN_USER,
@@ -191,38 +180,31 @@ class Monitoring(pulumi.ComponentResource):
             },
             opts=pulumi.ResourceOptions(
                 parent=self,
-                provider=args.provider,
                 depends_on=[ns] if ns else [],
                 additional_secret_outputs=["stringData", "data"],
             ),
         )
-        values = monitoring_values(
-            args.observability,
-            storage_class=args.storage_class,
-            system=args.system,
-            admin_secret=secret_name,
-            highly_available=args.highly_available,
-        )
-        self.release = release(
-            f"{name}-release",
-            chart=versions.KUBE_PROMETHEUS_STACK,
-            version=args.version,
-            release_name=RELEASE_NAME,
-            namespace=NAMESPACE,
-            values=values,
-            parent=self,
-            provider=args.provider,
-            depends_on=[*args.depends_on, secret, *([ns] if ns else [])],
-            timeout_seconds=900,
-        )
-        self.prometheus_url = prometheus_url()
-        self.grafana_url = grafana_url()
-        self.grafana_service = grafana_service()
-        self.register_outputs(
-            {
-                "namespace": self.namespace,
-                "prometheus_url": self.prometheus_url,
-                "grafana_url": self.grafana_url,
-                "grafana_admin_password": self.admin_password,
-            }
-        )
+        return [secret]
+
+
+def build(name: str, ctx: PartContext, opts: pulumi.ResourceOptions) -> Monitoring:
+    """kube-prometheus-stack; it owns the monitoring.coreos.com CRDs."""
+    values = monitoring_values(
+        ctx.cfg.observability,
+        storage_class=ctx.cfg.storage.storage_class.name,
+        system=ctx.aws.system,
+        admin_secret=ADMIN_SECRET_NAME,
+        highly_available=ctx.cfg.is_prod,
+    )
+    args = ChartReleaseArgs(
+        component_type="llm-platform:platform:Monitoring",
+        chart=versions.KUBE_PROMETHEUS_STACK,
+        version=ctx.cfg.versions.kube_prometheus_stack,
+        release_name=RELEASE_NAME,
+        namespace=NAMESPACE,
+        values=values,
+        # node-exporter needs the host's network and PID namespaces.
+        namespace_labels=PSA_PRIVILEGED,
+        timeout_seconds=900,
+    )
+    return Monitoring(name, args, opts)

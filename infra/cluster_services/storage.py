@@ -6,11 +6,10 @@ whose encryption, IOPS and throughput come from this stack's config.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pulumi
 import pulumi_kubernetes as k8s
 
+from infra.cluster_services.parts import PartContext
 from infra.config import StorageClass
 
 EBS_CSI_PROVISIONER = "ebs.csi.aws.com"
@@ -35,14 +34,7 @@ class DefaultStorageClass(pulumi.ComponentResource):
 
     name: str
 
-    def __init__(
-        self,
-        resource_name: str,
-        cfg: StorageClass,
-        provider: k8s.Provider,
-        depends_on: Sequence[pulumi.Resource] = (),
-        opts: pulumi.ResourceOptions | None = None,
-    ) -> None:
+    def __init__(self, resource_name: str, cfg: StorageClass, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("llm-platform:platform:StorageClass", resource_name, None, opts)
         self.name = cfg.name
         self.storage_class = k8s.storage.v1.StorageClass(
@@ -58,6 +50,11 @@ class DefaultStorageClass(pulumi.ComponentResource):
             volume_binding_mode="WaitForFirstConsumer",
             allow_volume_expansion=True,
             reclaim_policy="Delete",
-            opts=pulumi.ResourceOptions(parent=self, provider=provider, depends_on=list(depends_on)),
+            opts=pulumi.ResourceOptions(parent=self),
         )
         self.register_outputs({"name": self.name})
+
+
+def build(name: str, ctx: PartContext, opts: pulumi.ResourceOptions) -> DefaultStorageClass:
+    """The encrypted gp3 default StorageClass."""
+    return DefaultStorageClass(name, ctx.cfg.storage.storage_class, opts)

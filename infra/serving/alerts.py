@@ -419,9 +419,6 @@ class ServingAlertsArgs:
     namespace: str
     slo: Slo
     prometheus_selector_labels: dict[str, str]
-    provider: k8s.Provider
-    depends_on: list[pulumi.Resource]
-    monitoring_crds: pulumi.Resource | None
 
 
 class ServingAlerts(pulumi.ComponentResource):
@@ -429,8 +426,7 @@ class ServingAlerts(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: ServingAlertsArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("llm-platform:serving:Alerts", name, None, opts)
-        crds = [args.monitoring_crds] if args.monitoring_crds is not None else []
-        k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[*crds, *args.depends_on])
+        k8s_opts = pulumi.ResourceOptions(parent=self)
         objects = [prometheus_rule(args.slo, args.namespace, args.prometheus_selector_labels)]
         objects += pod_monitors(args.namespace, args.prometheus_selector_labels)
         for obj in objects:

@@ -164,9 +164,6 @@ class ServingAutoscalingArgs:
     prescale: list[PreScale]
     gpu: dict[str, GpuPlacement]
     services: dict[str, list[Model]]
-    provider: k8s.Provider
-    depends_on: list[pulumi.Resource]
-    keda_crds: pulumi.Resource | None
 
 
 class ServingAutoscaling(pulumi.ComponentResource):
@@ -176,7 +173,7 @@ class ServingAutoscaling(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: ServingAutoscalingArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("llm-platform:serving:Autoscaling", name, None, opts)
-        k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=args.depends_on)
+        k8s_opts = pulumi.ResourceOptions(parent=self)
         classes = [
             k8s.scheduling.v1.PriorityClass(
                 f"{name}-{pc['metadata']['name']}",
@@ -205,16 +202,13 @@ class ServingAutoscaling(pulumi.ComponentResource):
                 ),
             )
             so = headroom_scaled_object(window, args.namespace)
-            keda = [args.keda_crds] if args.keda_crds is not None else []
             k8s.apiextensions.CustomResource(
                 f"{name}-{headroom_name(window)}-cron",
                 api_version=so["apiVersion"],
                 kind=so["kind"],
                 metadata=so["metadata"],
                 spec=so["spec"],
-                opts=pulumi.ResourceOptions(
-                    parent=self, provider=args.provider, depends_on=[deployment, *keda, *args.depends_on]
-                ),
+                opts=pulumi.ResourceOptions(parent=self, depends_on=[deployment]),
             )
 
         for service, models in args.services.items():

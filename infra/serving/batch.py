@@ -92,6 +92,28 @@ def worker_env(settings: Batch, queue: BatchQueue, base_url: str) -> list[dict[s
     return [{"name": env[key], "value": value} for key, value in values.items()]
 
 
+def _worker_container(settings: Batch, queue: BatchQueue, image: pulumi.Input[str], base_url: str) -> dict[str, Any]:
+    return {
+        "name": WORKER_CONTAINER,
+        "image": image,
+        "command": ["python", "-m", "inference_server.batch_worker"],
+        "env": [*worker_env(settings, queue, base_url), {"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "resources": {
+            "requests": {"cpu": "250m", "memory": "256Mi"},
+            "limits": {"memory": "512Mi"},
+        },
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "api-keys", "mountPath": MOUNTS.api_keys_dir, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+
+
 def worker_deployment(
     *,
     settings: Batch,
@@ -125,27 +147,7 @@ def worker_deployment(
                         "runAsGroup": RUN_AS_GROUP,
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
-                    "containers": [
-                        {
-                            "name": WORKER_CONTAINER,
-                            "image": image,
-                            "command": ["python", "-m", "inference_server.batch_worker"],
-                            "env": [*worker_env(settings, queue, base_url), {"name": "PYTHONUNBUFFERED", "value": "1"}],
-                            "resources": {
-                                "requests": {"cpu": "250m", "memory": "256Mi"},
-                                "limits": {"memory": "512Mi"},
-                            },
-                            "securityContext": {
-                                "allowPrivilegeEscalation": False,
-                                "readOnlyRootFilesystem": True,
-                                "capabilities": {"drop": ["ALL"]},
-                            },
-                            "volumeMounts": [
-                                {"name": "api-keys", "mountPath": MOUNTS.api_keys_dir, "readOnly": True},
-                                {"name": "tmp", "mountPath": "/tmp"},
-                            ],
-                        }
-                    ],
+                    "containers": [_worker_container(settings, queue, image, base_url)],
                     "volumes": [
                         {"name": "api-keys", "secret": {"secretName": api_keys_secret, "defaultMode": 0o444}},
                         {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
@@ -238,9 +240,6 @@ class BatchWorkersArgs:
     api_keys_secret: str
     # The serve Service of the RayService that serves settings.model.
     serve_service: dict[str, Any]
-    provider: k8s.Provider
-    depends_on: list[pulumi.Resource]
-    keda_crds: pulumi.Resource | None
 
 
 class BatchWorkers(pulumi.ComponentResource):
@@ -253,7 +252,7 @@ class BatchWorkers(pulumi.ComponentResource):
                 f"the batch worker's pod identity is bound in namespace '{args.identity.namespace}', "
                 f"but serving.namespace is '{args.namespace}'"
             )
-        k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=args.depends_on)
+        k8s_opts = pulumi.ResourceOptions(parent=self)
         sa = k8s.core.v1.ServiceAccount(
             f"{name}-sa",
             metadata=k8s.meta.v1.ObjectMetaArgs(
@@ -278,15 +277,14 @@ class BatchWorkers(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions.merge(
                 k8s_opts,
                 # KEDA's HPA owns the replica count once created.
-                pulumi.ResourceOptions(depends_on=[*args.depends_on, sa], ignore_changes=["spec.replicas"]),
+                pulumi.ResourceOptions(depends_on=[sa], ignore_changes=["spec.replicas"]),
             ),
         )
         policy = network_policy(args.namespace)
         k8s.networking.v1.NetworkPolicy(
             f"{name}-netpol", metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts
         )
-        keda = [args.keda_crds] if args.keda_crds is not None else []
-        keda_opts = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[*keda, *args.depends_on])
+        keda_opts = pulumi.ResourceOptions(parent=self)
         auth_doc = trigger_authentication(args.namespace)
         auth = k8s.apiextensions.CustomResource(
             f"{name}-trigger-auth",

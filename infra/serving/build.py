@@ -5,8 +5,8 @@ from __future__ import annotations
 import pulumi
 
 from infra.aws.layer import AwsLayer
-from infra.config import StackConfig
 from infra.cluster_services.layer import PlatformLayer
+from infra.config import StackConfig
 from infra.serving import kuberay
 from infra.serving.alerts import ServingAlerts, ServingAlertsArgs
 from infra.serving.autoscaling import ServingAutoscaling, ServingAutoscalingArgs
@@ -25,41 +25,26 @@ def dashboard_access(namespace: str, ray_service: str) -> str:
     return f"kubectl -n {namespace} port-forward svc/{kuberay.head_service(ray_service)} {port}"
 
 
-def build_serving(
-    cfg: StackConfig, api_keys: pulumi.Output[str], aws: AwsLayer, platform: PlatformLayer
-) -> ServingLayer:
-    """Declare the serving layer on the cluster the AWS layer made or found."""
+def _after(aws: AwsLayer, *resources: pulumi.Resource | None) -> pulumi.ResourceOptions:
+    """Options for a serving component: the cluster's provider, after `resources` (Nones skipped)."""
+    return pulumi.ResourceOptions(provider=aws.provider, depends_on=[r for r in resources if r is not None])
+
+
+def _ray_services(
+    cfg: StackConfig,
+    aws: AwsLayer,
+    platform: PlatformLayer,
+    ns: ServingNamespace,
+    autoscaling: ServingAutoscaling,
+) -> dict[str, VllmRayService]:
+    """One RayService per `service`, after the namespace, the priority classes and the ray.io CRDs.
+
+    The load balancer controller's webhook must see the serve Service KubeRay creates.
+    """
     namespace = cfg.serving.namespace
-    ns = ServingNamespace(
-        "serving",
-        ServingNamespaceArgs(
-            namespace=namespace,
-            model_reader=aws.model_reader,
-            api_keys=api_keys,
-            redis=aws.redis,
-            provider=aws.provider,
-            depends_on=list(aws.cluster_ready),
-        ),
-    )
-    services = cfg.services()
-    autoscaling = ServingAutoscaling(
-        "serving-autoscaling",
-        ServingAutoscalingArgs(
-            namespace=namespace,
-            prescale=list(cfg.autoscaling.prescale),
-            gpu=aws.gpu,
-            services=services,
-            provider=aws.provider,
-            depends_on=list(ns.ready),
-            keda_crds=platform.keda_crds,
-        ),
-    )
-    ray_crds = [platform.ray_crds] if platform.ray_crds is not None else []
-    # The load balancer controller's webhook must see the serve Service KubeRay creates.
-    lb_controller = [platform.load_balancer_controller] if platform.load_balancer_controller is not None else []
-    ray_services = {}
-    for name, models in services.items():
-        rs = VllmRayService(
+    after = [*ns.ready, *autoscaling.priority_classes, platform.ray_crds, platform.load_balancer_controller]
+    return {
+        name: VllmRayService(
             name,
             VllmRayServiceArgs(
                 cfg=cfg,
@@ -78,70 +63,92 @@ def build_serving(
                 serve_service=serve_service_spec(name, namespace, cfg.endpoint),
                 redis=aws.redis,
                 redis_secret=ns.redis_secret,
-                depends_on=[*ns.ready, *autoscaling.priority_classes, *ray_crds, *lb_controller],
             ),
-            provider=aws.provider,
+            _after(aws, *after),
         )
-        ray_services[name] = rs.ray_service
+        for name, models in cfg.services().items()
+    }
 
-    if cfg.batch.enabled:
-        if aws.batch_queue is None or aws.batch_worker is None:
-            raise ValueError("batch is enabled but the AWS layer made no batch queue or worker identity")
-        batch_service = next(m.service_name for m in cfg.models if m.model_id == cfg.batch.model)
-        BatchWorkers(
-            "batch-workers",
-            BatchWorkersArgs(
-                settings=cfg.batch,
-                queue=aws.batch_queue,
-                identity=aws.batch_worker,
-                namespace=namespace,
-                image=aws.image,
-                system=aws.system,
-                api_keys_secret=ns.api_keys_secret,
-                serve_service=serve_service_spec(batch_service, namespace, cfg.endpoint),
-                provider=aws.provider,
-                depends_on=list(ns.ready),
-                keda_crds=platform.keda_crds,
-            ),
-        )
 
+def _batch_workers(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer, ns: ServingNamespace) -> None:
+    """Queue-fed batch workers, scaled by KEDA on the backlog."""
+    if aws.batch_queue is None or aws.batch_worker is None:
+        raise ValueError("batch is enabled but the AWS layer made no batch queue or worker identity")
+    namespace = cfg.serving.namespace
+    batch_service = next(m.service_name for m in cfg.models if m.model_id == cfg.batch.model)
+    BatchWorkers(
+        "batch-workers",
+        BatchWorkersArgs(
+            settings=cfg.batch,
+            queue=aws.batch_queue,
+            identity=aws.batch_worker,
+            namespace=namespace,
+            image=aws.image,
+            system=aws.system,
+            api_keys_secret=ns.api_keys_secret,
+            serve_service=serve_service_spec(batch_service, namespace, cfg.endpoint),
+        ),
+        _after(aws, *ns.ready, platform.keda_crds),
+    )
+
+
+def _observability(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer, ns: ServingNamespace) -> None:
+    """Alert rules (after the monitoring CRDs) and dashboards."""
     ServingAlerts(
         "serving-alerts",
         ServingAlertsArgs(
-            namespace=namespace,
+            namespace=cfg.serving.namespace,
             slo=cfg.observability.slo,
             prometheus_selector_labels=dict(platform.prometheus_selector_labels),
-            provider=aws.provider,
-            depends_on=list(ns.ready),
-            monitoring_crds=platform.monitoring_crds,
         ),
+        _after(aws, *ns.ready, platform.monitoring_crds),
     )
     ServingDashboards(
         "serving-dashboards",
         ServingDashboardsArgs(
-            monitoring_namespace=platform.monitoring_namespace,
-            dashboard_label=platform.dashboard_label,
-            provider=aws.provider,
-            depends_on=list(aws.cluster_ready),
+            monitoring_namespace=platform.monitoring_namespace, dashboard_label=platform.dashboard_label
         ),
+        _after(aws, *aws.cluster_ready),
     )
+
+
+def build_serving(
+    cfg: StackConfig, api_keys: pulumi.Output[str], aws: AwsLayer, platform: PlatformLayer
+) -> ServingLayer:
+    """Declare the serving layer on the cluster the AWS layer made or found."""
+    namespace = cfg.serving.namespace
+    services = cfg.services()
+    ns = ServingNamespace(
+        "serving",
+        ServingNamespaceArgs(namespace=namespace, model_reader=aws.model_reader, api_keys=api_keys, redis=aws.redis),
+        _after(aws, *aws.cluster_ready),
+    )
+    autoscaling = ServingAutoscaling(
+        "serving-autoscaling",
+        ServingAutoscalingArgs(
+            namespace=namespace, prescale=list(cfg.autoscaling.prescale), gpu=aws.gpu, services=services
+        ),
+        _after(aws, *ns.ready, platform.keda_crds),
+    )
+    ray_services = _ray_services(cfg, aws, platform, ns, autoscaling)
+    if cfg.batch.enabled:
+        _batch_workers(cfg, aws, platform, ns)
+    _observability(cfg, aws, platform, ns)
     endpoint = ServingEndpoint(
         "serving-endpoint",
         ServingEndpointArgs(
             namespace=namespace,
             monitoring_namespace=platform.monitoring_namespace,
             endpoint=cfg.endpoint,
-            ray_services=ray_services,
-            provider=aws.provider,
-            depends_on=list(ns.ready),
+            ray_services={name: rs.ray_service for name, rs in ray_services.items()},
         ),
+        _after(aws, *ns.ready),
     )
     # The first RayService in config order is the stack's `endpoint`; every
     # model's own URL is in `endpoints`.
     first = next(iter(services))
-    main_url = endpoint.urls[first]
     return ServingLayer(
-        endpoint=main_url,
+        endpoint=endpoint.urls[first],
         models=[m.model_id for m in cfg.models],
         ray_dashboards={name: dashboard_access(namespace, name) for name in services},
         endpoints=endpoint.urls,

@@ -146,8 +146,6 @@ class ServingDashboardsArgs:
 
     monitoring_namespace: str
     dashboard_label: tuple[str, str]
-    provider: k8s.Provider
-    depends_on: list[pulumi.Resource]
 
 
 class ServingDashboards(pulumi.ComponentResource):
@@ -163,6 +161,6 @@ class ServingDashboards(pulumi.ComponentResource):
                     name=cm_name, namespace=args.monitoring_namespace, labels={**PART_OF, key: value}
                 ),
                 data={f"{cm_name}.json": body},
-                opts=pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=args.depends_on),
+                opts=pulumi.ResourceOptions(parent=self),
             )
         self.register_outputs({"dashboards": list(dashboards())})

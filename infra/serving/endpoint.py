@@ -122,8 +122,6 @@ class ServingEndpointArgs:
     monitoring_namespace: str
     endpoint: Endpoint
     ray_services: Mapping[str, k8s.apiextensions.CustomResource]  # RayService name -> its CustomResource
-    provider: k8s.Provider
-    depends_on: list[pulumi.Resource]
 
 
 class ServingEndpoint(pulumi.ComponentResource):
@@ -133,7 +131,7 @@ class ServingEndpoint(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: ServingEndpointArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("llm-platform:serving:Endpoint", name, None, opts)
-        k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=args.depends_on)
+        k8s_opts = pulumi.ResourceOptions(parent=self)
         for policy in network_policies(args.namespace, args.monitoring_namespace, list(args.ray_services)):
             k8s.networking.v1.NetworkPolicy(
                 policy["metadata"]["name"], metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts
@@ -147,7 +145,7 @@ class ServingEndpoint(pulumi.ComponentResource):
             svc = k8s.core.v1.Service.get(
                 f"{name}-{service}-serve-svc",
                 svc_id,
-                opts=pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[resource]),
+                opts=pulumi.ResourceOptions(parent=self, depends_on=[resource]),
             )
             host = args.endpoint.service_host(service)
             if host:

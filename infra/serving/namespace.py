@@ -7,6 +7,7 @@ keys and the GCS Redis password as Secrets.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pulumi
@@ -33,8 +34,6 @@ class ServingNamespaceArgs:
     model_reader: PodIdentity
     api_keys: pulumi.Output[str]
     redis: RedisEndpoint | None
-    provider: k8s.Provider
-    depends_on: list[pulumi.Resource]
 
 
 class ServingNamespace(pulumi.ComponentResource):
@@ -52,7 +51,7 @@ class ServingNamespace(pulumi.ComponentResource):
                 f"the model reader's pod identity is bound in namespace '{args.model_reader.namespace}', "
                 f"but serving.namespace is '{args.namespace}'"
             )
-        k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=args.depends_on)
+        k8s_opts = pulumi.ResourceOptions(parent=self)
         self.namespace = args.namespace
         ns = k8s.core.v1.Namespace(
             f"{name}-ns",
@@ -67,7 +66,7 @@ class ServingNamespace(pulumi.ComponentResource):
             ),
             opts=k8s_opts,
         )
-        in_ns = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[ns])
+        in_ns = pulumi.ResourceOptions(parent=self, depends_on=[ns])
 
         self.service_account = args.model_reader.service_account
         sa = k8s.core.v1.ServiceAccount(
@@ -77,36 +76,41 @@ class ServingNamespace(pulumi.ComponentResource):
         )
 
         self.api_keys_secret = "inference-api-keys"
-        keys = k8s.core.v1.Secret(
-            f"{name}-api-keys",
-            metadata=k8s.meta.v1.ObjectMetaArgs(name=self.api_keys_secret, namespace=args.namespace, labels=PART_OF),
-            type="Opaque",
-            # The config secret stays a secret through apply; the outputs are marked too.
-            string_data={MOUNTS.api_keys_key: args.api_keys.apply(api_keys_file)},
-            opts=pulumi.ResourceOptions.merge(
-                in_ns, pulumi.ResourceOptions(additional_secret_outputs=["data", "stringData"])
-            ),
-        )
+        # The config secret stays a secret through apply; the outputs are marked too.
+        keys_file = {MOUNTS.api_keys_key: args.api_keys.apply(api_keys_file)}
+        keys = self._secret(f"{name}-api-keys", self.api_keys_secret, args, keys_file, in_ns)
 
         # What a RayService must wait for: its pods mount these.
         self.ready: list[pulumi.Resource] = [ns, sa, keys]
         self.redis_secret = None
         if args.redis is not None:
             self.redis_secret = "ray-gcs-redis"
-            redis = k8s.core.v1.Secret(
-                f"{name}-redis",
-                metadata=k8s.meta.v1.ObjectMetaArgs(name=self.redis_secret, namespace=args.namespace, labels=PART_OF),
-                type="Opaque",
-                string_data={REDIS_PASSWORD_KEY: args.redis.password},
-                opts=pulumi.ResourceOptions.merge(
-                    in_ns, pulumi.ResourceOptions(additional_secret_outputs=["data", "stringData"])
-                ),
+            self.ready.append(
+                self._secret(f"{name}-redis", self.redis_secret, args, {REDIS_PASSWORD_KEY: args.redis.password}, in_ns)
             )
-            self.ready.append(redis)
         self.register_outputs(
             {
                 "namespace": self.namespace,
                 "service_account": self.service_account,
                 "api_keys_secret": self.api_keys_secret,
             }
+        )
+
+    def _secret(
+        self,
+        resource_name: str,
+        secret_name: str,
+        args: ServingNamespaceArgs,
+        data: Mapping[str, pulumi.Input[str]],
+        opts: pulumi.ResourceOptions,
+    ) -> k8s.core.v1.Secret:
+        """An Opaque Secret in the serving namespace whose outputs stay secret."""
+        return k8s.core.v1.Secret(
+            resource_name,
+            metadata=k8s.meta.v1.ObjectMetaArgs(name=secret_name, namespace=args.namespace, labels=PART_OF),
+            type="Opaque",
+            string_data=dict(data),
+            opts=pulumi.ResourceOptions.merge(
+                opts, pulumi.ResourceOptions(additional_secret_outputs=["data", "stringData"])
+            ),
         )

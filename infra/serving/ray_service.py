@@ -8,7 +8,7 @@ running Pulumi; the component only declares it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pulumi
@@ -129,7 +129,6 @@ class VllmRayServiceArgs:
     serve_service: dict[str, Any]
     redis: RedisEndpoint | None = None
     redis_secret: str | None = None
-    depends_on: list[pulumi.Resource] = field(default_factory=list)
 
 
 def _ports(ports: list[Port]) -> list[dict[str, object]]:
@@ -211,6 +210,27 @@ def _ingress_group(args: VllmRayServiceArgs) -> dict[str, Any]:
     }
 
 
+def _gpu_volumes(args: VllmRayServiceArgs, shape: GpuShape) -> list[dict[str, Any]]:
+    return [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shape.shm_gib}Gi"}},
+        {
+            # A per-pod gp3 volume: weights are fetched or streamed once
+            # per pod without filling the node's root disk.
+            "name": "model-cache",
+            "ephemeral": {
+                "volumeClaimTemplate": {
+                    "metadata": {"labels": pod_labels(args.name)},
+                    "spec": {
+                        "accessModes": ["ReadWriteOnce"],
+                        "storageClassName": args.storage_class,
+                        "resources": {"requests": {"storage": f"{args.cfg.storage.model_cache_gib}Gi"}},
+                    },
+                }
+            },
+        },
+    ]
+
+
 def _gpu_group(args: VllmRayServiceArgs, model: Model) -> dict[str, Any]:
     placement = args.gpu[model.gpu_group]
     shape = gpu_shape(model, placement)
@@ -257,25 +277,7 @@ def _gpu_group(args: VllmRayServiceArgs, model: Model) -> dict[str, Any]:
                         ],
                     }
                 ],
-                "volumes": [
-                    {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shape.shm_gib}Gi"}},
-                    {
-                        # A per-pod gp3 volume: weights are fetched or streamed once
-                        # per pod without filling the node's root disk.
-                        "name": "model-cache",
-                        "ephemeral": {
-                            "volumeClaimTemplate": {
-                                "metadata": {"labels": pod_labels(args.name)},
-                                "spec": {
-                                    "accessModes": ["ReadWriteOnce"],
-                                    "storageClassName": args.storage_class,
-                                    "resources": {"requests": {"storage": f"{args.cfg.storage.model_cache_gib}Gi"}},
-                                },
-                            }
-                        },
-                    },
-                    keys_volume,
-                ],
+                "volumes": [*_gpu_volumes(args, shape), keys_volume],
             },
         },
     }
@@ -367,7 +369,6 @@ class VllmRayService(pulumi.ComponentResource):
         self,
         name: str,
         args: VllmRayServiceArgs,
-        provider: k8s.Provider,
         opts: pulumi.ResourceOptions | None = None,
     ) -> None:
         super().__init__("llm-platform:serving:VllmRayService", name, None, opts)
@@ -379,6 +380,6 @@ class VllmRayService(pulumi.ComponentResource):
             kind=manifest["kind"],
             metadata=manifest["metadata"],
             spec=manifest["spec"],
-            opts=pulumi.ResourceOptions(parent=self, provider=provider, depends_on=args.depends_on),
+            opts=pulumi.ResourceOptions(parent=self),
         )
         self.register_outputs({"name": self.name, "ray_service": self.ray_service.id})

@@ -1,0 +1,143 @@
+"""How the cluster gets nodes: the seam between the AWS layer and whatever provisions nodes.
+
+A node provisioner does two things:
+
+- it says where pods may run: the system placement and one GPU placement
+  per GPU group (infra/scheduling.py), the objects every layer below takes
+  its node selectors, tolerations and GPU shapes from;
+- it makes the capacity that carries those placements, once there is a
+  cluster to join.
+
+The AWS layer (infra/aws/build.py) only asks the provisioner selected by
+`cluster.node_provisioner`; it knows nothing about node groups. Today there
+is one provisioner, ManagedNodeGroups. Another one (Karpenter NodePools)
+is another class with the same three members and an entry in PROVISIONERS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import pulumi
+
+from infra.aws.layer import MANAGED_NODE_GROUPS
+from infra.aws.node_groups import NodeGroup, NodeGroupArgs
+from infra.config import NodeGroups, NodeGroupSettings, StackConfig
+from infra.scheduling import GpuPlacement, Placement, gpu_placements, system_placement
+
+
+@dataclass(frozen=True)
+class NodeTarget:
+    """The cluster the nodes join, and what every node carries."""
+
+    cluster_name: pulumi.Output[str]
+    kubernetes_version: str
+    node_role_arn: pulumi.Input[str]
+    subnet_ids: pulumi.Input[Sequence[str]]
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProvisionedNodes:
+    """What a provisioner made."""
+
+    # The AWS name of each placement's capacity (a node group's name), by
+    # placement group; exported as the stack output `node_groups`.
+    names: dict[str, pulumi.Output[str]]
+    # What in-cluster resources wait for: the capacity that runs their pods.
+    ready: list[pulumi.Resource]
+
+
+class NodeProvisioner(Protocol):
+    """Where pods may run, and the nodes that make it true."""
+
+    @property
+    def name(self) -> str:
+        """The `cluster.node_provisioner` value; the platform layer reads it (AwsLayer.node_provisioner)."""
+        ...
+
+    @property
+    def system(self) -> Placement:
+        """The system nodes' placement: operators, monitoring, Ray heads."""
+        ...
+
+    @property
+    def gpu(self) -> Mapping[str, GpuPlacement]:
+        """Each GPU group's placement, by group name."""
+        ...
+
+    def provision(self, target: NodeTarget, opts: pulumi.ResourceOptions | None = None) -> ProvisionedNodes:
+        """Declare the capacity that carries the placements.
+
+        `opts` go to every component made here: its `depends_on` is what
+        the nodes wait for before they can join (add-ons, node role
+        policies), reaching each component's children through the parent.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class ManagedNodeGroups:
+    """One EKS managed node group per placement, scaled by cluster-autoscaler.
+
+    The system group and every GPU group of `node_groups` becomes a
+    NodeGroup component named `nodes-<group>`, whose nodes carry exactly
+    the labels and taints of the placement handed to the layers below.
+    """
+
+    settings: NodeGroups
+    system: Placement
+    gpu: dict[str, GpuPlacement]
+    name: str = field(default=MANAGED_NODE_GROUPS, init=False)
+
+    @classmethod
+    def from_config(cls, cfg: StackConfig) -> ManagedNodeGroups:
+        """The node groups and placements of `cfg.node_groups`."""
+        return cls(settings=cfg.node_groups, system=system_placement(cfg), gpu=gpu_placements(cfg))
+
+    def provision(self, target: NodeTarget, opts: pulumi.ResourceOptions | None = None) -> ProvisionedNodes:
+        """The system group first, then the GPU groups in config order."""
+        groups = {self.system.group: self._node_group(self.system, self.settings.system, target, opts)}
+        for settings in self.settings.gpu:
+            groups[settings.name] = self._node_group(self.gpu[settings.name], settings, target, opts)
+        return ProvisionedNodes(
+            names={group: node_group.name for group, node_group in groups.items()},
+            ready=list(groups.values()),
+        )
+
+    @staticmethod
+    def _node_group(
+        placement: Placement,
+        settings: NodeGroupSettings,
+        target: NodeTarget,
+        opts: pulumi.ResourceOptions | None,
+    ) -> NodeGroup:
+        return NodeGroup(
+            f"nodes-{placement.group}",
+            NodeGroupArgs(
+                cluster_name=target.cluster_name,
+                kubernetes_version=target.kubernetes_version,
+                config=settings,
+                placement=placement,
+                node_role_arn=target.node_role_arn,
+                subnet_ids=target.subnet_ids,
+                tags=target.tags,
+            ),
+            opts=opts,
+        )
+
+
+# `cluster.node_provisioner` -> the provisioner it selects.
+PROVISIONERS: dict[str, Callable[[StackConfig], NodeProvisioner]] = {
+    MANAGED_NODE_GROUPS: ManagedNodeGroups.from_config,
+}
+
+
+def node_provisioner(cfg: StackConfig) -> NodeProvisioner:
+    """The provisioner `cluster.node_provisioner` selects (managed node groups when the setting is absent)."""
+    selected: str = getattr(cfg.cluster, "node_provisioner", MANAGED_NODE_GROUPS)
+    if selected not in PROVISIONERS:
+        raise ValueError(f"cluster.node_provisioner: '{selected}' is not one of {sorted(PROVISIONERS)}")
+    return PROVISIONERS[selected](cfg)

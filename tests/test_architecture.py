@@ -1,0 +1,106 @@
+"""The shape of the program: layers import one way, no cycles, small functions, no Ray in infra/."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from infra.render import ROOT
+
+INFRA = ROOT / "infra"
+# Lower rank first: a module may import only from its own rank or below.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("config", ("infra.versions", "infra.instance_types", "infra.config", "infra.scheduling")),
+    ("aws", ("infra.aws",)),
+    ("platform", ("infra.cluster_services",)),
+    ("serving", ("infra.serving",)),
+    ("outputs", ("infra.stack", "infra.render", "infra.mocks", "infra.twin")),
+]
+MAX_FUNCTION_LINES = 60
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def _rank(module: str) -> int | None:
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank
+    return None
+
+
+MODULES = {_module(p): p for p in sorted(INFRA.rglob("*.py"))}
+GRAPH = {name: {m for m in MODULES if m in _imports(path) and m != name} for name, path in MODULES.items()}
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    assert [m for m in MODULES if m != "infra" and _rank(m) is None] == []
+
+
+def test_layers_import_downwards_only() -> None:
+    upward = [
+        f"{src} ({LAYERS[_rank(src) or 0][0]}) imports {dst} ({LAYERS[_rank(dst) or 0][0]})"
+        for src, targets in GRAPH.items()
+        for dst in targets
+        if _rank(src) is not None and _rank(dst) is not None and (_rank(dst) or 0) > (_rank(src) or 0)
+    ]
+    assert upward == []
+
+
+def test_no_import_cycles() -> None:
+    state: dict[str, int] = {}
+    cycles: list[str] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(GRAPH[node]):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def test_the_checks_see_a_real_graph() -> None:
+    """Guards the checks above against an empty or wrongly parsed graph."""
+    assert "infra.aws.layer" in GRAPH["infra.cluster_services.build"]
+    assert "infra.cluster_services.layer" in GRAPH["infra.serving.build"]
+    assert _rank("infra.serving.build") == 3 and _rank("infra.aws.build") == 1
+
+
+def test_infra_never_imports_ray_or_vllm() -> None:
+    """The program deploys the server; it never runs it (requirements.txt has neither)."""
+    heavy = {m for path in MODULES.values() for m in _imports(path) if m.split(".")[0] in {"ray", "vllm", "torch"}}
+    assert heavy == set()
+
+
+@pytest.mark.parametrize("path", sorted(INFRA.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_functions_stay_small(path: Path) -> None:
+    long = [
+        f"{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 >= MAX_FUNCTION_LINES
+    ]
+    assert long == []

@@ -1,0 +1,134 @@
+"""The node-provisioning seam: the AWS layer asks it where pods may run and for the nodes that make it so."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from infra.aws import provisioning
+from infra.aws.addons import EksAddons
+from infra.aws.build import build_aws
+from infra.aws.layer import MANAGED_NODE_GROUPS, AwsLayer
+from infra.aws.node_groups import TAINT_EFFECTS, NodeGroup
+from infra.aws.provisioning import ManagedNodeGroups, node_provisioner
+from infra.config import StackConfig, Taint
+from infra.render import ROOT, Rendered, run_under_mocks
+from infra.scheduling import NODE_GROUP_LABEL, GpuPlacement, gpu_placement, gpu_placements, system_placement
+from tests.harness import STACKS, by_type, render_config, stack_config, stack_doc
+
+NS = "llm-platform:"
+MARK = Taint(key="example.com/seam", value="marked", effect="NoSchedule")
+
+
+def _build(cfg: StackConfig) -> tuple[AwsLayer, list[dict[str, Any]]]:
+    """build_aws alone, under the mocks: the layer it hands down and what it declared."""
+    made: dict[str, AwsLayer] = {}
+
+    async def program() -> None:
+        made["layer"] = build_aws(cfg)
+
+    resources = run_under_mocks("dev", {"aws:region": cfg.region}, [], program)
+    return made["layer"], resources
+
+
+def _pod_specs(value: Any) -> list[dict[str, Any]]:
+    """Every pod spec (a mapping with `containers`) anywhere in `value`."""
+    if isinstance(value, dict):
+        own = [value] if "containers" in value else []
+        return own + [spec for v in value.values() for spec in _pod_specs(v)]
+    if isinstance(value, list):
+        return [spec for v in value for spec in _pod_specs(v)]
+    return []
+
+
+def _marked(placement: GpuPlacement) -> GpuPlacement:
+    """The placement with a node-group label of another value, one more label and one more taint."""
+    labels = {**placement.labels, NODE_GROUP_LABEL: f"{placement.group}-marked", MARK.key: MARK.value}
+    return replace(placement, labels=labels, taints=(*placement.taints, MARK))
+
+
+def test_the_configured_provisioner_is_managed_node_groups_with_the_configs_placements() -> None:
+    cfg = stack_config("prod")
+    nodes = node_provisioner(cfg)
+    assert isinstance(nodes, ManagedNodeGroups)
+    assert nodes.name == MANAGED_NODE_GROUPS == "managed_node_groups"
+    assert nodes.system == system_placement(cfg)
+    assert nodes.gpu == gpu_placements(cfg)
+
+
+def test_an_unknown_provisioner_is_refused_by_name() -> None:
+    cfg = cast(StackConfig, SimpleNamespace(cluster=SimpleNamespace(node_provisioner="karpenter")))
+    with pytest.raises(ValueError, match="'karpenter' is not one of \\['managed_node_groups'\\]"):
+        node_provisioner(cfg)
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_the_layer_hands_down_what_the_provisioner_made(stack: str) -> None:
+    cfg = stack_config(stack)
+    layer, resources = _build(cfg)
+    groups = [cfg.node_groups.system.name, *(g.name for g in cfg.node_groups.gpu)]
+    assert layer.node_provisioner == MANAGED_NODE_GROUPS
+    assert layer.system == system_placement(cfg)
+    assert layer.gpu == gpu_placements(cfg)
+    assert list(layer.node_group_names) == groups
+    # In-cluster resources wait for every node group and the add-ons that need nodes.
+    assert [type(r) for r in layer.cluster_ready] == [NodeGroup] * len(groups) + [EksAddons]
+    made = [r["name"] for r in resources if r["type"] == "llm-platform:aws:NodeGroup"]
+    assert made == [f"nodes-{g}" for g in groups]
+
+
+def test_an_existing_cluster_gets_the_placements_but_no_nodes() -> None:
+    existing = {
+        f"{NS}cluster": {"mode": "existing", "name": "shared-gpu", "kubeconfig_context": "shared-gpu-admin"},
+        f"{NS}image": {"reference": "registry.example.com/llm-serving@sha256:" + "ab" * 32},
+    }
+    cfg = stack_config("dev", edit=lambda config: config.update(existing))
+    layer, resources = _build(cfg)
+    assert layer.node_provisioner == MANAGED_NODE_GROUPS
+    assert layer.system == system_placement(cfg) and layer.gpu == gpu_placements(cfg)
+    assert layer.node_group_names == {} and layer.cluster_ready == []
+    assert not [r for r in resources if r["type"] == "llm-platform:aws:NodeGroup"]
+
+
+def test_gpu_pods_and_gpu_nodes_take_their_scheduling_from_the_same_placement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Change the provisioner's GPU placements, and both the node groups and the GPU pods follow."""
+
+    def marked(cfg: StackConfig) -> provisioning.NodeProvisioner:
+        nodes = ManagedNodeGroups.from_config(cfg)
+        return replace(nodes, gpu={name: _marked(p) for name, p in nodes.gpu.items()})
+
+    monkeypatch.setitem(provisioning.PROVISIONERS, MANAGED_NODE_GROUPS, marked)
+    cfg = stack_config("dev")
+    r: Rendered = render_config(stack_doc("dev"), "dev")
+    pods = _pod_specs(r.manifests)
+    for group in cfg.node_groups.gpu:
+        placement = _marked(gpu_placement(group))
+        (node_group,) = [x for x in by_type(r, "aws:eks/nodeGroup:NodeGroup") if x["name"] == f"nodes-{group.name}"]
+        assert node_group["inputs"]["labels"] == placement.labels
+        assert node_group["inputs"]["taints"] == [
+            {"key": t.key, "value": t.value, "effect": TAINT_EFFECTS[t.effect]} for t in placement.taints
+        ]
+        selecting = [p for p in pods if p.get("nodeSelector") == placement.node_selector()]
+        assert selecting, f"no pod selects the nodes of {group.name}"
+        for pod in selecting:
+            assert all(t in pod["tolerations"] for t in placement.tolerations())
+    unmarked = {gpu_placement(g).labels[NODE_GROUP_LABEL] for g in cfg.node_groups.gpu}
+    assert not [p for p in pods if p.get("nodeSelector", {}).get(NODE_GROUP_LABEL) in unmarked]
+
+
+def test_build_aws_knows_nothing_about_node_groups() -> None:
+    """The layer asks the seam; node groups are the managed-node-groups provisioner's business."""
+    tree = ast.parse((ROOT / "infra" / "aws" / "build.py").read_text())
+    imported = {
+        f"{node.module}.{alias.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert not [name for name in imported if "node_group" in name.lower() or name.endswith(".NodeGroup")]
+    attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    assert "node_groups" not in attributes
