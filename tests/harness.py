@@ -6,15 +6,20 @@ import copy
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+import pulumi
+import pulumi_kubernetes as k8s
+import pulumi_random as random
 import pytest
 import yaml
 
+from infra.aws.layer import AwsLayer, PodIdentity
 from infra.config import StackConfig, load_stack_file, parse, read_stack_file, sections
-from infra.render import ROOT, Rendered, render
+from infra.render import ROOT, SECRET, Rendered, render, run_under_mocks
 from infra.scheduling import gpu_placements, system_placement
 from infra.serving.endpoint import serve_service_spec
 from infra.serving.ray_service import VllmRayServiceArgs
@@ -170,3 +175,105 @@ def group(ray_service: dict[str, Any], name: str) -> dict[str, Any]:
     assert len(found) == 1, f"{name} not in {[g['groupName'] for g in groups]}"
     only: dict[str, Any] = found[0]
     return only
+
+
+# --- the platform layer on its own ----------------------------------------------------
+
+CLUSTER_READY = "cluster-ready"
+CA_IDENTITY = PodIdentity("kube-system", "cluster-autoscaler", None)
+LBC_IDENTITY = PodIdentity("kube-system", "aws-load-balancer-controller", None)
+KEDA_IDENTITY = PodIdentity("keda", "keda-operator", None)
+CRD_GROUPS = {
+    "ray.io": "kuberay-operator",
+    "monitoring.coreos.com": "kube-prometheus-stack",
+    "keda.sh": "keda",
+}
+
+
+@dataclass
+class PlatformRender:
+    """What building the platform layer declared."""
+
+    resources: list[dict[str, Any]]
+    layer: dict[str, Any]
+
+    def releases(self) -> dict[str, dict[str, Any]]:
+        """Helm releases by chart name."""
+        return {r["inputs"]["chart"]: r for r in self.resources if r["type"] == "kubernetes:helm.sh/v3:Release"}
+
+    def values(self, chart: str) -> dict[str, Any]:
+        """The values one release sets."""
+        values: dict[str, Any] = self.releases()[chart]["inputs"].get("values", {})
+        return values
+
+    def waits_for(self, resource: dict[str, Any]) -> set[str]:
+        """What a resource waits for: its own dependencies and its ancestors' (children register after parents)."""
+        by_name = {r["name"]: r for r in self.resources}
+        found: set[str] = set()
+        node: dict[str, Any] | None = resource
+        while node is not None:
+            found |= set(node["depends_on"])
+            node = by_name.get(node["parent"]) if node["parent"] else None
+        return found
+
+    def of_type(self, token: str) -> list[dict[str, Any]]:
+        """Resources of one type."""
+        return [r for r in self.resources if r["type"] == token]
+
+
+def fake_aws(cfg: StackConfig, **changes: Any) -> AwsLayer:
+    """The AwsLayer the AWS layer would hand down, made by hand."""
+    provider = k8s.Provider("k8s", kubeconfig="{}")
+    ready = random.RandomId(CLUSTER_READY, byte_length=4)
+    aws = AwsLayer(
+        provider=provider,
+        cluster_name=pulumi.Output.from_input(cfg.cluster.name),
+        kubeconfig=None,
+        system=system_placement(cfg),
+        gpu=gpu_placements(cfg),
+        node_group_names={},
+        model_bucket=pulumi.Output.from_input(cfg.storage.model_bucket),
+        image=pulumi.Output.from_input("registry/image@sha256:" + "0" * 64),
+        model_reader=PodIdentity(cfg.serving.namespace, "model-reader", None),
+        cluster_autoscaler=CA_IDENTITY,
+        load_balancer_controller=LBC_IDENTITY,
+        redis=None,
+        vpc_id=pulumi.Output.from_input("vpc-0123456789abcdef0"),
+        keda_operator=KEDA_IDENTITY,
+        cluster_ready=[ready],
+    )
+    return replace(aws, **changes)
+
+
+def _name(urn: str) -> str:
+    return urn.split("::")[-1]
+
+
+def render_platform(cfg: StackConfig, **aws_changes: Any) -> PlatformRender:
+    """Run build_platform under the project's mocks and record what it declared."""
+    from infra.cluster_services.build import build_platform
+
+    layer: dict[str, Any] = {}
+
+    async def program() -> None:
+        result = build_platform(cfg, fake_aws(cfg, **aws_changes))
+        for name, value in vars(result).items():
+            if isinstance(value, pulumi.Resource):
+                layer[name] = _name(await value.urn.future())
+            elif isinstance(value, pulumi.Output):
+                layer[name] = SECRET if await value.is_secret() else await value.future()
+            else:
+                layer[name] = value
+
+    resources = run_under_mocks("test", {"aws:region": cfg.region}, [], program)
+    return PlatformRender(resources=resources, layer=layer)
+
+
+_CACHE: dict[str, PlatformRender] = {}
+
+
+def stack_render(stack: str) -> PlatformRender:
+    """The platform layer of a committed stack (cached, read-only)."""
+    if stack not in _CACHE:
+        _CACHE[stack] = render_platform(stack_config(stack))
+    return _CACHE[stack]

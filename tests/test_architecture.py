@@ -104,3 +104,14 @@ def test_functions_stay_small(path: Path) -> None:
         and node.end_lineno - node.lineno + 1 >= MAX_FUNCTION_LINES
     ]
     assert long == []
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared helpers live in tests/harness.py (or fixtures), never in a test module."""
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        for name in _imports(path)
+        if name.split(".")[-1].startswith("test_") and name.startswith("tests.")
+    ]
+    assert offenders == []

@@ -7,150 +7,28 @@ the dev and prod stack files and variants of them.
 
 from __future__ import annotations
 
-import copy
-import json
 import re
-from dataclasses import dataclass, replace
 from typing import Any
 
 import pulumi
-import pulumi_kubernetes as k8s
-import pulumi_random as random
 import pytest
-import yaml
 
 from infra import versions
-from infra.aws.layer import AwsLayer, PodIdentity
+from infra.aws.layer import PodIdentity
 from infra.cluster_services import load_balancer, monitoring
-from infra.config import StackConfig, parse
-from infra.render import ROOT, SECRET, read_stack_file, run_under_mocks
+from infra.render import SECRET, run_under_mocks
 from infra.scheduling import GPU_OPERATOR_DEVICE_PLUGIN_LABEL, GPU_TAINT, gpu_placements, system_placement
-
-CLUSTER_READY = "cluster-ready"
-CA_IDENTITY = PodIdentity("kube-system", "cluster-autoscaler", None)
-LBC_IDENTITY = PodIdentity("kube-system", "aws-load-balancer-controller", None)
-KEDA_IDENTITY = PodIdentity("keda", "keda-operator", None)
-CRD_GROUPS = {
-    "ray.io": "kuberay-operator",
-    "monitoring.coreos.com": "kube-prometheus-stack",
-    "keda.sh": "keda",
-}
-
-
-@dataclass
-class PlatformRender:
-    """What building the platform layer declared."""
-
-    resources: list[dict[str, Any]]
-    layer: dict[str, Any]
-
-    def releases(self) -> dict[str, dict[str, Any]]:
-        """Helm releases by chart name."""
-        return {r["inputs"]["chart"]: r for r in self.resources if r["type"] == "kubernetes:helm.sh/v3:Release"}
-
-    def values(self, chart: str) -> dict[str, Any]:
-        """The values one release sets."""
-        values: dict[str, Any] = self.releases()[chart]["inputs"].get("values", {})
-        return values
-
-    def waits_for(self, resource: dict[str, Any]) -> set[str]:
-        """What a resource waits for: its own dependencies and its ancestors' (children register after parents)."""
-        by_name = {r["name"]: r for r in self.resources}
-        found: set[str] = set()
-        node: dict[str, Any] | None = resource
-        while node is not None:
-            found |= set(node["depends_on"])
-            node = by_name.get(node["parent"]) if node["parent"] else None
-        return found
-
-    def of_type(self, token: str) -> list[dict[str, Any]]:
-        """Resources of one type."""
-        return [r for r in self.resources if r["type"] == token]
-
-
-def stack_config(stack: str, edit: Any = None) -> StackConfig:
-    """The validated config of a committed stack file, optionally edited."""
-    doc = yaml.safe_load((ROOT / f"Pulumi.{stack}.yaml").read_text())
-    if edit is not None:
-        doc = copy.deepcopy(doc)
-        edit(doc["config"])
-    flat, _ = read_stack_file_from_doc(doc)
-    raw: dict[str, Any] = {}
-    for key, value in flat.items():
-        ns, _, name = key.partition(":")
-        if ns == "llm-platform" and name != "api_keys":
-            raw[name] = json.loads(value) if value[:1] in "{[" else value
-    raw["region"] = flat["aws:region"]
-    return parse(raw)
-
-
-def read_stack_file_from_doc(doc: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
-    """read_stack_file for a document in memory."""
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "Pulumi.x.yaml"
-        path.write_text(yaml.safe_dump(doc))
-        return read_stack_file(path)
-
-
-def fake_aws(cfg: StackConfig, **changes: Any) -> AwsLayer:
-    """The AwsLayer the AWS layer would hand down, made by hand."""
-    provider = k8s.Provider("k8s", kubeconfig="{}")
-    ready = random.RandomId(CLUSTER_READY, byte_length=4)
-    aws = AwsLayer(
-        provider=provider,
-        cluster_name=pulumi.Output.from_input(cfg.cluster.name),
-        kubeconfig=None,
-        system=system_placement(cfg),
-        gpu=gpu_placements(cfg),
-        node_group_names={},
-        model_bucket=pulumi.Output.from_input(cfg.storage.model_bucket),
-        image=pulumi.Output.from_input("registry/image@sha256:" + "0" * 64),
-        model_reader=PodIdentity(cfg.serving.namespace, "model-reader", None),
-        cluster_autoscaler=CA_IDENTITY,
-        load_balancer_controller=LBC_IDENTITY,
-        redis=None,
-        vpc_id=pulumi.Output.from_input("vpc-0123456789abcdef0"),
-        keda_operator=KEDA_IDENTITY,
-        cluster_ready=[ready],
-    )
-    return replace(aws, **changes)
-
-
-def _name(urn: str) -> str:
-    return urn.split("::")[-1]
-
-
-def render_platform(cfg: StackConfig, **aws_changes: Any) -> PlatformRender:
-    """Run build_platform under the project's mocks and record what it declared."""
-    from infra.cluster_services.build import build_platform
-
-    layer: dict[str, Any] = {}
-
-    async def program() -> None:
-        result = build_platform(cfg, fake_aws(cfg, **aws_changes))
-        for name, value in vars(result).items():
-            if isinstance(value, pulumi.Resource):
-                layer[name] = _name(await value.urn.future())
-            elif isinstance(value, pulumi.Output):
-                layer[name] = SECRET if await value.is_secret() else await value.future()
-            else:
-                layer[name] = value
-
-    resources = run_under_mocks("test", {"aws:region": cfg.region}, [], program)
-    return PlatformRender(resources=resources, layer=layer)
-
-
-_CACHE: dict[str, PlatformRender] = {}
-
-
-def stack_render(stack: str) -> PlatformRender:
-    """The platform layer of a committed stack (cached, read-only)."""
-    if stack not in _CACHE:
-        _CACHE[stack] = render_platform(stack_config(stack))
-    return _CACHE[stack]
+from tests.harness import (
+    CA_IDENTITY,
+    CLUSTER_READY,
+    CRD_GROUPS,
+    LBC_IDENTITY,
+    PlatformRender,
+    fake_aws,
+    render_platform,
+    stack_config,
+    stack_render,
+)
 
 
 def _existing(parts_off: list[str]) -> Any:

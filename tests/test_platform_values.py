@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 
 from infra import versions
-from tests.harness import reference_dir
-from tests.test_platform_layer import PlatformRender, render_platform, stack_config, stack_render
+from tests.harness import PlatformRender, reference_dir, render_platform, stack_config, stack_render
 from tests.values_keys import REFERENCE_VALUES, documented_keys, key_paths, load_chart_values, unknown_keys
 
 
