@@ -143,6 +143,9 @@ class Cluster(_Section):
     admin_principal_arns: list[str] = Field(default_factory=list)
     log_types: list[LogType] = Field(default_factory=lambda: list(_DEFAULT_LOG_TYPES))
     kubeconfig_context: str | None = None
+    # How the cluster gets nodes (infra/aws/provisioning.py): EKS managed node
+    # groups scaled by cluster-autoscaler, the one provisioner so far.
+    node_provisioner: Literal["managed_node_groups"] = "managed_node_groups"
 
 
 class Versions(_Section):

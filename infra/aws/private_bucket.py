@@ -83,7 +83,7 @@ class PrivateBucket:
             bucket=self.bucket.id,
             policy=pulumi.Output.json_dumps(self.bucket.arn.apply(policies.bucket_tls_only)),
             # S3 rejects a policy while the public access block is being set.
-            opts=pulumi.ResourceOptions.merge(self._child, pulumi.ResourceOptions(depends_on=[public_access])),
+            opts=pulumi.ResourceOptions(parent=owner, depends_on=[public_access]),
         )
 
     @property

@@ -137,7 +137,7 @@ PROVISIONERS: dict[str, Callable[[StackConfig], NodeProvisioner]] = {
 
 def node_provisioner(cfg: StackConfig) -> NodeProvisioner:
     """The provisioner `cluster.node_provisioner` selects (managed node groups when the setting is absent)."""
-    selected: str = getattr(cfg.cluster, "node_provisioner", MANAGED_NODE_GROUPS)
+    selected: str = cfg.cluster.node_provisioner
     if selected not in PROVISIONERS:
         raise ValueError(f"cluster.node_provisioner: '{selected}' is not one of {sorted(PROVISIONERS)}")
     return PROVISIONERS[selected](cfg)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pulumi
 
-from infra.aws.layer import AwsLayer
+from infra.aws.layer import MANAGED_NODE_GROUPS, AwsLayer
 from infra.cluster_services import autoscaler, gpu_operator, keda, kuberay, load_balancer, storage
 from infra.cluster_services import monitoring as mon
 from infra.cluster_services.chart_release import ChartRelease
@@ -47,10 +47,7 @@ PARTS: tuple[Part, ...] = (
     Part(
         "cluster-autoscaler",
         # Scales managed node groups; other node provisioners scale themselves.
-        lambda ctx: (
-            ctx.cfg.platform.cluster_autoscaler.enabled
-            and getattr(ctx.aws, "node_provisioner", "managed_node_groups") == "managed_node_groups"
-        ),
+        lambda ctx: ctx.cfg.platform.cluster_autoscaler.enabled and ctx.aws.node_provisioner == MANAGED_NODE_GROUPS,
         autoscaler.build,
         after=_FOUNDATION,
     ),
