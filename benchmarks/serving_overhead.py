@@ -6,7 +6,7 @@ Variants (all on the same random-weight tiny Llama, same engine settings):
 
 * ``project``: the project's Ray Serve LLM app exactly as the image runs it
   (``inference_server.app:build_app`` with API-key auth and request limits),
-  started by the end-to-end test's own launcher ``tests/e2e/serve_main.py``.
+  started by the end-to-end test's own launcher ``localserve/serve_main.py``.
 * ``bare``: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``)
   with the engine arguments the project's catalogue produces.
 * ``stock``: stock Ray Serve LLM (``build_openai_app``, no guard, no server
@@ -63,19 +63,17 @@ if str(REPO) not in sys.path:
 # settings and catalogue the server test uses, so the benchmark measures the
 # server the tests prove.
 from benchmarks.stats import median, percentile  # noqa: E402
-from tests.e2e.conftest import (  # noqa: E402
+from localserve.processes import Child, child_env, free_port, session_members  # noqa: E402
+from localserve.server import (  # noqa: E402
     KV_CACHE_BYTES,
     LIMIT_MAX_TOKENS,
     MAX_MODEL_LEN,
     MODEL_ID,
-    Child,
-    _child_env,
-    _free_port,
-    _session_members,
+    SERVE_MAIN,
+    TINY_MODEL,
     catalog_for,
 )
 
-E2E = REPO / "tests" / "e2e"
 RESULTS = Path(__file__).resolve().parent / "results"
 # Progress lines reach a log file as they happen.
 LOG = partial(print, flush=True)
@@ -141,7 +139,7 @@ class Server:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def pids(self) -> set[int]:
-        return set(_session_members(self.child.proc.pid)) | set(self.extra_pids)
+        return set(session_members(self.child.proc.pid)) | set(self.extra_pids)
 
 
 def build_model(work: Path) -> Path:
@@ -149,9 +147,9 @@ def build_model(work: Path) -> Path:
 
     model_dir = work / "model"
     subprocess.run(
-        [sys.executable, str(E2E / "tiny_model.py"), str(model_dir)],
+        [sys.executable, str(TINY_MODEL), str(model_dir)],
         check=True,
-        env=_child_env(),
+        env=child_env(),
         timeout=300,
         capture_output=True,
     )
@@ -192,11 +190,11 @@ def start_project(work: Path, model_dir: Path, variant: str) -> Server:
     keys_file.write_text(f"{api_key}\n")
     catalog_path = sub / "catalog.json"
     catalog_path.write_text(json.dumps(catalog_for(model_dir, keys_file)))
-    http_port, metrics_port = _free_port(), _free_port()
+    http_port, metrics_port = free_port(), free_port()
     # Short path: Ray's unix sockets live under it and must stay below 108 bytes.
     ray_dir = Path(tempfile.mkdtemp(prefix="bray_", dir="/tmp"))
     extra = VARIANT_ENV.get(variant, {})
-    launcher = Path(__file__).resolve().parent / "stock_serve.py" if variant == "stock" else E2E / "serve_main.py"
+    launcher = Path(__file__).resolve().parent / "stock_serve.py" if variant == "stock" else SERVE_MAIN
     started = time.monotonic()
     child = Child.start(
         variant,
@@ -212,7 +210,7 @@ def start_project(work: Path, model_dir: Path, variant: str) -> Server:
             "--ray-temp-dir",
             str(ray_dir),
         ],
-        _child_env(extra),
+        child_env(extra),
         sub / "server.log",
         marker=str(ray_dir),
     )
@@ -266,9 +264,9 @@ def bare_argv(model_dir: Path, port: int) -> list[str]:
 def start_bare(work: Path, model_dir: Path) -> Server:
     sub = work / "bare"
     sub.mkdir()
-    port = _free_port()
+    port = free_port()
     started = time.monotonic()
-    child = Child.start("bare", bare_argv(model_dir, port), _child_env(), sub / "server.log")
+    child = Child.start("bare", bare_argv(model_dir, port), child_env(), sub / "server.log")
     server = Server("bare", f"http://127.0.0.1:{port}/v1", None, child, 0.0)
     try:
         _wait_ready(server, None)

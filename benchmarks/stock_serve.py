@@ -1,4 +1,4 @@
-"""The e2e launcher (``tests/e2e/serve_main.py``) serving *stock* Ray Serve LLM: no guard, no server subclass.
+"""The e2e launcher (``localserve/serve_main.py``) serving *stock* Ray Serve LLM: no guard, no server subclass.
 
 Same catalogue, same engine arguments (``inference_server.engine.llm_config_kwargs``),
 same Ray and Serve start-up; only ``build_app`` is swapped for Ray Serve LLM's
@@ -30,7 +30,7 @@ def build_stock_app(args: dict[str, Any]) -> Any:
 if __name__ == "__main__":
     import inference_server.app
 
-    from tests.e2e import serve_main
+    from localserve import serve_main
 
     # serve_main imports build_app from this module when it runs.
     inference_server.app.build_app = build_stock_app

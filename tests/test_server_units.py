@@ -16,7 +16,7 @@ from inference_server.engine import S3_LOAD_FORMAT, llm_config_kwargs
 from inference_server.guard import ApiGuard, ApiKeys, bearer_token, prompt_token_bound
 from pydantic import ValidationError
 
-WORKLOADS = Path(__file__).resolve().parents[2] / "workloads"
+WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
 
 
 def entry(**overrides: Any) -> dict[str, Any]:

@@ -1,0 +1,132 @@
+"""Child processes for the local server: each in its own session, ended by process id.
+
+Used by the end-to-end tests, the benchmarks and the local run. Never
+`ray stop`: it ends every Ray process on the machine, other runs' included.
+Teardown ends a child's whole session (Ray's raylet, workers and agents,
+vLLM's engine processes) and any process that names its own Ray temp dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKLOADS = REPO / "workloads"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def session_members(sid: int) -> list[int]:
+    """Process ids whose session id is ``sid`` (Linux /proc)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name: state ppid pgrp session ...
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 3 and int(fields[3]) == sid:
+            members.append(int(entry))
+    return members
+
+
+def marked_processes(marker: str) -> list[int]:
+    """Process ids whose command line names ``marker`` (our unique Ray temp dir)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                cmdline = handle.read().decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append(int(entry))
+    return found
+
+
+@dataclass
+class Child:
+    """A subprocess in its own session, with its output in a log file."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    marker: str | None = None
+
+    @classmethod
+    def start(cls, name: str, argv: list[str], env: dict[str, str], log_path: Path, marker: str | None = None) -> Child:
+        log = open(log_path, "wb")  # noqa: SIM115 - closed when the child is stopped
+        proc = subprocess.Popen(
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        log.close()
+        return cls(name, proc, log_path, marker)
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the leader, give it ``grace_s``, then SIGKILL whatever is left of its session."""
+        sid = self.proc.pid
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=grace_s)
+        deadline = time.monotonic() + 10
+        while True:
+            left = set(session_members(sid))
+            if self.marker:
+                left |= set(marked_processes(self.marker))
+            left.discard(os.getpid())
+            if not left or time.monotonic() > deadline:
+                break
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.5)
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(WORKLOADS), env.get("PYTHONPATH", "")) if p)
+    env.update(
+        {
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+            # vLLM's engine processes talk over this address: keep it on loopback.
+            "VLLM_HOST_IP": "127.0.0.1",
+        }
+    )
+    env.update(extra or {})
+    return env
