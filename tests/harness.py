@@ -207,14 +207,8 @@ class PlatformRender:
         return values
 
     def waits_for(self, resource: dict[str, Any]) -> set[str]:
-        """What a resource waits for: its own dependencies and its ancestors' (children register after parents)."""
-        by_name = {r["name"]: r for r in self.resources}
-        found: set[str] = set()
-        node: dict[str, Any] | None = resource
-        while node is not None:
-            found |= set(node["depends_on"])
-            node = by_name.get(node["parent"]) if node["parent"] else None
-        return found
+        """What a resource waits for: its own dependencies and its ancestors'."""
+        return waits_for(self.resources, resource)
 
     def of_type(self, token: str) -> list[dict[str, Any]]:
         """Resources of one type."""
