@@ -14,7 +14,9 @@ import httpx
 import openai
 import pytest
 
-from .conftest import GREEDY_MAX_TOKENS, GREEDY_PROMPT, LIMIT_MAX_PROMPT_TOKENS, LIMIT_MAX_TOKENS, ServerInfo
+from localserve.server import LIMIT_MAX_PROMPT_TOKENS, LIMIT_MAX_TOKENS
+
+from .conftest import GREEDY_MAX_TOKENS, GREEDY_PROMPT, ServerInfo
 
 pytestmark = pytest.mark.e2e
 
