@@ -8,18 +8,22 @@ the key path and the rule it breaks.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from functools import cache
 from ipaddress import IPv4Network
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 import pulumi
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from infra import versions
 from infra.instance_types import GPU_INSTANCE_TYPES, GpuInstanceType
@@ -56,6 +60,78 @@ def _dns_label(value: str) -> str:
 
 K8sName = Annotated[str, Field(min_length=1)]
 Duration = Annotated[str, Field(pattern=_DURATION.pattern)]
+
+# A Kubernetes resource quantity: a signed decimal number and a suffix,
+# binary (Ki..Ei), decimal (n, u, m, "", k..E) or an exponent (e3, E-2).
+_QUANTITY = re.compile(
+    r"^(?P<number>[+-]?(\d+(\.\d*)?|\.\d+))(?P<suffix>[eE][+-]?\d+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$"
+)
+_BINARY_SUFFIX = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL_SUFFIX = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+_MEBIBYTE = 2**20
+
+
+def quantity_value(text: str) -> Decimal | None:
+    """A Kubernetes quantity's value (cores, bytes), or None when it is not one."""
+    match = _QUANTITY.match(text)
+    if match is None:
+        return None
+    number, suffix = Decimal(match["number"]), match["suffix"] or ""
+    if suffix in _BINARY_SUFFIX:
+        return number * Decimal(1024) ** _BINARY_SUFFIX[suffix]
+    exponent = _DECIMAL_SUFFIX[suffix] if suffix in _DECIMAL_SUFFIX else int(suffix[1:])
+    try:
+        return number.scaleb(exponent)
+    except InvalidOperation:
+        return None
+
+
+def _quantity_text(value: Any) -> Any:
+    # YAML reads `head_cpu: 2` as a number; Kubernetes takes both.
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def _positive_quantity(value: str) -> Decimal:
+    amount = quantity_value(value)
+    if amount is None or amount <= 0:
+        raise ValueError(f"'{value}' is not a positive Kubernetes quantity (such as 2, 500m, 8Gi or 512Mi)")
+    return amount
+
+
+def _cpu_quantity(value: str) -> str:
+    _positive_quantity(value)
+    return value
+
+
+def _memory_quantity(value: str) -> str:
+    if _positive_quantity(value) < _MEBIBYTE:
+        raise ValueError(f"'{value}' is less than 1Mi of memory: 'm' is milli (a thousandth of a byte), 'Mi' is mebi")
+    return value
+
+
+CpuQuantity = Annotated[str, BeforeValidator(_quantity_text), AfterValidator(_cpu_quantity)]
+MemoryQuantity = Annotated[str, BeforeValidator(_quantity_text), AfterValidator(_memory_quantity)]
+
+# ElastiCache node families that run the Ray GCS Redis as infra/aws/redis.py
+# creates it (Redis 7.1, Multi-AZ automatic failover, TLS in transit,
+# encryption at rest): the current generation, without the data-tiering
+# family (r6gd), which the replication group does not enable.
+ELASTICACHE_FAMILIES = ("t3", "t4g", "m5", "m6g", "m7g", "r5", "r6g", "r7g", "c7gn")
+_CACHE_NODE_TYPE = re.compile(r"^cache\.(?P<family>[a-z0-9]+)\.(?P<size>[a-z0-9]+)$")
+_BURSTABLE_SIZES = ("micro", "small", "medium")
+_CACHE_SIZE = re.compile(r"^(large|\d*xlarge)$")
+
+
+def _cache_node_type(value: str) -> str:
+    match = _CACHE_NODE_TYPE.match(value)
+    family, size = (match["family"], match["size"]) if match else ("", "")
+    burstable = family.startswith("t")
+    if family in ELASTICACHE_FAMILIES and (size in _BURSTABLE_SIZES if burstable else _CACHE_SIZE.match(size)):
+        return value
+    raise ValueError(
+        f"'{value}' is not an ElastiCache node type this Redis runs on: cache.<family>.<size> with a family of "
+        f"{', '.join(ELASTICACHE_FAMILIES)} (micro, small or medium for t*, large or <n>xlarge otherwise)"
+    )
 
 
 class _Section(BaseModel):
@@ -117,6 +193,16 @@ class NodeGroups(_Section):
     def gpu_group(self, name: str) -> GpuNodeGroupSettings:
         """The GPU group called `name` (the rules ensure it exists)."""
         return next(g for g in self.gpu if g.name == name)
+
+
+# How the network layer (infra/aws/network.py) cuts the VPC: one private
+# subnet for nodes and one public subnet for internet-facing load balancers
+# in each zone. Node subnets get most of the space: the VPC CNI gives every
+# pod a VPC address, so a zone of GPU nodes with warm IP pools uses thousands.
+PRIVATE_CIDR_MASK = 19
+PUBLIC_CIDR_MASK = 24
+# The VPC sizes AWS allows.
+VPC_PREFIX_RANGE = (16, 28)
 
 
 class Network(_Section):
@@ -210,7 +296,7 @@ class GcsFaultTolerance(_Section):
     """External Redis for the Ray GCS, so a head restart keeps serving."""
 
     enabled: bool = False
-    node_type: str = "cache.t4g.small"
+    node_type: Annotated[str, AfterValidator(_cache_node_type)] = "cache.t4g.small"
 
 
 class Ray(_Section):
@@ -224,8 +310,8 @@ class Ray(_Section):
     # incremental upgrade needs a Gateway API implementation the platform
     # does not install, so it is not offered.
     upgrade_strategy: Literal["NewCluster", "None"] = "NewCluster"
-    head_cpu: str = "2"
-    head_memory: str = "8Gi"
+    head_cpu: CpuQuantity = "2"
+    head_memory: MemoryQuantity = "8Gi"
 
 
 class Serving(_Section):
@@ -328,6 +414,12 @@ class Endpoint(_Section):
         return f"{service}.{self.domain}" if self.domain else None
 
 
+# A batch request must end this long before its message's visibility
+# timeout, so the answer is stored and the message deleted while the worker
+# still holds it.
+BATCH_VISIBILITY_MARGIN_SECONDS = 30
+
+
 class Batch(_Section):
     """Queue-fed batch inference: SQS requests, KEDA-scaled workers, results in S3."""
 
@@ -344,6 +436,10 @@ class Batch(_Section):
     visibility_timeout_seconds: int = Field(default=900, ge=60, le=43200)
     # Receives before a message moves to the dead-letter queue.
     max_receive_count: int = Field(default=5, ge=1, le=1000)
+
+    def request_timeout_seconds(self) -> int:
+        """One request's budget in a worker: inside the visibility timeout, leaving time to store the answer."""
+        return self.visibility_timeout_seconds - BATCH_VISIBILITY_MARGIN_SECONDS
 
 
 class Image(_Section):
@@ -451,6 +547,82 @@ def _check_gpu_group(i: int, group: GpuNodeGroupSettings) -> Iterable[Problem]:
             "all instance types of a group must have the same GPU model and GPU count "
             "(the autoscaler's node template and the pods' GPU limits assume one shape)",
         )
+        return
+    yield from _check_instance_order(f"{path}.instance_types", group)
+
+
+def _size(gpu: GpuInstanceType) -> str:
+    return f"{gpu.name} ({gpu.vcpus} vCPUs, {gpu.memory_gib} GiB)"
+
+
+def _check_instance_order(path: str, group: GpuNodeGroupSettings) -> Iterable[Problem]:
+    """Smallest first: the first type is the node template, and the pods are sized from it."""
+    types = [GPU_INSTANCE_TYPES[t] for t in group.instance_types]
+    ordered = sorted(types, key=lambda t: (t.vcpus, t.memory_gib))
+    if types == ordered:
+        return
+    listing = f"list the instance types of group '{group.name}' smallest first ({', '.join(t.name for t in ordered)})"
+    if types[0] != ordered[0]:
+        yield Problem(
+            path,
+            f"{listing}: cluster-autoscaler and EKS take the first, {_size(types[0])}, as the node template "
+            f"and the pods are sized from it, so they would never fit a {_size(ordered[0])}",
+        )
+    else:
+        yield Problem(path, f"{listing}: the order is read as the sizes a group grows through")
+
+
+def _check_parallelism(path: str, model: Model, gpu: GpuInstanceType) -> Iterable[Problem]:
+    """TP within a node and dividing it; pipeline stages that fill whole nodes.
+
+    vLLM shards the attention heads over the TP ranks, so TP must divide the
+    model's head counts. The config has no model geometry, but the heads of
+    the models served here come in powers of two, as do the GPUs of a node
+    (1, 4 or 8): a TP that divides the node's GPUs divides the heads, and a
+    TP group that does not divide a node would strand its other GPUs.
+    """
+    tp, pp = model.tensor_parallel_size, model.pipeline_parallel_size
+    if tp > gpu.gpus:
+        yield Problem(
+            f"{path}.tensor_parallel_size",
+            f"{tp} GPUs do not fit {gpu.name} ({gpu.gpus} GPU{'s' if gpu.gpus > 1 else ''})",
+        )
+    elif gpu.gpus % tp:
+        divisors = [str(d) for d in range(1, gpu.gpus + 1) if gpu.gpus % d == 0]
+        yield Problem(
+            f"{path}.tensor_parallel_size",
+            f"{tp} does not divide the {gpu.gpus} GPUs of {gpu.name}: use {', '.join(divisors[:-1])} or "
+            f"{divisors[-1]} (vLLM splits the attention heads over the TP ranks, and the models' head counts "
+            "are powers of two; a TP group that does not divide a node also strands its other GPUs)",
+        )
+    elif tp * pp > gpu.gpus and tp != gpu.gpus:
+        yield Problem(
+            f"{path}.pipeline_parallel_size",
+            f"{pp} stages of {tp} GPUs span nodes of {gpu.name} ({gpu.gpus} GPUs) but do not fill them: "
+            f"each pipeline stage must use a whole node (tensor_parallel_size {gpu.gpus})",
+        )
+
+
+def _check_model_capacity(path: str, model: Model, group: GpuNodeGroupSettings) -> Iterable[Problem]:
+    """The weights fit the replica's GPUs with room for a KV cache; the minimum replicas fit the group."""
+    gpu = group.instance()
+    gpus = model.num_devices
+    budget = gpus * gpu.gpu_memory_gib * model.gpu_memory_utilization
+    weights = model.weights_gib()
+    if weights > budget * (1 - KV_CACHE_MIN_SHARE):
+        yield Problem(
+            path,
+            f"weights of {weights:.1f} GiB do not fit {gpus} x {gpu.gpu_model} "
+            f"{gpu.gpu_memory_gib} GiB x gpu_memory_utilization {model.gpu_memory_utilization} "
+            f"= {budget:.1f} GiB with {KV_CACHE_MIN_SHARE:.0%} left for the KV cache",
+        )
+    need = model.autoscaling.min_replicas * _nodes_per_replica(model, gpu)
+    if need > group.max_size:
+        yield Problem(
+            f"{path}.autoscaling.min_replicas",
+            f"{model.autoscaling.min_replicas} replicas need {need} {gpu.name} nodes "
+            f"but node group '{group.name}' has max_size {group.max_size}",
+        )
 
 
 def _check_model_fits_group(path: str, model: Model, group: GpuNodeGroupSettings) -> Iterable[Problem]:
@@ -462,36 +634,15 @@ def _check_model_fits_group(path: str, model: Model, group: GpuNodeGroupSettings
             f"'{model.accelerator_type}' disagrees with GPU group '{group.name}' ({gpu.ray_accelerator_type}): "
             "leave it out, it is derived from the group",
         )
-    tp, pp = model.tensor_parallel_size, model.pipeline_parallel_size
-    if tp > gpu.gpus:
-        yield Problem(
-            f"{path}.tensor_parallel_size",
-            f"{tp} GPUs do not fit {gpu.name} ({gpu.gpus} GPU{'s' if gpu.gpus > 1 else ''})",
-        )
-    elif tp * pp > gpu.gpus and tp != gpu.gpus:
-        yield Problem(
-            f"{path}.pipeline_parallel_size",
-            f"{pp} stages of {tp} GPUs span nodes of {gpu.name} ({gpu.gpus} GPUs) but do not fill them: "
-            f"each pipeline stage must use a whole node (tensor_parallel_size {gpu.gpus})",
-        )
-    else:
-        gpus = tp * pp
-        budget = gpus * gpu.gpu_memory_gib * model.gpu_memory_utilization
-        weights = model.weights_gib()
-        if weights > budget * (1 - KV_CACHE_MIN_SHARE):
-            yield Problem(
-                path,
-                f"weights of {weights:.1f} GiB do not fit {gpus} x {gpu.gpu_model} "
-                f"{gpu.gpu_memory_gib} GiB x gpu_memory_utilization {model.gpu_memory_utilization} "
-                f"= {budget:.1f} GiB with {KV_CACHE_MIN_SHARE:.0%} left for the KV cache",
-            )
-        need = model.autoscaling.min_replicas * _nodes_per_replica(model, gpu)
-        if need > group.max_size:
-            yield Problem(
-                f"{path}.autoscaling.min_replicas",
-                f"{model.autoscaling.min_replicas} replicas need {need} {gpu.name} nodes "
-                f"but node group '{group.name}' has max_size {group.max_size}",
-            )
+    parallelism = list(_check_parallelism(path, model, gpu))
+    yield from parallelism
+    if not parallelism:
+        yield from _check_model_capacity(path, model, group)
+
+
+def _usable_group(group: GpuNodeGroupSettings | None) -> bool:
+    """The group exists and every instance type is in the catalogue (else another rule reports it)."""
+    return group is not None and all(t in GPU_INSTANCE_TYPES for t in group.instance_types)
 
 
 def _check_model(i: int, model: Model, cfg: StackConfig, groups: dict[str, GpuNodeGroupSettings]) -> Iterable[Problem]:
@@ -502,7 +653,7 @@ def _check_model(i: int, model: Model, cfg: StackConfig, groups: dict[str, GpuNo
             f"{path}.gpu_group",
             f"'{model.gpu_group}' is not a GPU node group (have: {', '.join(groups) or 'none'})",
         )
-    elif all(t in GPU_INSTANCE_TYPES for t in group.instance_types):
+    elif _usable_group(group):
         yield from _check_model_fits_group(path, model, group)
     if model.weights_kind == "s3" and not model.source.startswith(f"s3://{cfg.storage.model_bucket}/"):
         yield Problem(
@@ -516,11 +667,39 @@ def _check_model(i: int, model: Model, cfg: StackConfig, groups: dict[str, GpuNo
             "a hub download at start is not allowed "
             + ("in prod" if cfg.is_prod else "(set serving.allow_hub_download, or copy the weights to S3)"),
         )
-    if cfg.is_prod and model.autoscaling.min_replicas < 1:
+    if cfg.is_prod and model.autoscaling.min_replicas < PROD_MIN_MODEL_REPLICAS:
         yield Problem(
             f"{path}.autoscaling.min_replicas",
-            "prod models keep at least one replica (scale to zero means minutes-long cold starts)",
+            f"prod models keep at least {PROD_MIN_MODEL_REPLICAS} replicas, so one serves while a node drains "
+            f"('{model.name}' has {model.autoscaling.min_replicas})",
         )
+    yield from _check_engine_overrides(path, model)
+
+
+# Prod keeps every model serving through a node drain (an upgrade, a
+# consolidation, a spot reclaim): two replicas, never on one node.
+PROD_MIN_MODEL_REPLICAS = 2
+_ENGINE_ARGS_FILE = Path(__file__).with_name("vllm_engine_args.json")
+
+
+@cache
+def vllm_engine_args() -> tuple[str, frozenset[str]]:
+    """The pinned vLLM's version and the engine argument names Ray Serve LLM passes it (infra/vllm_engine_args.json)."""
+    data = json.loads(_ENGINE_ARGS_FILE.read_text())
+    return str(data["vllm_version"]), frozenset(data["engine_args"]) | frozenset(data["frontend_args"])
+
+
+def _check_engine_overrides(path: str, model: Model) -> Iterable[Problem]:
+    version, known = vllm_engine_args()
+    for key in model.engine_overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            yield Problem(
+                f"{path}.engine_overrides.{key}",
+                f"not an engine argument of vLLM {version}{hint}: Ray Serve LLM would refuse it "
+                "when the replica starts",
+            )
 
 
 def _check_names(cfg: StackConfig) -> Iterable[Problem]:
@@ -631,25 +810,125 @@ def _check_network(cfg: StackConfig) -> Iterable[Problem]:
         yield Problem("network.zones", "zones must be distinct")
     if cfg.cluster.mode == "eks" and len(cfg.network.zones) < 2:
         yield Problem("network.zones", "EKS needs subnets in at least two zones")
+    if cfg.cluster.mode == "eks":
+        yield from _check_vpc_size(cfg.network)
     if cfg.cluster.kubernetes_version != versions.KUBERNETES_VERSION and not re.match(
         r"^1\.\d+$", cfg.cluster.kubernetes_version
     ):
         yield Problem("cluster.kubernetes_version", "must be a Kubernetes minor such as 1.35")
 
 
+def _check_vpc_size(network: Network) -> Iterable[Problem]:
+    """The VPC holds every zone's subnets as the network layer lays them out.
+
+    awsx gives each zone an equal, aligned block (the VPC split into the next
+    power of two of zones) and packs the zone's subnets into it.
+    """
+    cidr, zones = network.vpc_cidr, len(network.zones)
+    low, high = VPC_PREFIX_RANGE
+    if not low <= cidr.prefixlen <= high:
+        yield Problem("network.vpc_cidr", f"AWS allows a VPC from /{low} to /{high} (got {cidr})")
+        return
+    zone_bits = (zones - 1).bit_length()
+    zone_prefix = cidr.prefixlen + zone_bits
+    need = 2 ** (32 - PRIVATE_CIDR_MASK) + 2 ** (32 - PUBLIC_CIDR_MASK)
+    if 2 ** (32 - zone_prefix) < need:
+        largest = 32 - (need - 1).bit_length() - zone_bits
+        yield Problem(
+            "network.vpc_cidr",
+            f"{cidr} is too small for {zones} zones: each zone gets a /{zone_prefix} ({2 ** (32 - zone_prefix)} "
+            f"addresses) but needs a /{PRIVATE_CIDR_MASK} private and a /{PUBLIC_CIDR_MASK} public subnet "
+            f"({need} addresses); use a /{largest} or larger",
+        )
+
+
+_MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
+_WEEKDAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
+# KEDA's cron scaler: minute hour day-of-month month day-of-week, the ranges
+# its parser accepts (Sunday is 0 only), names for months and weekdays.
+_CRON_FIELDS: tuple[tuple[str, int, int, dict[str, int]], ...] = (
+    ("minute", 0, 59, {}),
+    ("hour", 0, 23, {}),
+    ("day of month", 1, 31, {}),
+    ("month", 1, 12, {name: i + 1 for i, name in enumerate(_MONTHS)}),
+    ("day of week", 0, 6, {name: i for i, name in enumerate(_WEEKDAYS)}),
+)
+
+
+def _cron_value(token: str, low: int, high: int, names: dict[str, int]) -> str | int:
+    """The number a cron token stands for, or why it is not one."""
+    value = names.get(token.lower()) if names and token.isalpha() else (int(token) if token.isdigit() else None)
+    if value is None:
+        return f"'{token}' is not a number{' or a name' if names else ''}"
+    if not low <= value <= high:
+        return f"{value} is outside {low}-{high}"
+    return value
+
+
+def _cron_part_problem(part: str, low: int, high: int, names: dict[str, int]) -> str | None:
+    """Why one comma-separated part of a cron field is wrong (`*`, `a`, `a-b`, each with an optional `/step`)."""
+    body, slash, step = part.partition("/")
+    if slash and not (step.isdigit() and int(step) > 0):
+        return f"step '{step}' is not a positive number"
+    if body in ("*", "?"):
+        return None
+    ends = [_cron_value(token, low, high, names) for token in body.split("-", 1)]
+    for end in ends:
+        if isinstance(end, str):
+            return end
+    if len(ends) == 2 and int(ends[0]) > int(ends[1]):
+        return f"range {body} runs backwards"
+    return None
+
+
+def cron_problem(expression: str) -> str | None:
+    """Why a 5-field cron expression is wrong, or None."""
+    fields = expression.split()
+    if len(fields) != len(_CRON_FIELDS):
+        return f"'{expression}' is not a 5-field cron expression (minute hour day-of-month month day-of-week)"
+    for text, (name, low, high, names) in zip(fields, _CRON_FIELDS, strict=True):
+        for part in text.split(","):
+            problem = _cron_part_problem(part, low, high, names)
+            if problem:
+                return f"'{expression}': {name} {problem}"
+    return None
+
+
+def timezone_problem(name: str) -> str | None:
+    """Why a time zone name is not an IANA zone, or None (zoneinfo, with the tzdata package as fallback)."""
+    try:
+        ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        close = difflib.get_close_matches(name, available_timezones(), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        return f"'{name}' is not an IANA time zone{hint}"
+    return None
+
+
 def _check_prescale(cfg: StackConfig, groups: dict[str, GpuNodeGroupSettings]) -> Iterable[Problem]:
     for i, window in enumerate(cfg.autoscaling.prescale):
+        path = f"autoscaling.prescale[{i}]"
         group = groups.get(window.gpu_group)
         if group is None:
-            yield Problem(f"autoscaling.prescale[{i}].gpu_group", f"'{window.gpu_group}' is not a GPU node group")
+            yield Problem(f"{path}.gpu_group", f"'{window.gpu_group}' is not a GPU node group")
         elif window.nodes > group.max_size:
             yield Problem(
-                f"autoscaling.prescale[{i}].nodes",
+                f"{path}.nodes",
                 f"{window.nodes} nodes exceed node group '{group.name}' max_size {group.max_size}",
             )
-        for key in ("start", "end"):
-            if len(getattr(window, key).split()) != 5:
-                yield Problem(f"autoscaling.prescale[{i}].{key}", "must be a 5-field cron expression")
+        for key, expression in (("start", window.start), ("end", window.end)):
+            problem = cron_problem(expression)
+            if problem:
+                yield Problem(f"{path}.{key}", problem)
+        zone_problem = timezone_problem(window.timezone)
+        if zone_problem:
+            yield Problem(f"{path}.timezone", zone_problem)
+
+
+def longest_generation_seconds(cfg: StackConfig) -> float:
+    """The longest request the limits allow, at the SLO: first token, then max_tokens tokens at the p95 pace."""
+    slo = cfg.observability.slo
+    return slo.ttft_p95_seconds + cfg.serving.limits.max_tokens * slo.inter_token_p95_seconds
 
 
 def _check_batch(cfg: StackConfig) -> Iterable[Problem]:
@@ -663,6 +942,142 @@ def _check_batch(cfg: StackConfig) -> Iterable[Problem]:
         yield Problem("batch.model", f"'{batch.model}' is not a configured model_id (have: {', '.join(model_ids)})")
     if batch.min_workers > batch.max_workers:
         yield Problem("batch.min_workers", f"{batch.min_workers} exceeds max_workers {batch.max_workers}")
+    longest = math.ceil(longest_generation_seconds(cfg))
+    if batch.request_timeout_seconds() < longest:
+        slo = cfg.observability.slo
+        yield Problem(
+            "batch.visibility_timeout_seconds",
+            f"{batch.visibility_timeout_seconds} s leaves a worker a request timeout of "
+            f"{batch.request_timeout_seconds()} s ({BATCH_VISIBILITY_MARGIN_SECONDS} s go to storing the answer), "
+            f"below the longest generation the limits allow: {slo.ttft_p95_seconds} s to the first token + "
+            f"{cfg.serving.limits.max_tokens} tokens x {slo.inter_token_p95_seconds} s (the SLO p95s) = {longest} s; "
+            "such requests would time out on every receive and end in the dead-letter queue: "
+            f"set at least {longest + BATCH_VISIBILITY_MARGIN_SECONDS}",
+        )
+
+
+def _check_limits(cfg: StackConfig) -> Iterable[Problem]:
+    limit = cfg.serving.limits.max_prompt_tokens
+    short = [f"'{m.name}' ({m.max_model_len})" for m in cfg.models if limit >= m.max_model_len]
+    if short:
+        yield Problem(
+            "serving.limits.max_prompt_tokens",
+            f"{limit} is not below the max_model_len of {', '.join(short)}: a prompt the server accepts "
+            "would leave the model no room to answer",
+        )
+
+
+# The partition of a region (the `aws` partition for every other region).
+_PARTITIONS = (
+    ("cn-", "aws-cn"),
+    ("us-gov-", "aws-us-gov"),
+    ("us-isob-", "aws-iso-b"),
+    ("us-isof-", "aws-iso-f"),
+    ("us-iso-", "aws-iso"),
+    ("eu-isoe-", "aws-iso-e"),
+    ("eusc-", "aws-eusc"),
+)
+_ARN = re.compile(
+    r"^arn:(?P<partition>aws(-[a-z]+)*):(?P<service>[a-z0-9-]+):(?P<region>[a-z0-9-]*):(?P<account>\d{12})?:"
+    r"(?P<resource>.+)$"
+)
+# A resource id as AWS writes them (a UUID, `mrk-...` for multi-Region keys).
+_RESOURCE_ID = r"[A-Za-z0-9][A-Za-z0-9-]*"
+
+
+@dataclass(frozen=True)
+class ArnRule:
+    """What an ARN field must name: the service, the resource form, and whether it lives in the stack's region."""
+
+    service: str
+    resource: str
+    example: str
+    regional: bool
+
+
+# Every `*_arn` / `*_arns` field of the config and what it must name.
+ARN_RULES: dict[str, ArnRule] = {
+    # An IAM user or role: what an EKS access entry takes (not an STS assumed-role session).
+    "cluster.admin_principal_arns": ArnRule("iam", r"(user|role)/[\w+=,.@/-]+", "role/<name>", regional=False),
+    # A key, not an alias: the EBS CSI driver's IAM grants name it as a policy resource.
+    "storage.storage_class.kms_key_arn": ArnRule("kms", rf"key/{_RESOURCE_ID}", "key/<id>", regional=True),
+    # The NLB's TLS listener takes an ACM certificate of its own region.
+    "endpoint.certificate_arn": ArnRule("acm", rf"certificate/{_RESOURCE_ID}", "certificate/<id>", regional=True),
+}
+
+
+def region_partition(region: str) -> str:
+    """The AWS partition a region belongs to."""
+    return next((partition for prefix, partition in _PARTITIONS if region.startswith(prefix)), "aws")
+
+
+def _arn_problem(arn: str, rule: ArnRule, region: str) -> str | None:
+    match = _ARN.match(arn)
+    form = f"arn:{region_partition(region)}:{rule.service}:{region if rule.regional else ''}:<account>:{rule.example}"
+    if match is None:
+        return f"'{arn}' is not an ARN ({form})"
+    if match["partition"] != region_partition(region):
+        return f"'{arn}' is in partition {match['partition']}, region {region} in {region_partition(region)}"
+    if match["service"] != rule.service or not re.fullmatch(rule.resource, match["resource"]):
+        return f"'{arn}' is not {form}"
+    if not match["account"]:
+        return f"'{arn}' names no account ({form})"
+    if (match["region"] or None) != (region if rule.regional else None):
+        where = f"the stack's region {region}" if rule.regional else "no region (the service is global)"
+        return f"'{arn}' must name {where}"
+    return None
+
+
+def _values_at(cfg: StackConfig, path: str) -> list[tuple[str, str]]:
+    node: Any = cfg
+    for part in path.split("."):
+        node = getattr(node, part)
+    if isinstance(node, list):
+        return [(f"{path}[{i}]", str(v)) for i, v in enumerate(node)]
+    return [] if node is None else [(path, str(node))]
+
+
+def _check_arns(cfg: StackConfig) -> Iterable[Problem]:
+    for field, rule in ARN_RULES.items():
+        for path, arn in _values_at(cfg, field):
+            problem = _arn_problem(arn, rule, cfg.region)
+            if problem:
+                yield Problem(path, problem)
+
+
+def _fits_once(model: Model, gpu: GpuInstanceType, group: GpuNodeGroupSettings) -> bool:
+    """The model's parallelism is valid for the group and its minimum replicas fit the group once."""
+    if list(_check_parallelism("", model, gpu)):
+        return False
+    return model.autoscaling.min_replicas * _nodes_per_replica(model, gpu) <= group.max_size
+
+
+def _check_upgrade_headroom(cfg: StackConfig, groups: dict[str, GpuNodeGroupSettings]) -> Iterable[Problem]:
+    """A NewCluster upgrade runs the old and the new cluster side by side: each group holds both at min_replicas.
+
+    A change that reaches every RayService (a new image) upgrades them all at
+    once, so every model of a group counts. A group whose models do not fit
+    even once is reported by the model rules instead.
+    """
+    if cfg.ray.upgrade_strategy != "NewCluster":
+        return
+    for i, group in enumerate(cfg.node_groups.gpu):
+        models = [m for m in cfg.models if m.gpu_group == group.name]
+        if groups.get(group.name) is not group or not _usable_group(group) or not models:
+            continue
+        gpu = group.instance()
+        if not all(_fits_once(m, gpu, group) for m in models):
+            continue
+        gpus = sum(m.autoscaling.min_replicas * m.num_devices for m in models)
+        nodes = math.ceil(2 * gpus / gpu.gpus)
+        if nodes > group.max_size:
+            each = ", ".join(f"'{m.name}' {m.autoscaling.min_replicas} x {m.num_devices}" for m in models)
+            yield Problem(
+                f"node_groups.gpu[{i}].max_size",
+                f"{group.max_size} leaves group '{group.name}' no room for a NewCluster upgrade: the old and the "
+                f"new cluster each need {gpus} GPUs at min_replicas ({each}), 2 x {gpus} = {2 * gpus} GPUs "
+                f"= {nodes} {gpu.name} nodes",
+            )
 
 
 def check_rules(cfg: StackConfig) -> list[Problem]:
@@ -675,11 +1090,14 @@ def check_rules(cfg: StackConfig) -> list[Problem]:
         gpu_groups.setdefault(group.name, group)
     for i, model in enumerate(cfg.models):
         problems += _check_model(i, model, cfg, gpu_groups)
+    problems += _check_upgrade_headroom(cfg, gpu_groups)
     problems += _check_names(cfg)
     problems += _check_access(cfg)
+    problems += _check_arns(cfg)
     problems += _check_cluster_mode(cfg)
     problems += _check_network(cfg)
     problems += _check_prescale(cfg, gpu_groups)
+    problems += _check_limits(cfg)
     problems += _check_batch(cfg)
     problems += _check_ingress(cfg)
     return problems
@@ -775,18 +1193,43 @@ def _check_api_keys(value: str) -> list[Problem]:
 PLACEHOLDER_API_KEYS = "render-placeholder-key-0000000000000000"
 
 
+def _duplicate_keys(node: yaml.Node | None, path: str) -> Iterable[Problem]:
+    """Every key a YAML mapping repeats: a YAML loader keeps only the last, silently."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            line = key_node.start_mark.line + 1
+            # The stack file's keys are named as Pulumi names them: without `config.`.
+            inner = key if path in ("", "config") else f"{path}.{key}"
+            if key in seen:
+                yield Problem(
+                    inner,
+                    f"duplicate key (lines {seen[key]} and {line}): YAML would keep only the last, silently",
+                )
+            seen.setdefault(key, line)
+            yield from _duplicate_keys(value_node, inner)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            yield from _duplicate_keys(item, f"{path}[{i}]")
+
+
 def read_stack_file(path: Path) -> tuple[dict[str, str], list[str]]:
     """Pulumi config (key -> value as the CLI passes it) and its secret keys.
 
     Structured values reach a program as JSON strings, scalars as strings;
     `secure:` values can not be decrypted offline and become placeholders.
     """
+    text = path.read_text()
     try:
-        doc = yaml.safe_load(path.read_text()) or {}
+        duplicates = list(_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), ""))
+        doc = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise ConfigError([Problem(str(path), f"not valid YAML{where}")]) from None
+    if duplicates:
+        raise ConfigError(duplicates)
     raw = doc.get("config") if isinstance(doc, dict) else None
     if not isinstance(raw, dict):
         raise ConfigError([Problem(str(path), "needs a `config:` mapping")])
@@ -821,15 +1264,55 @@ def sections(values: Mapping[str, str]) -> dict[str, Any]:
     return raw
 
 
+# The config namespaces a stack may use, and what reads each. A key in any
+# other namespace is read by nothing: a misspelt `llm-platfrom:endpoint`
+# would quietly leave the endpoint at its defaults.
+CONFIG_NAMESPACES = {
+    NAMESPACE: "this program",
+    "aws": "the AWS provider and the program (aws:region)",
+    "docker-build": "the provider that builds the serving image",
+    "pulumi": "the Pulumi engine (pulumi:tags, pulumi:disable-default-providers)",
+}
+
+
+def check_namespaces(keys: Iterable[str]) -> list[Problem]:
+    """One problem per config key outside the namespaces something reads."""
+    problems: list[Problem] = []
+    for key in sorted(keys):
+        namespace, colon, name = key.partition(":")
+        if not (colon and namespace and name):
+            problems.append(Problem(key, "not a config key: Pulumi config keys are <namespace>:<name>"))
+        elif namespace not in CONFIG_NAMESPACES:
+            close = difflib.get_close_matches(namespace, CONFIG_NAMESPACES, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            problems.append(
+                Problem(
+                    key,
+                    f"unknown config namespace '{namespace}'{hint}: nothing reads it "
+                    f"(the namespaces read are {', '.join(CONFIG_NAMESPACES)})",
+                )
+            )
+    return problems
+
+
 def load_stack_file(path: Path) -> StackConfig:
     """A stack file (`Pulumi.<stack>.yaml`) as the validated config; raise ConfigError."""
     values, _ = read_stack_file(path)
+    problems = check_namespaces(values)
+    if problems:
+        raise ConfigError(problems)
     return parse(sections(values))
 
 
 def load() -> LoadedConfig:
     """Read, validate and return the stack's config; raise ConfigError."""
-    raw = sections(_all_config())
+    values = _all_config()
+    # A misspelt namespace leaves whole sections at their defaults: report
+    # it alone, not the knock-on problems of the sections it hides.
+    misplaced = check_namespaces(values)
+    if misplaced:
+        raise ConfigError(misplaced)
+    raw = sections(values)
     region = pulumi.Config("aws").get("region")
     problems: list[Problem] = []
     if region is None:

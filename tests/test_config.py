@@ -192,11 +192,11 @@ CASES: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
         "config error: platform.keda.enabled: may be off only with cluster.mode existing",
     ),
     (
-        "prod scale to zero",
+        "prod model below two replicas",
         "prod",
         lambda raw: raw["models"][0]["autoscaling"].update(min_replicas=0),
-        "config error: models[0].autoscaling.min_replicas: prod models keep at least one replica "
-        "(scale to zero means minutes-long cold starts)",
+        "config error: models[0].autoscaling.min_replicas: prod models keep at least 2 replicas, so one serves "
+        "while a node drains ('llama-31-8b' has 0)",
     ),
     (
         "min replicas beyond the node group",
