@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -271,3 +273,15 @@ def stack_render(stack: str) -> PlatformRender:
     if stack not in _CACHE:
         _CACHE[stack] = render_platform(stack_config(stack))
     return _CACHE[stack]
+
+
+def render_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m infra.render ARGS` as a user runs it, output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "infra.render", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )

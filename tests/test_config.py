@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,8 +11,7 @@ import pytest
 import yaml
 
 from infra.config import ConfigError, StackConfig, parse
-from infra.render import ROOT
-from tests.harness import stack_sections
+from tests.harness import render_cli, stack_sections
 
 NS = "llm-platform:"
 
@@ -340,23 +337,12 @@ def _stack_file(tmp_path: Path, stack: str, raw: dict[str, Any]) -> Path:
     return path
 
 
-def _render_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "infra.render", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 @pytest.mark.parametrize(("stack", "change", "expected"), [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
 def test_render_cli_exits_2_with_one_line(
     tmp_path: Path, stack: str, change: Callable[[dict[str, Any]], None], expected: str
 ) -> None:
     path = _stack_file(tmp_path, stack, broken(stack, change))
-    result = _render_cli("--stack", stack, "--config", str(path), "--out", str(tmp_path / "out"))
+    result = render_cli("--stack", stack, "--config", str(path), "--out", str(tmp_path / "out"))
     assert result.returncode == 2
     assert result.stderr.splitlines() == [expected]
     assert "Traceback" not in result.stdout + result.stderr
@@ -369,7 +355,7 @@ def test_api_keys_must_be_a_secret(tmp_path: Path) -> None:
     doc = yaml.safe_load(path.read_text())
     doc["config"][NS + "api_keys"] = "plain-text-key-that-is-long-enough-000"
     path.write_text(yaml.safe_dump(doc))
-    result = _render_cli("--stack", "dev", "--config", str(path), "--out", str(tmp_path / "out"))
+    result = render_cli("--stack", "dev", "--config", str(path), "--out", str(tmp_path / "out"))
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "config error: api_keys: must be a secret: pulumi config set --secret llm-platform:api_keys ..."
@@ -378,7 +364,7 @@ def test_api_keys_must_be_a_secret(tmp_path: Path) -> None:
 
 
 def test_missing_stack_file_is_a_config_error(tmp_path: Path) -> None:
-    result = _render_cli("--stack", "nope", "--config", str(tmp_path / "Pulumi.nope.yaml"))
+    result = render_cli("--stack", "nope", "--config", str(tmp_path / "Pulumi.nope.yaml"))
     assert result.returncode == 2
     assert result.stderr.strip().endswith("no such stack config file")
 
@@ -392,7 +378,7 @@ def test_eks_needs_two_zones() -> None:
 def test_invalid_yaml_is_a_config_error(tmp_path: Path) -> None:
     path = tmp_path / "Pulumi.bad.yaml"
     path.write_text("config:\n  llm-platform:models: [\n")
-    result = _render_cli("--stack", "bad", "--config", str(path))
+    result = render_cli("--stack", "bad", "--config", str(path))
     assert result.returncode == 2
     assert result.stderr.splitlines() == [f"config error: {path}: not valid YAML line 3"]
 
@@ -403,7 +389,7 @@ def test_missing_region_names_the_key(tmp_path: Path) -> None:
     doc = yaml.safe_load(path.read_text())
     del doc["config"]["aws:region"]
     path.write_text(yaml.safe_dump(doc))
-    result = _render_cli("--stack", "dev", "--config", str(path))
+    result = render_cli("--stack", "dev", "--config", str(path))
     assert result.returncode == 2
     lines = result.stderr.splitlines()
     assert lines[0] == "config error: aws:region: required: pulumi config set aws:region <region>"

@@ -7,8 +7,6 @@ and exactly one `config error: <key>: <rule>` line, nothing rendered.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ import yaml
 
 from infra.config import load_stack_file
 from infra.render import ROOT
+from tests.harness import render_cli
 
 NS = "llm-platform:"
 Edit = Callable[[str], str]
@@ -182,17 +181,6 @@ CASES: list[tuple[str, str, Edit, str | Callable[[str], str]]] = [
 ]
 
 
-def _render(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "infra.render", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 @pytest.mark.parametrize(("stack", "edit", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_broken_stack_file_is_refused_with_one_line(
     tmp_path: Path, stack: str, edit: Edit, expected: str | Callable[[str], str]
@@ -200,7 +188,7 @@ def test_broken_stack_file_is_refused_with_one_line(
     text = edit((ROOT / f"Pulumi.{stack}.yaml").read_text())
     path = tmp_path / f"Pulumi.{stack}.yaml"
     path.write_text(text)
-    result = _render("--stack", stack, "--config", str(path), "--out", str(tmp_path / "out"))
+    result = render_cli("--stack", stack, "--config", str(path), "--out", str(tmp_path / "out"))
     line = expected(text) if callable(expected) else expected
     assert (result.returncode, result.stderr.splitlines()) == (2, [line])
     assert "Traceback" not in result.stdout + result.stderr
