@@ -9,14 +9,16 @@ LOCAL_BACKEND ?= file://$(HOME)/.pulumi-llm-platform
 POLICY_VENV := policy/venv
 POLICY_FLAGS = --policy-pack policy --policy-pack-config policy/config/$(STACK).json
 
-.PHONY: help install install-dev up preview destroy render test lint unit e2e bench golden-urns clean
+.PHONY: help install install-dev up preview destroy render test lint unit e2e bench golden-urns clean twin local
 
 help:
 	@echo "make up STACK=dev|prod       deploy a stack (creates the venv, logs in, selects the stack)"
 	@echo "make preview STACK=dev|prod  show what would change"
 	@echo "make destroy STACK=dev|prod  tear a stack down (the model bucket and ECR repo are retained)"
 	@echo "make render STACK=dev|prod   offline render under mocks into build/render/<stack>/"
-	@echo "make test                    lint, type-check and every test, the real server included"
+	@echo "make test                    lint, type-check and every test, the real server and both twins included"
+	@echo "make twin STACK=dev|prod     the stack's RayServices on a local Ray cluster, checked by Ray's own code"
+	@echo "make local STACK=dev         the stack served at http://127.0.0.1:8000/v1 until Ctrl-C (MODEL=/path for your model)"
 	@echo "make bench                   serving overhead and render-scale benchmarks -> benchmarks/results/"
 
 $(VENV)/.program: requirements.txt
@@ -30,7 +32,7 @@ $(POLICY_VENV)/.installed: policy/requirements.txt
 	$(POLICY_VENV)/bin/pip install -q -r policy/requirements.txt
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.program requirements-dev.txt workloads/requirements-e2e.txt policy/requirements.txt scripts/install-test-deps.sh
+$(VENV)/.dev: $(VENV)/.program requirements-dev.txt requirements-checkov.txt workloads/requirements-e2e.txt policy/requirements.txt scripts/install-test-deps.sh
 	bash scripts/install-test-deps.sh $(BIN)
 	touch $@
 
@@ -81,6 +83,17 @@ e2e: $(VENV)/.dev
 
 test: lint $(VENV)/.dev
 	E2E=1 E2E_REQUIRED=1 $(BIN)/python -m pytest -q
+
+# The local twin of every RayService of a stack: Ray's own code reads the
+# render (ray start, autoscaling config, Serve LLM's bundles), then a local
+# multi-node cluster shaped like it serves, scales and wakes (under 10 min).
+twin: $(VENV)/.dev
+	PYTHONUNBUFFERED=1 $(BIN)/python -m infra.twin --stack $(STACK)
+
+# The twin left running for a person: http://127.0.0.1:8000/v1 with a key it
+# prints, until Ctrl-C. MODEL=/path/to/model serves that directory.
+local: $(VENV)/.dev
+	PYTHONUNBUFFERED=1 $(BIN)/python -m twin.local --stack $(STACK) $(if $(MODEL),--model-dir $(MODEL))
 
 $(VENV)/.bench: $(VENV)/.dev benchmarks/requirements.txt
 	$(BIN)/pip install -q -r benchmarks/requirements.txt

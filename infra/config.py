@@ -26,6 +26,9 @@ import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from infra import versions
+from infra.capacity.geometry import Geometry, resolve_geometry, unknown_model_message
+from infra.capacity.plan import GIB, weight_bytes_per_parameter
+from infra.capacity.rules import capacity_problems
 from infra.instance_types import GPU_INSTANCE_TYPES, GpuInstanceType
 from workloads.inference_server.catalog import IngressScaling, ModelEntry, RequestLimits
 
@@ -41,9 +44,6 @@ _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-
 _EXACT_VERSION = re.compile(r"^v?\d+\.\d+(\.\d+)?([-+][0-9A-Za-z.-]+)?$")
 _DURATION = re.compile(r"^\d+[smhdwy]$")
 
-# Weights bytes per parameter for the dtype the engine loads them in.
-_DTYPE_BYTES = {"auto": 2.0, "bfloat16": 2.0, "float16": 2.0, "float32": 4.0}
-_QUANT_BYTES = {"fp8": 1.0, "awq": 0.5, "gptq": 0.5, "bitsandbytes": 0.5}
 # Below this share of the usable GPU memory left for the KV cache a model
 # loads but serves only a handful of short sequences at once.
 KV_CACHE_MIN_SHARE = 0.1
@@ -243,6 +243,7 @@ class Versions(_Section):
     keda: str = versions.KEDA.version
     cluster_autoscaler: str = versions.CLUSTER_AUTOSCALER.version
     aws_load_balancer_controller: str = versions.AWS_LOAD_BALANCER_CONTROLLER.version
+    external_dns: str = versions.EXTERNAL_DNS.version
 
     @field_validator("*")
     @classmethod
@@ -273,6 +274,8 @@ class Platform(_Section):
     keda: Toggle = Toggle()
     cluster_autoscaler: Toggle = Toggle()
     load_balancer_controller: Toggle = Toggle()
+    # Runs only where endpoint.domain and endpoint.hosted_zone_id are set.
+    external_dns: Toggle = Toggle()
 
 
 class StorageClass(_Section):
@@ -336,6 +339,9 @@ class Model(ModelEntry):
     # Models with the same `service` share one RayService; by default each
     # model is its own upgrade and failure domain.
     service: str | None = None
+    # The model's shape for the capacity plan (infra/capacity/); the pinned
+    # families of infra/capacity/geometry.py need none.
+    geometry: Geometry | None = None
 
     @property
     def service_name(self) -> str:
@@ -344,8 +350,8 @@ class Model(ModelEntry):
 
     def weights_gib(self) -> float:
         """Weights size in GiB for the dtype or quantization it loads in."""
-        per_param = _QUANT_BYTES.get(self.quantization or "", _DTYPE_BYTES[self.dtype])
-        return self.parameters_billion * 1e9 * per_param / 2**30
+        per_param = weight_bytes_per_parameter(self.dtype, self.quantization)
+        return self.parameters_billion * 1e9 * per_param / GIB
 
 
 class PreScale(_Section):
@@ -408,6 +414,9 @@ class Endpoint(_Section):
     # can not route on the request's model); the certificate covers
     # *.<domain>, and external-dns, where it runs, creates the records.
     domain: str | None = Field(default=None, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?\.)+[a-z]{2,}$")
+    # The Route 53 hosted zone of `domain`: external-dns writes the records
+    # there, and its role may change that zone only.
+    hosted_zone_id: str | None = Field(default=None, pattern=r"^Z[0-9A-Z]{4,31}$")
 
     def service_host(self, service: str) -> str | None:
         """The DNS name of one RayService's endpoint, when a domain is set."""
@@ -575,11 +584,10 @@ def _check_instance_order(path: str, group: GpuNodeGroupSettings) -> Iterable[Pr
 def _check_parallelism(path: str, model: Model, gpu: GpuInstanceType) -> Iterable[Problem]:
     """TP within a node and dividing it; pipeline stages that fill whole nodes.
 
-    vLLM shards the attention heads over the TP ranks, so TP must divide the
-    model's head counts. The config has no model geometry, but the heads of
-    the models served here come in powers of two, as do the GPUs of a node
-    (1, 4 or 8): a TP that divides the node's GPUs divides the heads, and a
-    TP group that does not divide a node would strand its other GPUs.
+    A TP group that does not divide a node would strand its other GPUs.
+    That TP also divides the model's attention and KV heads, which vLLM
+    shards over the TP ranks, is checked against the model's geometry by
+    the capacity rules (infra/capacity/rules.py), once this rule holds.
     """
     tp, pp = model.tensor_parallel_size, model.pipeline_parallel_size
     if tp > gpu.gpus:
@@ -607,13 +615,14 @@ def _check_model_capacity(path: str, model: Model, group: GpuNodeGroupSettings) 
     """The weights fit the replica's GPUs with room for a KV cache; the minimum replicas fit the group."""
     gpu = group.instance()
     gpus = model.num_devices
-    budget = gpus * gpu.gpu_memory_gib * model.gpu_memory_utilization
+    budget = gpus * gpu.gpu_memory_bytes / GIB * model.gpu_memory_utilization
     weights = model.weights_gib()
     if weights > budget * (1 - KV_CACHE_MIN_SHARE):
         yield Problem(
             path,
             f"weights of {weights:.1f} GiB do not fit {gpus} x {gpu.gpu_model} "
-            f"{gpu.gpu_memory_gib} GiB x gpu_memory_utilization {model.gpu_memory_utilization} "
+            f"{gpu.gpu_memory_bytes / GIB:.1f} GiB ({gpu.gpu_memory_gb} GB) x gpu_memory_utilization "
+            f"{model.gpu_memory_utilization} "
             f"= {budget:.1f} GiB with {KV_CACHE_MIN_SHARE:.0%} left for the KV cache",
         )
     need = model.autoscaling.min_replicas * _nodes_per_replica(model, gpu)
@@ -674,6 +683,20 @@ def _check_model(i: int, model: Model, cfg: StackConfig, groups: dict[str, GpuNo
             f"('{model.name}' has {model.autoscaling.min_replicas})",
         )
     yield from _check_engine_overrides(path, model)
+    yield from _check_capacity(path, model, group if _usable_group(group) else None)
+
+
+def _check_capacity(path: str, model: Model, group: GpuNodeGroupSettings | None) -> Iterable[Problem]:
+    """The model's geometry is known, and its context, TP and KV cache fit it (infra/capacity/rules.py)."""
+    geometry = resolve_geometry(model.geometry, model.source, model.model_id)
+    if geometry is None:
+        yield Problem(f"{path}.geometry", unknown_model_message(model.name, model.source, model.model_id))
+        return
+    gpu = group.instance() if group is not None else None
+    if gpu is not None and list(_check_parallelism(path, model, gpu)):
+        gpu = None
+    for key, message in capacity_problems(model.name, model, geometry, model.parameters_billion, gpu):
+        yield Problem(f"{path}.{key}", message)
 
 
 # Prod keeps every model serving through a node drain (an upgrade, a
@@ -773,6 +796,18 @@ def _check_access(cfg: StackConfig) -> Iterable[Problem]:
             )
         if cfg.is_prod and cl.endpoint_public_access:
             yield Problem("cluster.endpoint_public_access", "prod keeps the API server endpoint private")
+
+
+def _check_dns(cfg: StackConfig) -> Iterable[Problem]:
+    ep = cfg.endpoint
+    if ep.domain and ep.hosted_zone_id is None and cfg.platform.external_dns.enabled:
+        yield Problem(
+            "endpoint.hosted_zone_id",
+            f"required with endpoint.domain: external-dns writes <service>.{ep.domain} into that Route 53 zone "
+            "(an existing cluster whose records are made elsewhere may switch platform.external_dns off)",
+        )
+    if ep.hosted_zone_id is not None and not ep.domain:
+        yield Problem("endpoint.hosted_zone_id", "set endpoint.domain too: the zone holds that domain's records")
 
 
 def _check_cluster_mode(cfg: StackConfig) -> Iterable[Problem]:
@@ -1093,6 +1128,7 @@ def check_rules(cfg: StackConfig) -> list[Problem]:
     problems += _check_upgrade_headroom(cfg, gpu_groups)
     problems += _check_names(cfg)
     problems += _check_access(cfg)
+    problems += _check_dns(cfg)
     problems += _check_arns(cfg)
     problems += _check_cluster_mode(cfg)
     problems += _check_network(cfg)

@@ -1,15 +1,32 @@
 """GPU instance types the platform knows how to place models on.
 
-Only what the config rules and the node templates need: the GPU model, how
-many GPUs one node has, each GPU's memory, and the host's size. The Ray
-accelerator type is the name Ray Serve LLM uses to place a replica
-(`accelerator_type` in LLMConfig) and the custom resource a Ray worker
-advertises so the autoscaler can scale a group up from zero.
+Only what the config rules, the node templates and the capacity plan need:
+the GPU model, how many GPUs one node has, each GPU's memory and memory
+bandwidth, and the host's size. The Ray accelerator type is the name Ray
+Serve LLM uses to place a replica (`accelerator_type` in LLMConfig) and the
+custom resource a Ray worker advertises so the autoscaler can scale a group
+up from zero.
+
+GPU memory is held in GB (10^9 bytes), as NVIDIA's datasheets state it: 24 GB
+for the A10G and L4, 48 GB for the L40S, 40 or 80 GB for the A100, 80 GB for
+the H100, 141 GB for the H200. AWS's instance-type pages head the same
+figures "GPU memory (GiB)", and its API is not consistent either
+(describe-instance-types gives a g5's A10G 24,576 MiB, i.e. 24 GiB, but a
+p4de's eight A100s 610,352 MiB, i.e. 8 x 80 GB). Reading the nominal 24 as
+GiB overstates the memory by 7.4% (2^30 / 10^9); against what CUDA reports as
+a 24 GB GDDR6 card's total with ECC on (about 22.5 GiB) it is 6.7% optimistic.
+GB x 10^9 is at or below the total CUDA reports for every GPU here, and that
+total is what vLLM's `gpu_memory_utilization` is a share of.
+
+Memory bandwidth is the datasheet's peak in GB/s; the capacity plan's decode
+estimate (infra/capacity/) is bound by it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+GB = 10**9
 
 
 @dataclass(frozen=True)
@@ -19,17 +36,51 @@ class GpuInstanceType:
     name: str
     gpu_model: str
     gpus: int
-    gpu_memory_gib: int
+    gpu_memory_gb: int
+    memory_bandwidth_gb_s: int
     vcpus: int
     memory_gib: int
     ray_accelerator_type: str
 
+    @property
+    def gpu_memory_bytes(self) -> int:
+        """One GPU's memory in bytes (the datasheet's GB, 10^9 bytes each)."""
+        return self.gpu_memory_gb * GB
 
-def _family(
-    gpu_model: str, gpu_memory_gib: int, accel: str, sizes: dict[str, tuple[int, int, int]]
-) -> dict[str, GpuInstanceType]:
+    @property
+    def memory_bandwidth_bytes_s(self) -> int:
+        """One GPU's peak memory bandwidth in bytes per second."""
+        return self.memory_bandwidth_gb_s * GB
+
+
+@dataclass(frozen=True)
+class _Gpu:
+    """A GPU model from its datasheet: memory in GB, peak memory bandwidth in GB/s."""
+
+    model: str
+    memory_gb: int
+    bandwidth_gb_s: int
+    ray_accelerator_type: str
+
+
+# NVIDIA datasheets: A10G (AWS's A10 variant) 24 GB GDDR6 at 600 GB/s; L4
+# 24 GB GDDR6 at 300 GB/s; L40S 48 GB GDDR6 at 864 GB/s; A100 SXM 40 GB HBM2
+# at 1,555 GB/s and 80 GB HBM2e at 2,039 GB/s; H100 SXM 80 GB HBM3 at
+# 3,350 GB/s; H200 141 GB HBM3e at 4,800 GB/s.
+A10G = _Gpu("A10G", 24, 600, "A10G")
+L4 = _Gpu("L4", 24, 300, "L4")
+L40S = _Gpu("L40S", 48, 864, "L40S")
+A100_40G = _Gpu("A100", 40, 1555, "A100-40G")
+A100_80G = _Gpu("A100", 80, 2039, "A100-80G")
+H100 = _Gpu("H100", 80, 3350, "H100")
+H200 = _Gpu("H200", 141, 4800, "H200")
+
+
+def _family(gpu: _Gpu, sizes: dict[str, tuple[int, int, int]]) -> dict[str, GpuInstanceType]:
     return {
-        name: GpuInstanceType(name, gpu_model, gpus, gpu_memory_gib, vcpus, mem, accel)
+        name: GpuInstanceType(
+            name, gpu.model, gpus, gpu.memory_gb, gpu.bandwidth_gb_s, vcpus, mem, gpu.ray_accelerator_type
+        )
         for name, (gpus, vcpus, mem) in sizes.items()
     }
 
@@ -37,9 +88,7 @@ def _family(
 # (GPUs, vCPUs, memory GiB) per size, from the EC2 instance type pages.
 GPU_INSTANCE_TYPES: dict[str, GpuInstanceType] = {
     **_family(
-        "A10G",
-        24,
-        "A10G",
+        A10G,
         {
             "g5.xlarge": (1, 4, 16),
             "g5.2xlarge": (1, 8, 32),
@@ -51,9 +100,7 @@ GPU_INSTANCE_TYPES: dict[str, GpuInstanceType] = {
         },
     ),
     **_family(
-        "L4",
-        24,
-        "L4",
+        L4,
         {
             "g6.xlarge": (1, 4, 16),
             "g6.2xlarge": (1, 8, 32),
@@ -65,9 +112,7 @@ GPU_INSTANCE_TYPES: dict[str, GpuInstanceType] = {
         },
     ),
     **_family(
-        "L40S",
-        48,
-        "L40S",
+        L40S,
         {
             "g6e.xlarge": (1, 4, 32),
             "g6e.2xlarge": (1, 8, 64),
@@ -78,8 +123,8 @@ GPU_INSTANCE_TYPES: dict[str, GpuInstanceType] = {
             "g6e.48xlarge": (8, 192, 1536),
         },
     ),
-    **_family("A100", 40, "A100-40G", {"p4d.24xlarge": (8, 96, 1152)}),
-    **_family("A100", 80, "A100-80G", {"p4de.24xlarge": (8, 96, 1152)}),
-    **_family("H100", 80, "H100", {"p5.48xlarge": (8, 192, 2048)}),
-    **_family("H200", 141, "H200", {"p5e.48xlarge": (8, 192, 2048), "p5en.48xlarge": (8, 192, 2048)}),
+    **_family(A100_40G, {"p4d.24xlarge": (8, 96, 1152)}),
+    **_family(A100_80G, {"p4de.24xlarge": (8, 96, 1152)}),
+    **_family(H100, {"p5.48xlarge": (8, 192, 2048)}),
+    **_family(H200, {"p5e.48xlarge": (8, 192, 2048), "p5en.48xlarge": (8, 192, 2048)}),
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pulumi
 
 from infra.aws.build import build_aws
+from infra.capacity.report import plan_stack, preview_line, stack_output
 from infra.cluster_services.build import build_platform
 from infra.config import LoadedConfig
 from infra.serving.build import build_serving
@@ -13,6 +14,11 @@ from infra.serving.build import build_serving
 def build_stack(loaded: LoadedConfig) -> None:
     """Declare the whole stack and export its outputs."""
     cfg = loaded.stack
+    # The capacity plan, one line per model in the preview's output, before
+    # anything is declared (python -m infra.plan shows the same plan).
+    capacity = plan_stack(cfg)
+    for plan in capacity:
+        pulumi.log.info(preview_line(plan))
     aws = build_aws(cfg)
     platform = build_platform(cfg, aws)
     serving = build_serving(cfg, loaded.api_keys, aws, platform)
@@ -25,6 +31,12 @@ def build_stack(loaded: LoadedConfig) -> None:
         "endpoints",
         {model: serving.endpoints[name] for name, models in serving.service_models.items() for model in models},
     )
+    # Each model's network load balancer: the name `<service>.<domain>` points
+    # at (external-dns writes that record), for checking DNS and the LB apart.
+    pulumi.export(
+        "load_balancers",
+        {model: serving.load_balancers[name] for name, models in serving.service_models.items() for model in models},
+    )
     pulumi.export("grafana_url", platform.grafana_url)
     pulumi.export("ray_dashboard", serving.ray_dashboards)
     pulumi.export("image", aws.image)
@@ -33,6 +45,8 @@ def build_stack(loaded: LoadedConfig) -> None:
         pulumi.export("kubeconfig", pulumi.Output.secret(aws.kubeconfig))
     pulumi.export("model_bucket", aws.model_bucket)
     pulumi.export("node_groups", aws.node_group_names)
+    # What each model's replica holds and costs, with the assumptions behind the estimates.
+    pulumi.export("capacity", stack_output(cfg, capacity))
     if aws.batch_queue is not None:
         pulumi.export("batch_queue_url", aws.batch_queue.url)
         pulumi.export("batch_dead_letter_queue_url", aws.batch_queue.dead_letter_url)

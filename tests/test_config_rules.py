@@ -426,3 +426,30 @@ def test_keys_outside_the_namespaces_read(tmp_path: Path, key: str, problem: str
 def test_engine_settings_are_a_known_namespace(tmp_path: Path) -> None:
     text = (ROOT / "Pulumi.dev.yaml").read_text() + "  pulumi:tags:\n    team: ml-platform\n"
     assert load_stack_file(_stack_file(tmp_path, text)).environment == "dev"
+
+
+# ---------------------------------------------------------------- DNS
+
+
+def test_a_domain_needs_its_hosted_zone() -> None:
+    assert problems("prod", lambda raw: raw["endpoint"].pop("hosted_zone_id")) == [
+        "config error: endpoint.hosted_zone_id: required with endpoint.domain: external-dns writes "
+        "<service>.llm.example.com into that Route 53 zone "
+        "(an existing cluster whose records are made elsewhere may switch platform.external_dns off)"
+    ]
+
+
+def test_records_made_elsewhere_need_no_zone() -> None:
+    def change(raw: dict[str, Any]) -> None:
+        raw["endpoint"].pop("hosted_zone_id")
+        raw["cluster"].update(mode="existing", kubeconfig_context="ops")
+        raw["ray"]["gcs_fault_tolerance"] = {"enabled": False}
+        raw["platform"] = {"external_dns": {"enabled": False}}
+
+    assert accepted("prod", change).endpoint.hosted_zone_id is None
+
+
+def test_a_zone_without_a_domain_is_refused() -> None:
+    assert problems("dev", lambda raw: raw["endpoint"].update(hosted_zone_id="Z0123456789EXAMPLEZONE")) == [
+        "config error: endpoint.hosted_zone_id: set endpoint.domain too: the zone holds that domain's records"
+    ]

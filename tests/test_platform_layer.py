@@ -7,6 +7,7 @@ the dev and prod stack files and variants of them.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -14,7 +15,9 @@ import pulumi
 import pytest
 
 from infra import versions
-from infra.aws.layer import PodIdentity
+from infra.aws import policies
+from infra.aws.identities import external_dns_zone
+from infra.aws.layer import ExternalDnsAccess, PodIdentity
 from infra.cluster_services import load_balancer, monitoring
 from infra.render import SECRET, run_under_mocks
 from infra.scheduling import GPU_OPERATOR_DEVICE_PLUGIN_LABEL, GPU_TAINT, gpu_placements, system_placement
@@ -42,7 +45,9 @@ def _existing(parts_off: list[str]) -> Any:
 
 
 STACKS = ["dev", "prod"]
-ALL_CHARTS = {c.chart for c in versions.HELM_CHARTS}
+# external-dns runs only where the endpoint has a domain and its hosted zone.
+DOMAIN_CHARTS = {versions.EXTERNAL_DNS.chart}
+ALL_CHARTS = {c.chart for c in versions.HELM_CHARTS} - DOMAIN_CHARTS
 
 
 # --- versions --------------------------------------------------------------
@@ -53,6 +58,8 @@ def test_every_chart_is_released_at_its_pinned_exact_version(stack: str) -> None
     releases = stack_render(stack).releases()
     assert set(releases) == ALL_CHARTS
     for chart in versions.HELM_CHARTS:
+        if chart.chart not in releases:
+            continue
         inputs = releases[chart.chart]["inputs"]
         assert inputs["version"] == chart.version
         assert inputs["repositoryOpts"]["repo"] == chart.repository
@@ -67,6 +74,7 @@ def test_pinned_versions_are_the_ones_the_issue_names() -> None:
     assert versions.KEDA.version == "2.20.2"
     assert versions.CLUSTER_AUTOSCALER.version == "9.59.0"
     assert versions.AWS_LOAD_BALANCER_CONTROLLER.version == "3.5.0"
+    assert versions.EXTERNAL_DNS.version == "1.21.1"
 
 
 @pytest.mark.parametrize("stack", STACKS)
@@ -195,6 +203,17 @@ def test_cluster_autoscaler_settings_come_from_config(stack: str) -> None:
         "emit-per-nodegroup-metrics": True,
     }
     assert values["serviceMonitor"]["enabled"] is True
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_scale_down_waits_for_the_ray_workers_to_drain(stack: str) -> None:
+    """cluster-autoscaler waits at most --max-graceful-termination-sec (600 s by default) for a pod
+    of a node it removes: the Ray workers' grace period (infra/serving/drain.py) must fit in it."""
+    from infra.serving.drain import drain
+
+    extra_args = stack_render(stack).values("cluster-autoscaler")["extraArgs"]
+    limit = int(extra_args.get("max-graceful-termination-sec", 600))
+    assert drain(stack_config(stack)).grace_seconds <= limit
 
 
 def test_prod_scale_down_timing_differs_from_the_default() -> None:
@@ -364,11 +383,15 @@ def test_prod_keeps_alertmanager_highly_available() -> None:
 
 
 @pytest.mark.parametrize("stack", STACKS)
-def test_grafana_loads_dashboards_from_every_namespace(stack: str) -> None:
+def test_grafana_loads_dashboards_from_its_namespace_and_reads_no_other(stack: str) -> None:
     render = stack_render(stack)
-    dashboards = render.values("kube-prometheus-stack")["grafana"]["sidecar"]["dashboards"]
+    grafana = render.values("kube-prometheus-stack")["grafana"]
+    dashboards = grafana["sidecar"]["dashboards"]
     assert dashboards["enabled"] is True
-    assert dashboards["searchNamespace"] == "ALL"
+    # The serving layer's dashboard ConfigMaps live in the monitoring namespace.
+    assert dashboards["searchNamespace"] == render.layer["monitoring_namespace"]
+    # A Role there, not the chart's ClusterRole over every ConfigMap and Secret.
+    assert grafana["rbac"]["namespaced"] is True
     assert (dashboards["label"], dashboards["labelValue"]) == render.layer["dashboard_label"]
 
 
@@ -554,3 +577,102 @@ def test_a_new_part_is_one_entry_and_waits_for_what_it_names() -> None:
     waits = render.waits_for(release)
     assert {"kuberay-operator-release", "example-namespace", CLUSTER_READY} <= waits
     assert "keda-release" not in waits
+
+
+# --- external-dns ----------------------------------------------------------------------
+
+ZONE = "Z0123456789ABCDEFGHIJ"
+EXTERNAL_DNS = ExternalDnsAccess(PodIdentity("external-dns", "external-dns", None), ZONE)
+
+
+def test_external_dns_runs_only_with_a_domain_and_its_zone() -> None:
+    prod, dev = stack_config("prod"), stack_config("dev")
+    assert prod.endpoint.domain and not dev.endpoint.domain
+    assert "external-dns" in render_platform(prod, external_dns=EXTERNAL_DNS).releases()
+    # No zone from the AWS layer (none configured), or no domain: nothing writes records.
+    assert "external-dns" not in render_platform(prod).releases()
+    assert "external-dns" not in render_platform(dev, external_dns=EXTERNAL_DNS).releases()
+
+
+def test_external_dns_writes_the_serve_services_names_into_the_one_zone() -> None:
+    cfg = stack_config("prod")
+    render = render_platform(cfg, external_dns=EXTERNAL_DNS)
+    release = render.releases()["external-dns"]
+    values = release["inputs"]["values"]
+    assert release["inputs"]["namespace"] == EXTERNAL_DNS.identity.namespace
+    assert release["inputs"]["name"] == "external-dns"
+    assert values["serviceAccount"] == {"create": True, "name": EXTERNAL_DNS.identity.service_account}
+    assert values["provider"] == {"name": "aws"}
+    assert values["env"] == [{"name": "AWS_DEFAULT_REGION", "value": cfg.region}]
+    # The serve Services carry the hostname annotation; nothing else is a source.
+    assert values["sources"] == ["service"]
+    assert values["domainFilters"] == [cfg.endpoint.domain]
+    assert values["extraArgs"] == {"zone-id-filter": ZONE}
+    # Records it owns (TXT owner = this cluster) follow their Services; others' are never touched.
+    assert (values["policy"], values["registry"], values["txtOwnerId"]) == ("sync", "txt", cfg.cluster.name)
+    assert values["nodeSelector"] == system_placement(cfg).node_selector()
+    assert values["serviceMonitor"] == {"enabled": True}
+    (ns,) = [
+        n for n in render.of_type("kubernetes:core/v1:Namespace") if n["inputs"]["metadata"]["name"] == "external-dns"
+    ]
+    assert ns["inputs"]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    waits = render.waits_for(release)
+    assert {CLUSTER_READY, "monitoring-release", "load-balancer-controller-release", "external-dns-namespace"} <= waits
+
+
+def test_the_external_dns_zone_comes_from_the_endpoint() -> None:
+    cfg = stack_config("prod")
+    # getattr until the config has `endpoint.hosted_zone_id`: a copy carrying it stands in.
+    with_zone = cfg.model_copy(update={"endpoint": cfg.endpoint.model_copy(update={"hosted_zone_id": ZONE})})
+    assert external_dns_zone(with_zone) == ZONE
+    no_domain = with_zone.model_copy(
+        update={"endpoint": with_zone.endpoint.model_copy(update={"domain": None, "hosted_zone_id": ZONE})}
+    )
+    assert external_dns_zone(no_domain) is None
+    if getattr(cfg.endpoint, "hosted_zone_id", None) is None:
+        assert external_dns_zone(cfg) is None
+
+
+def test_the_external_dns_policy_changes_only_its_zone() -> None:
+    doc = policies.external_dns("aws", ZONE)
+    (change,) = [s for s in doc["Statement"] if "route53:ChangeResourceRecordSets" in s["Action"]]
+    assert change["Action"] == ["route53:ChangeResourceRecordSets"]
+    assert change["Resource"] == [f"arn:aws:route53:::hostedzone/{ZONE}"]
+    for stmt in doc["Statement"]:
+        if stmt is not change:
+            # Read-only calls only, on `*` as upstream grants them.
+            assert all(a.startswith("route53:List") for a in stmt["Action"]), stmt
+    assert policies.external_dns("aws-cn", ZONE)["Statement"][0]["Resource"] == [
+        f"arn:aws-cn:route53:::hostedzone/{ZONE}"
+    ]
+
+
+def test_the_external_dns_role_is_bound_to_its_service_account() -> None:
+    from infra.aws.identities import IdentitiesArgs, PodIdentities
+
+    async def program() -> None:
+        PodIdentities(
+            "pod-identities",
+            IdentitiesArgs(
+                cluster_name=pulumi.Output.from_input("llm-test"),
+                region="us-east-1",
+                serving_namespace="llm",
+                bucket_arn=pulumi.Output.from_input("arn:aws:s3:::weights"),
+                bucket_key_arn=pulumi.Output.from_input("arn:aws:kms:us-east-1:123456789012:key/k"),
+                model_prefixes=["org/model"],
+                hosted_zone_id=ZONE,
+            ),
+        )
+
+    resources = run_under_mocks("test", {"aws:region": "us-east-1"}, [], program)
+    by_name = {(r["type"], r["name"]): r for r in resources}
+    policy = by_name[("aws:iam/rolePolicy:RolePolicy", "pod-identities-external-dns")]["inputs"]["policy"]
+    assert json.loads(policy) == policies.external_dns("aws", ZONE)
+    association = by_name[("aws:eks/podIdentityAssociation:PodIdentityAssociation", "pod-identities-external-dns")]
+    assert (association["inputs"]["namespace"], association["inputs"]["serviceAccount"]) == (
+        EXTERNAL_DNS.identity.namespace,
+        EXTERNAL_DNS.identity.service_account,
+    )
+    trust = json.loads(by_name[("aws:iam/role:Role", "pod-identities-external-dns")]["inputs"]["assumeRolePolicy"])
+    tags = trust["Statement"][0]["Condition"]["StringEquals"]
+    assert tags["aws:RequestTag/kubernetes-service-account"] == "external-dns"

@@ -7,13 +7,24 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from inference_server.catalog import Catalog, ModelEntry, RequestLimits, ServeAutoscaling
 from inference_server.engine import S3_LOAD_FORMAT, llm_config_kwargs
-from inference_server.guard import ApiGuard, ApiKeys, bearer_token, prompt_token_bound
+from inference_server.guard import (
+    MIN_BODY_BYTES,
+    ApiGuard,
+    ApiKeys,
+    PromptSize,
+    bearer_token,
+    body_cap,
+    openai_error,
+    parse_json_object,
+    prompt_sizes,
+)
 from pydantic import ValidationError
 
 WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
@@ -31,6 +42,9 @@ def entry(**overrides: Any) -> dict[str, Any]:
 def test_catalog_defaults_match_the_contract() -> None:
     catalog = Catalog.model_validate({"models": [entry()]})
     assert catalog.limits == RequestLimits(max_tokens=4096, max_prompt_tokens=32768)
+    assert (catalog.limits.max_n, catalog.limits.max_request_output_tokens) == (4, None)
+    assert catalog.limits.prompt_bytes_per_token == 16
+    assert catalog.limits.output_token_budget == 4096 * 4
     assert catalog.api_keys_file == "/etc/inference/api-keys/keys"
     assert catalog.api_keys_env == "INFERENCE_API_KEYS"
     assert catalog.allow_hub_download is False
@@ -233,122 +247,480 @@ def test_bearer_token(header: bytes | None, token: str | None) -> None:
     assert bearer_token({"headers": headers}) == token
 
 
+# ---------------------------------------------------------------- new limits in the catalogue
+
+
+def test_output_budget_defaults_to_max_tokens_times_max_n() -> None:
+    assert RequestLimits(max_tokens=100, max_n=3).output_token_budget == 300
+    assert RequestLimits(max_tokens=100, max_request_output_tokens=150).output_token_budget == 150
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_n": 0},
+        {"max_n": 1000},
+        {"max_tokens": 100, "max_request_output_tokens": 99},
+        {"prompt_bytes_per_token": 0},
+        {"max_request_output_tokens": 0},
+    ],
+)
+def test_request_limits_reject(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        RequestLimits.model_validate(bad)
+
+
+def test_body_cap_is_derived_from_the_prompt_limit_with_a_floor() -> None:
+    # The defaults: 32768 tokens x 16 bytes x 2 (JSON escaping) is exactly the 1 MiB floor.
+    assert body_cap(RequestLimits()) == MIN_BODY_BYTES == 1024 * 1024
+    assert body_cap(RequestLimits(max_prompt_tokens=200)) == MIN_BODY_BYTES
+    assert body_cap(RequestLimits(max_prompt_tokens=131072)) == 131072 * 16 * 2
+    assert body_cap(RequestLimits(max_prompt_tokens=131072, prompt_bytes_per_token=8)) == 131072 * 8 * 2
+
+
 # ---------------------------------------------------------------- the guard middleware
+
+UNSET: Any = object()
+MODELS = ("m", "org/name")
 
 
 class Recorder:
-    """A downstream ASGI app that records what reached it."""
+    """A downstream ASGI app that records what reached it and answers with a canned response."""
 
-    def __init__(self) -> None:
+    def __init__(self, status: int = 200, body: bytes = b"ok", chunks: int = 1) -> None:
         self.calls: list[tuple[str, bytes]] = []
+        self.status, self.body, self.chunks = status, body, chunks
+        self.disconnected = False
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         body = b""
         if scope["type"] == "http":
             while True:
                 message = await receive()
+                if message["type"] == "http.disconnect":
+                    self.disconnected = True
+                    break
                 body += message.get("body", b"")
                 if not message.get("more_body"):
                     break
         self.calls.append((scope.get("path", ""), body))
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
+        headers = [(b"content-type", b"application/json"), (b"x-request-id", b"rid-1")]
+        await send({"type": "http.response.start", "status": self.status, "headers": headers})
+        step = max(1, -(-len(self.body) // self.chunks))
+        parts = [self.body[i : i + step] for i in range(0, len(self.body), step)] or [b""]
+        for i, part in enumerate(parts):
+            await send({"type": "http.response.body", "body": part, "more_body": i < len(parts) - 1})
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[bytes, bytes]
+    raw: bytes
+    receives: int
+
+    @property
+    def error(self) -> dict[str, Any]:
+        doc = json.loads(self.raw)
+        assert set(doc) == {"error"} and set(doc["error"]) == {"message", "type", "param", "code"}, doc
+        assert int(self.headers[b"content-length"]) == len(self.raw)
+        return dict(doc["error"])
 
 
 def call(
-    guard: ApiGuard, path: str, *, key: str | None = "k1", body: Any = None, method: str = "POST", chunks: int = 1
-) -> tuple[int, dict[str, Any] | None]:
-    raw = json.dumps(body).encode() if body is not None else b""
-    parts = [raw[i::chunks] for i in range(chunks)] if chunks == 1 else [raw[: len(raw) // 2], raw[len(raw) // 2 :]]
+    guard: ApiGuard,
+    path: str,
+    *,
+    key: str | None = "k1",
+    body: Any = UNSET,
+    raw: bytes | None = None,
+    method: str = "POST",
+    chunks: list[bytes] | None = None,
+    content_type: str | None = "application/json",
+    content_length: bool = True,
+    headers: tuple[tuple[bytes, bytes], ...] = (),
+    forbid_reading: bool = False,
+) -> Answer:
+    if raw is None:
+        raw = json.dumps(body).encode() if body is not UNSET else b""
+    parts = chunks if chunks is not None else [raw]
     messages = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1} for i, p in enumerate(parts)]
-    headers = [(b"content-type", b"application/json")]
+    head: list[tuple[bytes, bytes]] = list(headers)
+    if content_type is not None:
+        head.append((b"content-type", content_type.encode()))
+    if content_length and chunks is None:
+        head.append((b"content-length", str(len(raw)).encode()))
     if key is not None:
-        headers.append((b"authorization", f"Bearer {key}".encode()))
-    scope = {"type": "http", "method": method, "path": path, "headers": headers, "root_path": ""}
+        head.append((b"authorization", f"Bearer {key}".encode()))
+    scope = {"type": "http", "method": method, "path": path, "headers": head, "root_path": ""}
     sent: list[dict[str, Any]] = []
+    receives = 0
 
     async def receive() -> dict[str, Any]:
+        nonlocal receives
+        assert not forbid_reading, "the body was read"
+        receives += 1
         return messages.pop(0) if messages else {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
     asyncio.run(guard(scope, receive, send))
-    status = sent[0]["status"]
+    start = sent[0]
+    assert start["type"] == "http.response.start"
     payload = b"".join(m.get("body", b"") for m in sent[1:])
-    return status, (json.loads(payload) if payload and payload != b"ok" else None)
+    return Answer(start["status"], dict(start.get("headers") or []), payload, receives)
 
 
-def make_guard(counter: Any = None, **limits: int) -> tuple[ApiGuard, Recorder]:
-    downstream = Recorder()
+def make_guard(counter: Any = None, downstream: Recorder | None = None, **limits: Any) -> tuple[ApiGuard, Recorder]:
+    downstream = downstream or Recorder()
     keys = ApiKeys(None, "K", environ={"K": "k1,k2"})
-    guard = ApiGuard(downstream, keys=keys, limits=RequestLimits(**limits), count_prompt_tokens=counter)
+    guard = ApiGuard(
+        downstream, keys=keys, limits=RequestLimits(**limits), model_ids=MODELS, count_prompt_tokens=counter
+    )
     return guard, downstream
+
+
+def assert_no_internals(error: dict[str, Any]) -> None:
+    text = json.dumps(error).lower()
+    for word in ("traceback", "exception", "internal", "serializable", "object of type", "ray.llm", "vllm"):
+        assert word not in text, error
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize("key", [None, "", "nope", "k1k2"])
 @pytest.mark.parametrize("path", ["/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize"])
 def test_guard_refuses_bad_keys(key: str | None, path: str) -> None:
     guard, downstream = make_guard()
-    status, body = call(guard, path, key=key, body={"prompt": "x"})
-    assert status == 401
-    assert body is not None and set(body["error"]) == {"message", "type", "param", "code"}
-    assert body["error"]["code"] == "invalid_api_key"
+    answer = call(guard, path, key=key, body={"prompt": "x"})
+    assert answer.status == 401 and answer.error["code"] == "invalid_api_key"
     assert downstream.calls == []
 
 
 @pytest.mark.parametrize("path", ["/-/healthz", "/-/routes", "/health", "/ping"])
 def test_guard_leaves_health_routes_open(path: str) -> None:
     guard, downstream = make_guard()
-    assert call(guard, path, key=None, method="GET")[0] == 200
+    assert call(guard, path, key=None, method="GET", content_type=None).status == 200
     assert downstream.calls == [(path, b"")]
+
+
+def test_options_needs_a_key_too() -> None:
+    guard, downstream = make_guard()
+    answer = call(guard, "/v1/chat/completions", key=None, method="OPTIONS", content_type=None)
+    assert answer.status == 401 and answer.error["code"] == "invalid_api_key"
+    assert downstream.calls == []
+    assert call(guard, "/v1/chat/completions", method="OPTIONS", content_type=None).status == 200
+    assert len(downstream.calls) == 1
+
+
+@pytest.mark.parametrize("key", [None, "k1"])
+def test_websockets_are_refused_with_or_without_a_key(key: str | None) -> None:
+    guard, downstream = make_guard()
+    headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+    scope = {"type": "websocket", "path": "/v1/realtime", "headers": headers, "root_path": ""}
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "websocket.connect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(guard(scope, receive, send))
+    assert [m["type"] for m in sent] == ["websocket.close"] and sent[0]["code"] == 1008
+    assert downstream.calls == []
 
 
 def test_guard_passes_good_requests_with_the_body_intact() -> None:
     guard, downstream = make_guard(max_tokens=100)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}
-    assert call(guard, "/v1/chat/completions", key="k2", body=body, chunks=2)[0] == 200
+    raw = json.dumps(body).encode()
+    answer = call(guard, "/v1/chat/completions", key="k2", raw=raw, chunks=[raw[:10], raw[10:]])
+    assert answer.status == 200 and answer.raw == b"ok"
     assert json.loads(downstream.calls[0][1]) == body
-    assert call(guard, "/v1/models", method="GET")[0] == 200
+    assert call(guard, "/v1/models", method="GET", content_type=None).status == 200
+
+
+@pytest.mark.parametrize(
+    ("content_type", "headers"),
+    [
+        ("text/plain", ()),
+        ("application/x-www-form-urlencoded", ()),
+        (None, ()),
+        ("multipart/form-data; boundary=x", ()),
+        ("application/json; charset=latin-1", ()),
+        ("application/jsonx", ()),
+        ("application/json", ((b"content-encoding", b"gzip"),)),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize"])
+def test_a_body_that_is_not_declared_json_gets_415(
+    content_type: str | None, headers: tuple[tuple[bytes, bytes], ...], path: str
+) -> None:
+    guard, downstream = make_guard()
+    answer = call(guard, path, body=CHAT, content_type=content_type, headers=headers, forbid_reading=True)
+    assert answer.status == 415, answer.raw
+    assert answer.error["code"] == "unsupported_media_type" and answer.error["type"] == "invalid_request_error"
+    assert "application/json" in answer.error["message"] or "Content-Encoding" in answer.error["message"]
+    assert downstream.calls == []
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=UTF-8", "Application/JSON", "application/json;"])
+def test_json_content_types_with_parameters_pass(content_type: str) -> None:
+    guard, downstream = make_guard()
+    assert call(guard, "/v1/chat/completions", body=CHAT, content_type=content_type).status == 200
+    assert len(downstream.calls) == 1
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "m", "prompt": "x", "temperature": NaN}',
+        b'{"model": "m", "prompt": "x", "temperature": Infinity}',
+        b'{"model": "m", "prompt": "x", "temperature": -Infinity}',
+        b'{"model": "m", "prompt": "x", "temperature": 1e999}',
+        b'{"model": "m", "prompt": "x"',
+        b"model=m&prompt=x",
+        b"",
+        b"   ",
+        b'["not", "an", "object"]',
+        b'"a string"',
+        b"\xff\xfe{}",
+        b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b'{"max_tokens": ' + b"9" * 5000 + b"}",
+    ],
+    ids=[
+        "nan",
+        "infinity",
+        "minus-infinity",
+        "overflow",
+        "truncated",
+        "form",
+        "empty",
+        "blank",
+        "array",
+        "string",
+        "not-utf8",
+        "deep",
+        "huge-int",
+    ],
+)
+def test_bodies_that_are_not_a_json_object_get_400(raw: bytes) -> None:
+    guard, downstream = make_guard()
+    answer = call(guard, "/v1/completions", raw=raw)
+    assert answer.status == 400, answer.raw
+    error = answer.error
+    assert error["code"] == "invalid_json" and error["type"] == "invalid_request_error"
+    assert_no_internals(error)
+    assert downstream.calls == []
+
+
+def test_parse_json_object_returns_the_object() -> None:
+    assert parse_json_object(b'{"a": [1, 2.5, "\\u00e9"]}') == {"a": [1, 2.5, "é"]}
+
+
+def test_a_declared_length_over_the_cap_gets_413_before_reading() -> None:
+    guard, downstream = make_guard()
+    huge = str(64 * 1024 * 1024).encode()
+    for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("POST", "/v1/nothing")):
+        answer = call(
+            guard,
+            path,
+            method=method,
+            raw=b"{}",
+            content_length=False,
+            headers=((b"content-length", huge),),
+            forbid_reading=True,
+        )
+        assert answer.status == 413 and answer.error["code"] == "request_too_large"
+    # Even without a key: refusing costs nothing and tells nothing.
+    answer = call(guard, "/v1/completions", key=None, content_length=False, headers=((b"content-length", huge),))
+    assert answer.status == 413
+    assert downstream.calls == []
+
+
+def test_a_malformed_content_length_gets_400() -> None:
+    guard, _ = make_guard()
+    answer = call(guard, "/v1/completions", content_length=False, headers=((b"content-length", b"-5"),))
+    assert answer.status == 400 and answer.error["code"] == "invalid_content_length"
+
+
+def test_a_chunked_body_is_cut_off_at_the_cap_while_it_streams() -> None:
+    guard, downstream = make_guard()
+    cap = body_cap(RequestLimits())
+    piece = b" " * (cap // 3)
+    chunks = [b'{"prompt": "'] + [piece] * 10 + [b'"}']
+    answer = call(guard, "/v1/completions", chunks=chunks)
+    assert answer.status == 413 and answer.error["code"] == "request_too_large"
+    assert answer.receives == 4  # stopped at the chunk that passed the cap, not at the end
+    assert downstream.calls == []
+
+
+def test_a_streamed_body_under_the_cap_passes() -> None:
+    guard, downstream = make_guard()
+    raw = json.dumps({"model": "m", "prompt": "hello"}).encode()
+    assert call(guard, "/v1/completions", chunks=[raw[:5], raw[5:9], raw[9:]]).status == 200
+    assert json.loads(downstream.calls[0][1])["prompt"] == "hello"
+
+
+def test_a_body_on_a_passed_through_route_is_capped_too() -> None:
+    guard, downstream = make_guard()
+    cap = body_cap(RequestLimits())
+    answer = call(guard, "/v1/models", method="GET", content_type=None, chunks=[b" " * cap, b" " * 10])
+    assert answer.status == 200 and downstream.disconnected
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize"])
+def test_an_unknown_model_gets_an_openai_404(path: str) -> None:
+    guard, downstream = make_guard()
+    answer = call(guard, path, body={**CHAT, "prompt": "x", "model": "gpt-5"})
+    assert answer.status == 404
+    error = answer.error
+    assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model", "invalid_request_error")
+    assert "gpt-5" in error["message"]
+    assert downstream.calls == []
+    assert call(guard, path, body={**CHAT, "model": 7}).status == 400
+
+
+def test_known_or_missing_models_pass() -> None:
+    guard, downstream = make_guard()
+    assert call(guard, "/v1/chat/completions", body={**CHAT, "model": "org/name"}).status == 200
+    assert call(guard, "/v1/chat/completions", body={"messages": CHAT["messages"]}).status == 200
+    assert len(downstream.calls) == 2
+
+
+def test_an_unknown_model_by_path_gets_an_openai_404() -> None:
+    guard, downstream = make_guard()
+    answer = call(guard, "/v1/models/gpt-5", method="GET", content_type=None)
+    assert answer.status == 404 and answer.error["code"] == "model_not_found"
+    assert call(guard, "/v1/models/m", method="GET", content_type=None).status == 200
+    assert call(guard, "/v1/models/org--name", method="GET", content_type=None).status == 200
+    assert len(downstream.calls) == 2
+
+
+@pytest.mark.parametrize("param", ["max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of"])
+@pytest.mark.parametrize("value", ["100000", "3", 100000.0, 2.0, True, [1], {"a": 1}])
+def test_integer_parameters_must_be_json_integers(param: str, value: Any) -> None:
+    guard, downstream = make_guard(max_tokens=100)
+    answer = call(guard, "/v1/completions", body={"model": "m", "prompt": "x", param: value})
+    assert answer.status == 400
+    error = answer.error
+    assert (error["param"], error["code"]) == (param, "invalid_type")
+    assert "must be an integer" in error["message"]
+    assert downstream.calls == []
+
+
+def test_null_integer_parameters_mean_the_default() -> None:
+    guard, _ = make_guard()
+    body = {"model": "m", "prompt": "x", "max_tokens": None, "n": None, "best_of": None}
+    assert call(guard, "/v1/completions", body=body).status == 200
 
 
 @pytest.mark.parametrize("param", ["max_tokens", "max_completion_tokens"])
 def test_guard_refuses_too_many_output_tokens(param: str) -> None:
     guard, downstream = make_guard(max_tokens=100)
-    status, body = call(guard, "/v1/chat/completions", body={"messages": [], param: 101})
-    assert status == 400 and body is not None
-    assert body["error"]["param"] == param and body["error"]["type"] == "invalid_request_error"
+    answer = call(guard, "/v1/chat/completions", body={**CHAT, param: 101})
+    assert answer.status == 400
+    assert (answer.error["param"], answer.error["code"]) == (param, "max_tokens_exceeded")
     assert downstream.calls == []
 
 
-def test_guard_leaves_malformed_bodies_to_the_route() -> None:
-    guard, downstream = make_guard(max_tokens=100)
-    assert call(guard, "/v1/completions", body={"prompt": "x", "max_tokens": "many"})[0] == 200
-    assert call(guard, "/v1/completions", body=["not", "an", "object"])[0] == 200
-    assert len(downstream.calls) == 2
+@pytest.mark.parametrize("param", ["n", "best_of"])
+def test_choices_are_capped(param: str) -> None:
+    guard, downstream = make_guard(max_tokens=64, max_n=4)
+    answer = call(guard, "/v1/completions", body={"model": "m", "prompt": "x", "max_tokens": 8, param: 64})
+    assert answer.status == 400
+    assert (answer.error["param"], answer.error["code"]) == (param, "too_many_choices")
+    assert call(guard, "/v1/completions", body={"model": "m", "prompt": "x", "max_tokens": 8, param: 4}).status == 200
+    assert len(downstream.calls) == 1
+
+
+def test_the_whole_request_output_is_bounded() -> None:
+    guard, downstream = make_guard(max_tokens=100, max_n=4, max_request_output_tokens=200)
+    # n x max_tokens, with the server's max_tokens charged when the request leaves it out.
+    assert call(guard, "/v1/chat/completions", body={**CHAT, "n": 3}).status == 400
+    assert call(guard, "/v1/chat/completions", body={**CHAT, "n": 3, "max_tokens": 67}).status == 400
+    assert call(guard, "/v1/chat/completions", body={**CHAT, "n": 3, "max_tokens": 66}).status == 200
+    assert call(guard, "/v1/chat/completions", body={**CHAT, "n": 2}).status == 200
+    # Several prompts count as several sequences; token ids are one prompt.
+    many = {"model": "m", "prompt": ["a", "b", "c"], "max_tokens": 67}
+    answer = call(guard, "/v1/completions", body=many)
+    assert answer.status == 400 and answer.error["code"] == "output_tokens_exceeded"
+    assert "3 prompts" in answer.error["message"]
+    assert call(guard, "/v1/completions", body={**many, "prompt": [[1], [2], [3]]}).status == 400
+    assert call(guard, "/v1/completions", body={**many, "prompt": [1, 2, 3]}).status == 200
+    assert len(downstream.calls) == 3
+
+
+def test_the_default_budget_is_max_tokens_times_max_n() -> None:
+    guard, _ = make_guard(max_tokens=64, max_n=4)
+    assert call(guard, "/v1/completions", body={"model": "m", "prompt": ["a"] * 5, "max_tokens": 64}).status == 400
+    assert call(guard, "/v1/completions", body={"model": "m", "prompt": ["a"] * 4, "max_tokens": 64}).status == 200
 
 
 def test_guard_checks_token_id_prompts_exactly() -> None:
     guard, _ = make_guard(max_prompt_tokens=10)
-    assert call(guard, "/v1/completions", body={"prompt": list(range(10))})[0] == 200
-    status, body = call(guard, "/v1/completions", body={"prompt": list(range(11))})
-    assert status == 400 and body is not None and body["error"]["code"] == "context_length_exceeded"
-    assert call(guard, "/v1/completions", body={"prompt": [[1] * 3, [1] * 11]})[0] == 400
+    assert call(guard, "/v1/completions", body={"prompt": list(range(10))}).status == 200
+    answer = call(guard, "/v1/completions", body={"prompt": list(range(11))})
+    assert answer.status == 400 and answer.error["code"] == "context_length_exceeded"
+    assert answer.error["param"] == "prompt"
+    assert call(guard, "/v1/completions", body={"prompt": [[1] * 3, [1] * 11]}).status == 400
+    assert call(guard, "/v1/completions", body={"prompt": [[1] * 3, [1] * 10]}).status == 200
 
 
-def test_guard_counts_exactly_only_above_the_cheap_bound() -> None:
+@pytest.mark.parametrize(
+    "prompt",
+    [[], [[]], [1, "a"], [1.0, 2], [True, 1], [[1], "a"], [[1], [1.5]], [["a"]], {"text": "x"}, 7],
+    ids=["empty", "empty-inner", "mixed", "floats", "bools", "list-and-str", "inner-float", "inner-str", "obj", "int"],
+)
+def test_malformed_prompts_get_400(prompt: Any) -> None:
+    guard, downstream = make_guard()
+    answer = call(guard, "/v1/completions", body={"model": "m", "prompt": prompt})
+    assert answer.status == 400 and answer.error["code"] == "invalid_prompt" and answer.error["param"] == "prompt"
+    assert downstream.calls == []
+
+
+def test_prompt_sizes() -> None:
+    assert prompt_sizes("/v1/completions", {"prompt": "héllo"}) == [PromptSize(6, 8, False)]
+    assert prompt_sizes("/v1/completions", {"prompt": [[1, 2], [3]]}) == [
+        PromptSize(0, 2, True),
+        PromptSize(0, 1, True),
+    ]
+    assert prompt_sizes("/v1/completions", {}) is None
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "héllo"}]}], "tools": [{"a": 1}]}
+    (size,) = prompt_sizes("/v1/chat/completions", chat) or []
+    assert isinstance(size, PromptSize) and not size.exact
+    assert size.text_bytes == len("héllo".encode()) + len("user") + len(json.dumps([{"a": 1}]))
+    assert size.tokens > size.text_bytes
+    assert prompt_sizes("/v1/chat/completions", {"messages": "hi"}) is None
+    assert prompt_sizes("/v1/embeddings", chat) is None
+
+
+def test_guard_counts_exactly_only_between_the_cheap_bounds() -> None:
     counted: list[str] = []
 
     async def counter(path: str, body: dict[str, Any]) -> int:
         counted.append(path)
-        return len(body["prompt"].split())
+        text = body["prompt"] if "prompt" in body else body["messages"][0]["content"]
+        return len(text.split())
 
-    guard, _ = make_guard(counter, max_prompt_tokens=50)
-    assert call(guard, "/v1/completions", body={"prompt": "a b c"})[0] == 200
+    guard, _ = make_guard(counter, max_prompt_tokens=50, prompt_bytes_per_token=8)
+    assert call(guard, "/v1/completions", body={"prompt": "a b c"}).status == 200
     assert counted == []  # 5 bytes: within the bound, no count needed
-    assert call(guard, "/v1/completions", body={"prompt": "word " * 40})[0] == 200
-    assert call(guard, "/v1/completions", body={"prompt": "word " * 60})[0] == 400
+    assert call(guard, "/v1/completions", body={"prompt": "word " * 40}).status == 200
+    assert call(guard, "/v1/completions", body={"prompt": "word " * 60}).status == 400
     assert counted == ["/v1/completions", "/v1/completions"]
+    # Over 50 tokens x 8 bytes: refused without asking the tokenizer.
+    answer = call(guard, "/v1/completions", body={"prompt": "w" * 401})
+    assert answer.status == 400 and answer.error["code"] == "context_length_exceeded"
+    assert "bytes" in answer.error["message"]
+    chat = {"messages": [{"role": "user", "content": "w" * 401}]}
+    answer = call(guard, "/v1/chat/completions", body=chat)
+    assert answer.status == 400 and answer.error["param"] == "messages"
+    assert call(guard, "/v1/completions", body={"prompt": ["a", "w" * 401]}).status == 400
+    assert len(counted) == 2
 
 
 def test_guard_defers_to_the_engine_when_counting_fails() -> None:
@@ -356,23 +728,99 @@ def test_guard_defers_to_the_engine_when_counting_fails() -> None:
         raise RuntimeError("engine unavailable")
 
     guard, downstream = make_guard(broken, max_prompt_tokens=5)
-    assert call(guard, "/v1/completions", body={"prompt": "word " * 60})[0] == 200
+    assert call(guard, "/v1/completions", body={"prompt": "word " * 10}).status == 200
     assert len(downstream.calls) == 1
 
 
-def test_guard_refuses_huge_bodies() -> None:
-    downstream = Recorder()
-    guard = ApiGuard(
-        downstream, keys=ApiKeys(None, "K", environ={"K": "k1"}), limits=RequestLimits(), max_body_bytes=100
-    )
-    assert call(guard, "/v1/completions", body={"prompt": "x" * 200})[0] == 413
-    assert downstream.calls == []
+def test_other_routes_and_methods_pass_through() -> None:
+    guard, downstream = make_guard()
+    assert call(guard, "/v1/embeddings", body={"model": "m", "input": ["x"] * 100}).status == 200
+    assert call(guard, "/detokenize", body={"model": "m", "tokens": [1, 2]}).status == 200
+    assert call(guard, "/v1/whatever", method="GET", content_type=None).status == 200
+    assert len(downstream.calls) == 3
 
 
-def test_prompt_bound_is_an_upper_bound_for_chat() -> None:
-    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "héllo"}]}], "tools": [{"a": 1}]}
-    bound = prompt_token_bound("/v1/chat/completions", body)
-    assert bound is not None
-    tokens, exact = bound
-    assert not exact and tokens >= len("héllo".encode()) + len("user")
-    assert prompt_token_bound("/v1/embeddings", body) is None
+# ---------------------------------------------------------------- errors from the routes, reshaped
+
+RAY_500 = {
+    "error": {
+        "message": "Message: Internal Server Error (Request ID: 3f2a-11), Internal exception: Internal Server "
+        "Error (Request ID: 3f2a-11), original exception: Object of type bytes is not JSON serializable",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
+RAY_400 = {
+    "error": {
+        "message": "Message: temperature must be a finite number. (Request ID: ab-12), Internal exception: "
+        "ray.llm._internal.serve.core.configs.openai_api_models.OpenAIHTTPException (Request ID: ab-12), "
+        "original exception: ",
+        "type": "OpenAIHTTPException",
+        "param": None,
+        "code": 400,
+    }
+}
+RAY_VALIDATION = {
+    "error": {
+        "message": "Invalid request format: Input should be a valid list at ('body', 'messages')",
+        "type": "list_type",
+        "param": "hi there",
+        "code": "invalid_parameter",
+    }
+}
+VLLM_404 = {
+    "error": {"message": "The model `x` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}
+}
+
+
+SERVER_FAULT = "The server had an error while processing your request."
+RETRY_LATER = "The server is overloaded or not ready yet. Please retry your request."
+INVALID = "invalid_request_error"
+VLLM_PARAM = {"error": {"message": "bad", "type": "x", "param": "body.messages", "code": 400}}
+TRACEBACK = b"upstream: Traceback (most recent call last) KeyError"
+RESHAPED = {
+    "ray-500": (500, RAY_500, (f"{SERVER_FAULT} (Request ID: 3f2a-11)", "server_error", None, None)),
+    "ray-400": (400, RAY_400, ("temperature must be a finite number. (Request ID: ab-12)", INVALID, None, None)),
+    "ray-validation": (
+        400,
+        RAY_VALIDATION,
+        (RAY_VALIDATION["error"]["message"], INVALID, "messages", "invalid_parameter"),
+    ),
+    "fastapi-404": (404, {"detail": "Not Found"}, ("Not Found", INVALID, None, "not_found")),
+    "fastapi-405": (405, {"detail": "Method Not Allowed"}, ("Method Not Allowed", INVALID, None, "method_not_allowed")),
+    "vllm-404": (404, VLLM_404, ("The model `x` does not exist.", INVALID, "model", "not_found")),
+    "vllm-param": (400, VLLM_PARAM, ("bad", INVALID, "messages", None)),
+    "text-503": (503, TRACEBACK, (RETRY_LATER, "server_error", None, None)),
+    "empty-422": (422, b"", ("The request failed with HTTP 422.", INVALID, None, None)),
+}
+
+
+@pytest.mark.parametrize(("status", "raw", "expected"), list(RESHAPED.values()), ids=list(RESHAPED))
+def test_route_errors_are_reshaped(status: int, raw: Any, expected: tuple[str, str, str | None, str | None]) -> None:
+    body = raw if isinstance(raw, bytes) else json.dumps(raw).encode()
+    downstream = Recorder(status=status, body=body, chunks=2)
+    guard, _ = make_guard(downstream=downstream)
+    answer = call(guard, "/v1/chat/completions", body=CHAT)
+    assert answer.status == status
+    error = answer.error
+    assert (error["message"], error["type"], error["param"], error["code"]) == expected
+    assert answer.headers[b"x-request-id"] == b"rid-1"  # other headers stay
+    if status >= 500:
+        assert_no_internals(error)
+    assert openai_error(status, body) == answer.raw
+
+
+def test_successful_and_head_answers_are_left_alone() -> None:
+    guard, _ = make_guard(downstream=Recorder(status=200, body=b"data: 1\n\ndata: 2\n\n", chunks=3))
+    assert call(guard, "/v1/chat/completions", body=CHAT).raw == b"data: 1\n\ndata: 2\n\n"
+    guard, _ = make_guard(downstream=Recorder(status=404, body=b"", chunks=1))
+    answer = call(guard, "/v1/models", method="HEAD", content_type=None)
+    assert answer.status == 404 and answer.raw == b""
+
+
+def test_a_huge_error_body_passes_unchanged() -> None:
+    big = b"x" * (200 * 1024)
+    guard, _ = make_guard(downstream=Recorder(status=400, body=big, chunks=8))
+    answer = call(guard, "/v1/chat/completions", body=CHAT)
+    assert answer.status == 400 and answer.raw == big

@@ -252,6 +252,77 @@ def test_thresholds_come_from_the_slos() -> None:
     assert 'namespace="elsewhere"' in by_other["GpuPodsPendingNodeGroupAtMax"]["expr"]
 
 
+def test_the_new_alerts_watch_the_stacks_namespace() -> None:
+    by_other = {r["alert"]: r for r in alerts.alert_rules(Slo(), "elsewhere")}
+    for name in ("RayServiceUpgradeStuck", "LlmContainerCrashLooping", "LlmContainerOomKilled"):
+        assert 'namespace="elsewhere"' in by_other[name]["expr"], name
+        assert 'namespace="llm"' not in by_other[name]["expr"], name
+
+
+def test_a_stuck_upgrade_outlasts_the_longest_deploy_wait() -> None:
+    """The alert fires only after `pulumi up` would have given up waiting for the upgrade."""
+    from infra.serving.ray_service import timeout_seconds
+
+    longest = max(timeout_seconds(config(stack).models) for stack in ("dev", "prod"))
+    assert longest <= alerts.UPGRADE_STUCK_MINUTES * 60
+    by_alert = {a.name: a for a in alerts.ALERTS}
+    assert by_alert["RayServiceUpgradeStuck"].for_ == f"{alerts.UPGRADE_STUCK_MINUTES}m"
+
+
+def test_the_exporters_the_new_alerts_read_are_installed_and_scraped() -> None:
+    """KubeRay's operator metrics, KEDA's operator metrics and kube-state-metrics, each with a monitor."""
+    values = {h["chart"]: h["values"] for h in render_stack("prod").helm}
+    kuberay_metrics = values["kuberay-operator"]["metrics"]
+    assert kuberay_metrics["enabled"] is True and kuberay_metrics["serviceMonitor"]["enabled"] is True
+    keda_operator = values["keda"]["prometheus"]["operator"]
+    assert keda_operator["enabled"] is True and keda_operator["serviceMonitor"]["enabled"] is True
+    # kube-prometheus-stack runs kube-state-metrics unless told not to.
+    assert values["kube-prometheus-stack"].get("kubeStateMetrics", {}).get("enabled", True) is True
+    families = {f.prefix: f for f in alerts.METRIC_INVENTORY}
+    assert "kuberay_service_condition_upgrade_in_progress" in families["kuberay_"].names
+    assert {
+        "kube_pod_container_status_restarts_total",
+        "kube_pod_container_status_last_terminated_reason",
+    } <= set(families["kube_"].names)
+    assert families["keda_"].names == ("keda_scaler_metrics_value",)
+
+
+def _sqs_trigger_metrics(scaled_object: dict[str, Any]) -> list[str]:
+    """The metric names KEDA gives a ScaledObject's SQS triggers: s<index>-aws-sqs-<queue name>."""
+    return [
+        f"s{i}-aws-sqs-{t['metadata']['queueURL'].rstrip('/').rsplit('/', 1)[-1]}"
+        for i, t in enumerate(scaled_object["spec"]["triggers"])
+        if t["type"] == "aws-sqs-queue"
+    ]
+
+
+def test_the_dead_letter_alert_reads_a_trigger_the_batch_scaled_object_has() -> None:
+    """Never an alert on a metric nobody emits: KEDA reports the dead-letter queue's depth only for a
+    trigger that watches it."""
+    rendered = render_stack("prod")
+    (scaled,) = [
+        s for s in manifests_of(rendered, "ScaledObject") if s["metadata"]["name"] == alerts.BATCH_SCALED_OBJECT
+    ]
+    dead_letter_url = rendered.outputs["batch_dead_letter_queue_url"]
+    by_alert = {r["alert"]: r for r in _rules(_rule("prod")) if "alert" in r}
+    assert f'scaledObject="{alerts.BATCH_SCALED_OBJECT}"' in by_alert["BatchDeadLetterQueueNotEmpty"]["expr"]
+    pattern = re.compile(alerts.DEAD_LETTER_METRIC)
+    metrics = _sqs_trigger_metrics(scaled)
+    # The request queue's own trigger never matches.
+    request = [
+        m
+        for m, t in zip(metrics, scaled["spec"]["triggers"], strict=True)
+        if t["metadata"]["queueURL"] != dead_letter_url
+    ]
+    assert request and not any(pattern.fullmatch(m) for m in request)
+    watched = [t for t in scaled["spec"]["triggers"] if t["metadata"].get("queueURL") == dead_letter_url]
+    assert any(pattern.fullmatch(m) for m in metrics)
+    (trigger,) = watched
+    # It reports, never scales: never active, and never the HPA's largest demand.
+    assert int(trigger["metadata"]["activationQueueLength"]) >= 10**6
+    assert int(trigger["metadata"]["queueLength"]) >= 10**6
+
+
 def test_rule_and_monitors_carry_the_prometheus_selector_labels() -> None:
     rendered = render_stack("prod")
     rule = _rule("prod")

@@ -12,6 +12,7 @@ from infra.serving import kuberay
 from infra.serving.dashboards import dashboards
 from infra.serving.endpoint import EXTERNAL_DNS_ANNOTATION, LB_ANNOTATION, base_url, serve_service_spec
 from infra.serving.ports import HTTPS_PORT, RAY_PORTS
+from infra.serving.ray_service import SERVICE_LABEL
 from tests.harness import manifests_of, ray_services, render_stack
 from tests.harness import stack_config as config
 
@@ -78,36 +79,73 @@ def test_base_url_scheme_follows_the_certificate() -> None:
     assert serve_service_spec("a", "llm", config("dev").endpoint)["metadata"]["namespace"] == "llm"
 
 
+def _policies(stack: str) -> dict[str, dict[str, Any]]:
+    return {p["metadata"]["name"]: p["spec"] for p in manifests_of(render_stack(stack), "NetworkPolicy")}
+
+
+def _peers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        e for key in ("ingress", "egress") for rule in spec.get(key, []) for e in rule.get("from", rule.get("to", []))
+    ]
+
+
 @pytest.mark.parametrize("stack", STACKS)
-def test_ray_ports_are_closed_to_everyone_but_namespace_monitoring_and_operator(stack: str) -> None:
+def test_the_namespace_denies_everything_but_dns_by_default(stack: str) -> None:
+    ns = config(stack).serving.namespace
+    policies = _policies(stack)
+    assert policies["default-deny"] == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
+    dns = policies["allow-dns"]
+    assert dns["podSelector"] == {} and dns["policyTypes"] == ["Egress"]
+    (rule,) = dns["egress"]
+    assert rule["to"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+        }
+    ]
+    assert {(p["protocol"], p["port"]) for p in rule["ports"]} == {("UDP", 53), ("TCP", 53)}
+    namespaces = {p["metadata"]["namespace"] for p in manifests_of(render_stack(stack), "NetworkPolicy")}
+    assert namespaces == {ns}
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_ray_policies_select_by_ray_service_and_name_peers_by_namespace_and_labels(stack: str) -> None:
     cfg = config(stack)
-    rendered = render_stack(stack)
-    policies = {p["metadata"]["name"]: p["spec"] for p in manifests_of(rendered, "NetworkPolicy")}
-    monitoring = next(
-        ns["metadata"]["name"] for ns in manifests_of(rendered, "Namespace") if "monitor" in ns["metadata"]["name"]
-    )
+    policies = _policies(stack)
     for name in cfg.services():
-        spec = policies[f"{name}-ray"]
-        assert spec["podSelector"]["matchLabels"] == kuberay.pods_of(name)
-        assert spec["policyTypes"] == ["Ingress"]
-        open_ports: set[int] = set()
-        for rule in spec["ingress"]:
-            peers = rule.get("from")
-            ports = {p["port"] for p in rule.get("ports", [])}
-            if peers is None:
-                open_ports |= ports
-                assert ports, "a rule without peers and ports would open everything"
-            elif peers == [{"podSelector": {}}]:
-                assert "ports" not in rule  # the namespace itself: all Ray ports
-            elif "podSelector" in peers[0]:
-                assert peers[0]["podSelector"]["matchLabels"] == kuberay.OPERATOR_POD_LABELS
-            else:
-                assert peers == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": monitoring}}}]
-                assert ports == {p.number for p in RAY_PORTS.scraped_on_head()}
-        # From anywhere only the serve port: the load balancer's IP targets.
-        assert open_ports == {RAY_PORTS.serve.number}
-        for internal in (6379, 8265, 10001, 8080):
-            assert internal not in open_ports
+        pods, head, serve = policies[f"{name}-ray"], policies[f"{name}-ray-head"], policies[f"{name}-ray-serve"]
+        assert pods["podSelector"]["matchLabels"] == {SERVICE_LABEL: name}
+        assert head["podSelector"]["matchLabels"] == {SERVICE_LABEL: name, kuberay.NODE_TYPE: "head"}
+        assert serve["podSelector"]["matchLabels"] == {SERVICE_LABEL: name, kuberay.NODE_TYPE: "worker"}
+        # Every peer in another namespace names that namespace AND its pods:
+        # a label alone can be copied by any pod anywhere.
+        for spec in (pods, head, serve):
+            for peer in _peers(spec):
+                if "namespaceSelector" in peer:
+                    assert peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+                    assert peer["podSelector"]["matchLabels"]
+            for rule in spec.get("ingress", []):
+                assert rule.get("from"), "a rule without peers would admit everyone"
+        (operator,) = head["ingress"]
+        assert operator["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "kuberay"}
+        assert {p["port"] for p in operator["ports"]} == {RAY_PORTS.dashboard.number, RAY_PORTS.serve.number}
+        # The serve port, and only it, for the load balancer's addresses in the VPC.
+        (lb,) = serve["ingress"]
+        assert {"ipBlock": {"cidr": str(cfg.network.vpc_cidr)}} in lb["from"]
+        assert lb["ports"] == [{"protocol": "TCP", "port": RAY_PORTS.serve.number}]
+        redis = [r for r in head["egress"] if r["ports"] == [{"protocol": "TCP", "port": 6379}]]
+        assert len(redis) == (1 if cfg.ray.gcs_fault_tolerance.enabled else 0)
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_the_load_balancer_gates_the_serving_pods_readiness(stack: str) -> None:
+    """The controller injects a readiness gate into the namespace's pods behind an IP-target NLB."""
+    cfg = config(stack)
+    namespaces = manifests_of(render_stack(stack), "Namespace")
+    (ns,) = [n for n in namespaces if n["metadata"]["name"] == cfg.serving.namespace]
+    assert ns["metadata"]["labels"]["elbv2.k8s.aws/pod-readiness-gate-inject"] == "enabled"
+    for rs in ray_services(stack):
+        assert _serve_service(rs)["metadata"]["annotations"][f"{LB_ANNOTATION}-nlb-target-type"] == "ip"
 
 
 @pytest.mark.parametrize("stack", STACKS)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shlex
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,19 +15,38 @@ import pytest
 import yaml
 
 from infra import versions
+from infra.aws.layer import RedisEndpoint
 from infra.config import RAY_SERVICE_NAME_MAX
+from infra.render import ROOT
 from infra.scheduling import gpu_placements, system_placement
 from infra.serving import kuberay
+from infra.serving.drain import (
+    POLL_SECONDS,
+    PROXY_DRAIN_SECONDS,
+    SERVE_PROCESS_PATTERNS,
+    STOP_SECONDS,
+    WAIT_LOOP_SECONDS,
+    drain,
+    prestop_script,
+)
 from infra.serving.ports import RAY_PORTS
 from infra.serving.ray_service import (
     INGRESS_GROUP,
+    RAY_CLUSTER_LABEL,
+    RAY_GROUP_LABEL,
+    REDIS_CA_CERT_ENV,
+    SERVICE_LABEL,
+    SYSTEM_CA_BUNDLE,
+    ZONE_LABEL,
     gpu_shape,
+    head_env,
     ray_service_manifest,
     worker_group_name,
 )
-from infra.serving.serve_config import IMPORT_PATH, MOUNTS
+from infra.serving.serve_config import IMPORT_PATH, INGRESS_RESOURCE, MOUNTS
 from tests.harness import group, manifests_of, ray_service_args, ray_services, reference_dir, render_stack
 from tests.harness import stack_config as config
+from twin.checks import no_local_ray_instance
 
 STACKS = ["dev", "prod"]
 
@@ -152,7 +175,8 @@ def test_no_deprecated_kuberay_fields_and_a_ready_wait(stack: str) -> None:
         assert "serviceUnhealthySecondThreshold" not in spec
         assert "deploymentUnhealthySecondThreshold" not in spec
         annotations = rs["metadata"]["annotations"]
-        assert annotations["pulumi.com/waitFor"] == 'jsonpath={.status.conditions[?(@.type=="Ready")].status}=True'
+        # Every condition of the JSON list must hold: Ready, and no upgrade left in progress.
+        assert json.loads(annotations["pulumi.com/waitFor"]) == ["condition=Ready", "condition=UpgradeInProgress=False"]
         assert int(annotations["pulumi.com/timeoutSeconds"]) >= 1800
 
 
@@ -318,8 +342,11 @@ def test_ingress_keeps_serving_at_every_scale(stack: str) -> None:
         g = group(rs, INGRESS_GROUP)
         assert g["minReplicas"] == ingress.nodes(ingress.min_replicas) >= 1
         assert g["maxReplicas"] == ingress.nodes(ingress.max_replicas)
-        (spread,) = g["template"]["spec"]["topologySpreadConstraints"]
-        assert spread["topologyKey"] == "kubernetes.io/hostname"
+        (spread,) = [
+            c
+            for c in g["template"]["spec"]["topologySpreadConstraints"]
+            if c["topologyKey"] == "kubernetes.io/hostname"
+        ]
         assert spread["whenUnsatisfiable"] == "DoNotSchedule"
         assert spread["labelSelector"]["matchLabels"] == {
             "llm-platform/ray-service": rs["metadata"]["name"],
@@ -344,7 +371,8 @@ def test_serve_llm_builds_the_ingress_with_the_rendered_bounds(stack: str) -> No
 
     for rs in ray_services(stack):
         args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
-        ingress = build_app(args)._bound_deployment
+        with no_local_ray_instance():
+            ingress = build_app(args)._bound_deployment
         scaling = ingress._deployment_config.autoscaling_config
         assert scaling is not None
         assert (scaling.min_replicas, scaling.max_replicas) == (
@@ -370,3 +398,249 @@ def test_accelerator_type_comes_from_the_gpu_group(stack: str) -> None:
             kwargs = llm_config_kwargs(entry, catalog)
             assert kwargs["accelerator_type"] == accel
             assert "accelerator_config" not in kwargs
+
+
+# --- GCS fault tolerance over TLS: the head verifies ElastiCache's certificate ---
+
+
+def _env(template: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value") for e in _container(template).get("env", [])}
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_gcs_over_tls_gives_the_head_the_images_ca_bundle(stack: str) -> None:
+    """Whenever the GCS keeps its state in a `rediss://` Redis, the rendered head carries RAY_REDIS_CA_CERT."""
+    services = ray_services(stack)
+    for rs in services:
+        cluster = rs["spec"]["rayClusterConfig"]
+        ft = cluster.get("gcsFaultToleranceOptions")
+        env = _env(cluster["headGroupSpec"]["template"])
+        if ft is not None and ft["redisAddress"].startswith("rediss://"):
+            assert env[REDIS_CA_CERT_ENV] == SYSTEM_CA_BUNDLE
+        else:
+            assert REDIS_CA_CERT_ENV not in env
+        # Only the head's GCS talks to the Redis.
+        for g in cluster["workerGroupSpecs"]:
+            assert REDIS_CA_CERT_ENV not in _env(g["template"])
+    # Prod has GCS fault tolerance on, so the check above ran on real heads.
+    if config(stack).ray.gcs_fault_tolerance.enabled:
+        assert all("gcsFaultToleranceOptions" in rs["spec"]["rayClusterConfig"] for rs in services)
+
+
+@pytest.mark.parametrize("tls", [True, False])
+def test_the_ca_bundle_follows_the_redis_scheme(tls: bool) -> None:
+    """Dev with a Redis of either scheme: only `rediss://` needs (and gets) the CA bundle."""
+    cfg = config("dev")
+    # The head's env reads only the scheme; the address and password stay unresolved.
+    redis = RedisEndpoint(address=None, password=None, tls=tls)  # type: ignore[arg-type]
+    args = ray_service_args(cfg, cfg.models[0].service_name, redis=redis, redis_secret="ray-gcs-redis")
+    env = {e["name"]: e["value"] for e in head_env(args)}
+    assert (env.get(REDIS_CA_CERT_ENV) == SYSTEM_CA_BUNDLE) is tls
+    assert (REDIS_CA_CERT_ENV in env) is tls
+    assert {"RAY_PROMETHEUS_HOST", "RAY_GRAFANA_HOST"} <= set(env)
+
+
+def test_the_ca_bundle_is_where_the_serving_images_base_keeps_it() -> None:
+    """The image builds FROM the Ray LLM image (Ubuntu): the ca-certificates bundle is Debian's path."""
+    dockerfile = (ROOT / "workloads" / "Dockerfile").read_text()
+    assert f"ARG BASE_IMAGE={versions.RAY_LLM_BASE_IMAGE}" in dockerfile
+    assert "FROM ${BASE_IMAGE}" in dockerfile
+    assert versions.RAY_LLM_BASE_IMAGE.startswith("rayproject/ray-llm:")
+    assert SYSTEM_CA_BUNDLE == "/etc/ssl/certs/ca-certificates.crt"
+
+
+# --- drain: nothing cuts off a generation the limits allow ---
+
+
+def _longest_generation(stack: str) -> float:
+    cfg = config(stack)
+    slo = cfg.observability.slo
+    return slo.ttft_p95_seconds + cfg.serving.limits.max_tokens * slo.inter_token_p95_seconds
+
+
+def _prestop_bound(template: dict[str, Any]) -> int:
+    command = _container(template)["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["/bin/bash", "-c"]
+    match = re.search(r'\[ "\$SECONDS" -lt (\d+) \]', command[2])
+    assert match, command[2]
+    bound = int(match.group(1))
+    assert f"--deadline-remaining-seconds {bound}" in command[2]
+    return bound
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_worker_pods_drain_for_the_longest_generation_the_limits_allow(stack: str) -> None:
+    longest = _longest_generation(stack)
+    timings = drain(config(stack))
+    assert timings.serve_timeout_seconds >= longest
+    for rs in ray_services(stack):
+        spec = rs["spec"]
+        # After a NewCluster switch the old cluster finishes its streams before it is deleted.
+        assert spec["rayClusterDeletionDelaySeconds"] >= longest + PROXY_DRAIN_SECONDS
+        for g in spec["rayClusterConfig"]["workerGroupSpecs"]:
+            bound = _prestop_bound(g["template"])
+            # Serve stops the node's replicas within its proxy draining period, then
+            # each has the whole budget to finish what it holds.
+            assert bound >= timings.serve_timeout_seconds + PROXY_DRAIN_SECONDS
+            # The grace period covers the hook, then Ray's own stop after SIGTERM.
+            assert g["template"]["spec"]["terminationGracePeriodSeconds"] >= bound + STOP_SECONDS
+        # The head holds the GCS and the Serve controller: it is not drained.
+        assert "lifecycle" not in _container(spec["rayClusterConfig"]["headGroupSpec"]["template"])
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_serve_stops_replicas_gracefully_for_the_whole_budget(stack: str) -> None:
+    from workloads.inference_server import engine
+    from workloads.inference_server.catalog import Catalog
+
+    timings = drain(config(stack))
+    wanted = {"graceful_shutdown_timeout_s": timings.serve_timeout_seconds, "graceful_shutdown_wait_loop_s": 2.0}
+    assert wanted["graceful_shutdown_wait_loop_s"] == WAIT_LOOP_SECONDS
+    for rs in ray_services(stack):
+        args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+        catalog = Catalog.model_validate(args)
+        configs = [engine.llm_config_kwargs(e, catalog)["deployment_config"] for e in catalog.models]
+        configs.append(engine.ingress_deployment_config(catalog))
+        for deployment in configs:
+            assert {k: deployment[k] for k in wanted} == wanted
+        schema = pytest.importorskip("ray.serve.schema", reason="ray[serve]==2.60.0 is not installed")
+        for deployment in configs:
+            schema.DeploymentSchema(name="d", **{k: deployment[k] for k in wanted})
+
+
+def _write_cmdline(proc: Path, pid: int, argv: list[str]) -> Path:
+    (proc / str(pid)).mkdir(parents=True)
+    path = proc / str(pid) / "cmdline"
+    path.write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+    return path
+
+
+def _run_hook(seconds: int, proc: Path, bin_dir: Path) -> float:
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    start = time.monotonic()
+    subprocess.run(["bash", "-c", prestop_script(seconds, str(proc))], env=env, timeout=60, check=True)
+    return time.monotonic() - start
+
+
+def test_the_prestop_hook_waits_for_serve_to_leave_the_node_and_no_longer(tmp_path: Path) -> None:
+    """Run the hook against a process list of its own, with a `ray` that fails its drain request."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ray").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/drain-args\nexit 1\n')
+    (bin_dir / "ray").chmod(0o755)
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    # Its own shell and its grep are listed too: the hook must not find itself.
+    script = prestop_script(60, str(proc))
+    _write_cmdline(proc, 10, ["/bin/bash", "-c", script])
+    _write_cmdline(proc, 11, ["grep", "-qsa", *SERVE_PROCESS_PATTERNS])
+    _write_cmdline(proc, 12, ["ray::IDLE"])
+    assert _run_hook(60, proc, bin_dir) < POLL_SECONDS
+    assert "--deadline-remaining-seconds 60" in (tmp_path / "drain-args").read_text()
+
+    # A replica that goes after 2 s: the hook waits, then returns at its next look.
+    replica = _write_cmdline(proc, 20, ["ray::ServeReplica:llama:LLMServer:llama-3.1-8b"])
+    remover = subprocess.Popen(["bash", "-c", f"sleep 2; rm -f {replica}"])
+    took = _run_hook(60, proc, bin_dir)
+    remover.wait(timeout=10)
+    assert 2 <= took < 2 + POLL_SECONDS + 3
+
+    # A proxy that never goes: the hook gives up at its bound.
+    _write_cmdline(proc, 30, ["ray::ProxyActor"])
+    took = _run_hook(3, proc, bin_dir)
+    assert 3 <= took < 3 + POLL_SECONDS + 3
+
+
+@pytest.mark.parametrize(
+    ("title", "serve"),
+    [
+        ("ray::ServeReplica:app:LLMServer", True),
+        ("ray::ProxyActor", True),
+        ("ray::ServeController", False),
+        ("ray::IDLE", False),
+        ("ray::Serve[R]eplica", False),
+    ],
+)
+def test_the_hook_knows_serves_process_titles(title: str, serve: bool) -> None:
+    assert any(re.search(p, title) for p in SERVE_PROCESS_PATTERNS) is serve
+
+
+# --- spread over zones: prod ---
+
+
+def _zone_spread(template: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in template["spec"].get("topologySpreadConstraints", []) if c["topologyKey"] == ZONE_LABEL]
+
+
+def test_prod_spreads_ingress_and_model_replicas_over_zones() -> None:
+    for rs in ray_services("prod"):
+        name = rs["metadata"]["name"]
+        for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+            (spread,) = _zone_spread(g["template"])
+            assert spread == {
+                "maxSkew": 1,
+                "topologyKey": ZONE_LABEL,
+                # A preference: a node group spans the zones and cluster-autoscaler can not pick one.
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": {SERVICE_LABEL: name, RAY_GROUP_LABEL: g["groupName"]}},
+                # Per RayCluster: a NewCluster upgrade's new pods are not weighed against the old ones.
+                "matchLabelKeys": [RAY_CLUSTER_LABEL],
+            }
+            assert g["template"]["metadata"]["labels"][SERVICE_LABEL] == name
+
+
+def test_dev_is_not_spread_over_zones() -> None:
+    for rs in ray_services("dev"):
+        for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+            assert _zone_spread(g["template"]) == []
+
+
+def test_a_multi_host_replica_keeps_its_stages_together() -> None:
+    cfg = config("prod")
+    base = next(m for m in cfg.models if m.tensor_parallel_size == 4)
+    model = base.model_copy(update={"pipeline_parallel_size": 2})
+    rs = ray_service_manifest(ray_service_args(cfg, base.service_name, models=[model]))
+    g = group(rs, worker_group_name(model))
+    assert g["numOfHosts"] == 2
+    assert _zone_spread(g["template"]) == []
+    assert _zone_spread(group(rs, INGRESS_GROUP)["template"]) != []
+
+
+# --- the load balancers, as stack outputs ---
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_every_model_names_its_load_balancer_beside_its_url(stack: str) -> None:
+    """`load_balancers`: the NLB each model's URL resolves to (the name external-dns points at)."""
+    from infra.serving.endpoint import PENDING_HOSTNAME
+
+    cfg = config(stack)
+    outputs = render_stack(stack).outputs
+    assert set(outputs["load_balancers"]) == set(outputs["endpoints"]) == {m.model_id for m in cfg.models}
+    for model in cfg.models:
+        # Under the mocks the controller never writes the Service's status.
+        assert outputs["load_balancers"][model.model_id] == PENDING_HOSTNAME
+        if cfg.endpoint.domain:
+            assert outputs["endpoints"][model.model_id].startswith(
+                f"https://{model.service_name}.{cfg.endpoint.domain}"
+            )
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_only_the_ingress_group_advertises_what_an_ingress_replica_asks_for(stack: str) -> None:
+    """Serve's own builder: an ingress replica needs the resource only ingress nodes have, one per replica slot."""
+    pytest.importorskip("ray.serve.llm", reason="ray[serve]==2.60.0 is not installed")
+    from workloads.inference_server.app import build_app
+
+    for rs in ray_services(stack):
+        args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+        with no_local_ray_instance():
+            need = build_app(args)._bound_deployment._replica_config.resource_dict
+        assert need[INGRESS_RESOURCE] == 1
+        cluster = rs["spec"]["rayClusterConfig"]
+        advertised = {g["groupName"]: g.get("resources", {}) for g in cluster["workerGroupSpecs"]}
+        assert advertised.pop(INGRESS_GROUP)[INGRESS_RESOURCE] == str(args["ingress"]["max_replicas_per_node"])
+        assert not any(INGRESS_RESOURCE in r for r in advertised.values())
+        head = cluster["headGroupSpec"]
+        assert INGRESS_RESOURCE not in head.get("resources", {})
+        assert INGRESS_RESOURCE not in head["rayStartParams"].get("resources", "")

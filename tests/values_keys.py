@@ -50,8 +50,21 @@ REFERENCE_VALUES: dict[str, str] = {
     "keda": "keda/chart-values.yaml",
     "cluster-autoscaler": "cluster-autoscaler/chart-values.yaml",
     "aws-load-balancer-controller": "aws-load-balancer-controller/chart-values.yaml",
+    "external-dns": "external-dns/chart-values.yaml",
 }
 
+
+# Keys of a chart that a pinned chart packages as a dependency and whose
+# values.yaml the parent's does not repeat: the parent passes them through
+# under the dependency's name. Each names the dependency release that has
+# the key (checked in that chart's own values.yaml).
+SUBCHART_KEYS: dict[str, dict[tuple[str, ...], str]] = {
+    "kube-prometheus-stack": {
+        # grafana 12.11.1 (kube-prometheus-stack 88.5.3's dependency): a Role
+        # in Grafana's namespace instead of a cluster-wide ClusterRole.
+        ("grafana", "rbac", "namespaced"): "grafana 12.11.1",
+    },
+}
 
 _KEY_LINE = re.compile(r"^(\s*)([A-Za-z_][\w.-]*):(\s|$)")
 _DOCUMENTED_KEY_LINE = re.compile(r"^(\s*)# ([A-Za-z_][\w.-]*):(\s|$)")
@@ -95,6 +108,11 @@ def load_chart_values(reference_dir: Path, chart: str) -> dict[str, Any]:
             node = node.get(key) if isinstance(node, dict) else None
         if isinstance(node, dict):
             node.setdefault(path[-1], None)
+    for path in SUBCHART_KEYS.get(chart, {}):
+        node = loaded
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node.setdefault(path[-1], None)
     return loaded
 
 

@@ -13,12 +13,14 @@ from infra.aws.identities import (
     PodIdentities,
     batch_worker_identity,
     cluster_autoscaler_identity,
+    external_dns_identity,
+    external_dns_zone,
     keda_operator_identity,
     load_balancer_controller_identity,
     model_reader_identity,
 )
 from infra.aws.kubernetes import KubernetesAccess, KubernetesAccessArgs
-from infra.aws.layer import AwsLayer, BatchQueue, RedisEndpoint
+from infra.aws.layer import AwsLayer, BatchQueue, ExternalDnsAccess, RedisEndpoint
 from infra.aws.network import ClusterNetwork, NetworkArgs
 from infra.aws.provisioning import NodeProvisioner, NodeTarget, ProvisionedNodes, node_provisioner
 from infra.aws.queue import BatchQueueArgs, BatchQueues
@@ -89,6 +91,7 @@ def _shared(cfg: StackConfig, tags: dict[str, str]) -> _Shared:
 def _existing_cluster(cfg: StackConfig, nodes: NodeProvisioner, shared: _Shared) -> AwsLayer:
     """An existing cluster: reached through a kubeconfig context; its nodes and roles are not made here."""
     provider = KubernetesAccess("k8s", KubernetesAccessArgs(context=cfg.cluster.kubeconfig_context)).provider
+    zone = external_dns_zone(cfg)
     return AwsLayer(
         provider=provider,
         cluster_name=pulumi.Output.from_input(cfg.cluster.name),
@@ -107,6 +110,7 @@ def _existing_cluster(cfg: StackConfig, nodes: NodeProvisioner, shared: _Shared)
         keda_operator=keda_operator_identity(),
         batch_queue=shared.batch,
         batch_worker=batch_worker_identity(cfg.serving.namespace) if shared.batch else None,
+        external_dns=ExternalDnsAccess(external_dns_identity(), zone) if zone else None,
     )
 
 
@@ -152,6 +156,7 @@ def _new_cluster(cfg: StackConfig, nodes: NodeProvisioner, shared: _Shared, tags
         keda_operator=identities.keda_operator,
         batch_queue=shared.batch,
         batch_worker=identities.batch_worker,
+        external_dns=identities.external_dns,
         cluster_ready=[*provisioned.ready, workload_addons],
     )
 
@@ -187,6 +192,7 @@ def _pod_identities(cfg: StackConfig, cluster: EksCluster, shared: _Shared) -> P
             node_security_group_id=cluster.node_security_group_id,
             ebs_kms_key_arn=cfg.storage.storage_class.kms_key_arn,
             batch=shared.batch,
+            hosted_zone_id=external_dns_zone(cfg),
         ),
     )
 

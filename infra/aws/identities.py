@@ -9,7 +9,8 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.aws import policies
-from infra.aws.layer import BatchQueue, PodIdentity
+from infra.aws.layer import BatchQueue, ExternalDnsAccess, PodIdentity
+from infra.config import StackConfig
 
 KUBE_SYSTEM = "kube-system"
 # The service accounts the roles are bound to. The layers that create the
@@ -23,6 +24,8 @@ EBS_CSI_SA = "ebs-csi-controller-sa"
 KEDA_NAMESPACE = "keda"
 KEDA_OPERATOR_SA = "keda-operator"
 BATCH_WORKER_SA = "batch-worker"
+EXTERNAL_DNS_NAMESPACE = "external-dns"
+EXTERNAL_DNS_SA = "external-dns"
 
 
 def model_reader_identity(namespace: str, role_arn: pulumi.Output[str] | None = None) -> PodIdentity:
@@ -50,6 +53,25 @@ def batch_worker_identity(namespace: str, role_arn: pulumi.Output[str] | None = 
     return PodIdentity(namespace=namespace, service_account=BATCH_WORKER_SA, role_arn=role_arn)
 
 
+def external_dns_identity(role_arn: pulumi.Output[str] | None = None) -> PodIdentity:
+    """external-dns' identity: change the records of the endpoint's hosted zone."""
+    return PodIdentity(namespace=EXTERNAL_DNS_NAMESPACE, service_account=EXTERNAL_DNS_SA, role_arn=role_arn)
+
+
+def external_dns_zone(cfg: StackConfig) -> str | None:
+    """The hosted zone external-dns writes the endpoint's records into, or None when it does not run.
+
+    It runs where the endpoint has a domain and the zone is given
+    (`endpoint.hosted_zone_id`), unless `platform.external_dns` is switched off.
+    """
+    # getattr: older configs have neither key.
+    zone: str | None = getattr(cfg.endpoint, "hosted_zone_id", None)
+    toggle = getattr(cfg.platform, "external_dns", None)
+    if cfg.endpoint.domain is None or zone is None or (toggle is not None and not toggle.enabled):
+        return None
+    return zone
+
+
 @dataclass(frozen=True)
 class IdentitiesArgs:
     """What the policies name: the cluster, the bucket and its key, the models' prefixes."""
@@ -68,6 +90,9 @@ class IdentitiesArgs:
     # The batch queue, when batch is on: the workers and KEDA's operator then
     # get roles scoped to it.
     batch: BatchQueue | None = None
+    # The Route 53 zone of the endpoint's domain, when external-dns writes
+    # its records: external-dns then gets a role that may change that zone.
+    hosted_zone_id: str | None = None
 
 
 # (partition, region, account, cluster) -> policy document
@@ -88,6 +113,7 @@ class PodIdentities(pulumi.ComponentResource):
     ebs_csi: PodIdentity
     keda_operator: PodIdentity
     batch_worker: PodIdentity | None
+    external_dns: ExternalDnsAccess | None
     associations: list[aws.eks.PodIdentityAssociation]
 
     def __init__(self, name: str, args: IdentitiesArgs, opts: pulumi.ResourceOptions | None = None) -> None:
@@ -111,6 +137,9 @@ class PodIdentities(pulumi.ComponentResource):
         self.batch_worker = None
         if args.batch is not None:
             self._batch(name, args.batch)
+        self.external_dns = None
+        if args.hosted_zone_id is not None:
+            self.external_dns = self._external_dns(name, args.hosted_zone_id)
         self.register_outputs(
             {
                 "keda_operator_role_arn": self.keda_operator.role_arn,
@@ -119,6 +148,7 @@ class PodIdentities(pulumi.ComponentResource):
                 "cluster_autoscaler_role_arn": self.cluster_autoscaler.role_arn,
                 "load_balancer_controller_role_arn": self.load_balancer_controller.role_arn,
                 "ebs_csi_role_arn": self.ebs_csi.role_arn,
+                "external_dns_role_arn": self.external_dns.identity.role_arn if self.external_dns else None,
             }
         )
 
@@ -177,8 +207,10 @@ class PodIdentities(pulumi.ComponentResource):
             self._role(
                 f"{name}-keda-operator",
                 keda_operator_identity(),
-                "Reads the batch queue's length for KEDA",
-                inline=batch.arn.apply(policies.queue_length_reader),
+                "Reads the batch queues' lengths for KEDA",
+                inline=pulumi.Output.all(batch.arn, batch.dead_letter_arn).apply(
+                    lambda a: policies.queue_length_reader(a[0], a[1])
+                ),
             )
         )
         namespace = self._args.serving_namespace
@@ -194,6 +226,16 @@ class PodIdentities(pulumi.ComponentResource):
                 ),
             ),
         )
+
+    def _external_dns(self, name: str, hosted_zone_id: str) -> ExternalDnsAccess:
+        """external-dns: the records of the one hosted zone."""
+        role_arn = self._role(
+            f"{name}-external-dns",
+            external_dns_identity(),
+            "Writes the endpoint's DNS records in its hosted zone",
+            inline=self._partition.apply(lambda p: policies.external_dns(p, hosted_zone_id)),
+        )
+        return ExternalDnsAccess(identity=external_dns_identity(role_arn), hosted_zone_id=hosted_zone_id)
 
     def _scoped(self, fn: PolicyFn) -> pulumi.Output[policies.Policy]:
         region = self._args.region

@@ -30,6 +30,14 @@ class PodIdentity:
 
 
 @dataclass(frozen=True)
+class ExternalDnsAccess:
+    """external-dns' pod identity and the one Route 53 hosted zone its role may change."""
+
+    identity: PodIdentity
+    hosted_zone_id: str
+
+
+@dataclass(frozen=True)
 class RedisEndpoint:
     """The external Redis that keeps the Ray GCS state across head restarts."""
 
@@ -87,3 +95,6 @@ class AwsLayer:
     # Which node provisioner made the nodes (infra/aws/provisioning.py): the
     # platform installs cluster-autoscaler only for managed node groups.
     node_provisioner: str = MANAGED_NODE_GROUPS
+    # external-dns' identity and hosted zone, when the endpoint has a domain
+    # and its zone is known: the platform installs external-dns only then.
+    external_dns: ExternalDnsAccess | None = None

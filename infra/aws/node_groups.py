@@ -22,9 +22,14 @@ TAINT_EFFECTS = {"NoSchedule": "NO_SCHEDULE", "NoExecute": "NO_EXECUTE", "Prefer
 
 NODE_TEMPLATE = "k8s.io/cluster-autoscaler/node-template"
 GPU_RESOURCE = "nvidia.com/gpu"
-# Pods reach the instance metadata service through one extra hop (the pod's
-# network namespace); with a limit of 1 only host-network pods could.
-IMDS_HOP_LIMIT = 2
+# A limit of 1 keeps IMDSv2's token from crossing into a pod's network
+# namespace: only host-network pods (the VPC CNI, kube-proxy, the EKS Pod
+# Identity agent) reach the instance metadata service, so no other pod can
+# take the node's role (ECR read on every repository, the CNI's ENI rights).
+# Pods get AWS credentials from their own pod identity; the load balancer
+# controller and cluster-autoscaler are given their region and VPC instead
+# of looking them up.
+IMDS_HOP_LIMIT = 1
 
 
 def node_template_tags(placement: Placement, disk_size_gib: int) -> dict[str, str]:
@@ -79,7 +84,7 @@ class NodeGroup(pulumi.ComponentResource):
 
     Built from aws.eks.NodeGroup and a launch template rather than
     pulumi-eks' ManagedNodeGroup: the launch template is needed anyway
-    (IMDSv2 with a hop limit of 2, an encrypted gp3 root volume), access
+    (IMDSv2 with a hop limit of 1, an encrypted gp3 root volume), access
     entries replace the aws-auth mapping that ManagedNodeGroup adds, and the
     autoscaler's node-template tags must also go on the Auto Scaling group
     that EKS creates, whose name only the node group resource exposes.
@@ -102,7 +107,7 @@ class NodeGroup(pulumi.ComponentResource):
         self.register_outputs({"name": self.name, "autoscaling_group": self.autoscaling_group})
 
     def _launch_template(self, name: str, args: NodeGroupArgs) -> aws.ec2.LaunchTemplate:
-        """IMDSv2 with a hop limit pods can use, encrypted gp3 volumes, the group's name on instances and volumes."""
+        """IMDSv2 for the node alone (hop limit 1), encrypted gp3 volumes, the group's name on instances and volumes."""
         group = args.placement.group
         return aws.ec2.LaunchTemplate(
             name,

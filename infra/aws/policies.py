@@ -267,14 +267,38 @@ def batch_worker(queue_arn: str, results_bucket_arn: str, results_prefix: str) -
     )
 
 
-def queue_length_reader(queue_arn: str) -> Policy:
-    """KEDA's operator: read the queue's message counts, nothing else."""
+def external_dns(partition: str, hosted_zone_id: str) -> Policy:
+    """external-dns: change records in the one hosted zone only.
+
+    The calls it makes to find zones and read their records and tags
+    (ListHostedZones, ListResourceRecordSets, ListTagsForResources) are
+    granted on `*` as upstream's AWS tutorial grants them; only
+    ChangeResourceRecordSets writes, and it names this zone.
+    """
+    return _doc(
+        {
+            "Sid": "ChangeRecordsInTheZone",
+            "Effect": "Allow",
+            "Action": ["route53:ChangeResourceRecordSets"],
+            "Resource": [f"arn:{partition}:route53:::hostedzone/{hosted_zone_id}"],
+        },
+        {
+            "Sid": "ListZonesAndRecords",
+            "Effect": "Allow",
+            "Action": ["route53:ListHostedZones", "route53:ListResourceRecordSets", "route53:ListTagsForResources"],
+            "Resource": ["*"],
+        },
+    )
+
+
+def queue_length_reader(*queue_arns: str) -> Policy:
+    """KEDA's operator: read the queues' message counts (the request and dead-letter queues), nothing else."""
     return _doc(
         {
             "Sid": "ReadBatchQueueLength",
             "Effect": "Allow",
             "Action": ["sqs:GetQueueAttributes"],
-            "Resource": [queue_arn],
+            "Resource": list(queue_arns),
         }
     )
 

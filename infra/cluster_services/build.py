@@ -8,7 +8,8 @@ parts it names in `after`, and all of them for the AWS layer's
    other charts' ServiceMonitors need);
 3. the AWS load balancer controller (its webhook intercepts every Service
    created afterwards, so it must be serving before the other charts' Services);
-4. GPU Operator, KubeRay, KEDA and cluster-autoscaler.
+4. GPU Operator, KubeRay, KEDA, cluster-autoscaler and, where the endpoint
+   has a domain, external-dns.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import pulumi
 
 from infra.aws.layer import MANAGED_NODE_GROUPS, AwsLayer
-from infra.cluster_services import autoscaler, gpu_operator, keda, kuberay, load_balancer, storage
+from infra.cluster_services import autoscaler, external_dns, gpu_operator, keda, kuberay, load_balancer, storage
 from infra.cluster_services import monitoring as mon
 from infra.cluster_services.chart_release import ChartRelease
 from infra.cluster_services.layer import PlatformLayer
@@ -51,6 +52,8 @@ PARTS: tuple[Part, ...] = (
         autoscaler.build,
         after=_FOUNDATION,
     ),
+    # The endpoints' DNS records, where the endpoint has a domain.
+    Part("external-dns", external_dns.enabled, external_dns.build, after=_FOUNDATION),
 )
 
 
@@ -89,5 +92,8 @@ def build_platform(cfg: StackConfig, aws: AwsLayer) -> PlatformLayer:
         prometheus_url=mon.prometheus_url(),
         grafana_url=mon.grafana_url(),
         storage_class=cfg.storage.storage_class.name,
+        kuberay_operator=kuberay.operator_pods(),
+        prometheus=mon.prometheus_pods(),
+        grafana=mon.grafana_pods(),
         load_balancer_controller=_release(installed, "load-balancer-controller"),
     )

@@ -11,11 +11,20 @@ import pulumi
 
 from infra import versions
 from infra.cluster_services.chart_release import PSA_RESTRICTED_WARN, ChartRelease, ChartReleaseArgs
+from infra.cluster_services.layer import PlatformPods
 from infra.cluster_services.parts import PartContext
 from infra.scheduling import Placement
 
 NAMESPACE = "kuberay"
 RELEASE_NAME = "kuberay-operator"
+# The operator pod's labels in chart 1.7.0 (its values set nameOverride
+# `kuberay-operator`; the instance is the release).
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kuberay-operator", "app.kubernetes.io/instance": RELEASE_NAME}
+
+
+def operator_pods() -> PlatformPods:
+    """The operator's pods, for the NetworkPolicies that let it reach the Ray heads."""
+    return PlatformPods(NAMESPACE, OPERATOR_POD_LABELS)
 
 
 def kuberay_values(*, system: Placement) -> dict[str, Any]:

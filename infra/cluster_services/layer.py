@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pulumi
+
+
+@dataclass(frozen=True)
+class PlatformPods:
+    """Pods of a platform part as the serving layer's NetworkPolicies name them.
+
+    Matched by their namespace AND their labels (a label alone can be copied
+    by anyone who may create a pod), with the ports they listen on.
+    """
+
+    namespace: str
+    labels: Mapping[str, str]
+    ports: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -27,6 +41,11 @@ class PlatformLayer:
     prometheus_url: str  # in-cluster URL, for Ray's dashboard
     grafana_url: str  # in-cluster URL, for Ray's dashboard
     storage_class: str
+    # The KubeRay operator (it calls each Ray head), Prometheus (it scrapes
+    # the Ray pods) and Grafana (the Ray dashboard checks it).
+    kuberay_operator: PlatformPods
+    prometheus: PlatformPods
+    grafana: PlatformPods
     # The AWS load balancer controller's release, which a LoadBalancer
     # Service must wait for (its webhook mutates Services); None when not
     # installed here.

@@ -15,6 +15,7 @@ import pulumi_random as random
 
 from infra import versions
 from infra.cluster_services.chart_release import PSA_PRIVILEGED, ChartRelease, ChartReleaseArgs, helm_fullname
+from infra.cluster_services.layer import PlatformPods
 from infra.cluster_services.parts import PartContext
 from infra.config import Observability
 from infra.scheduling import Placement
@@ -27,6 +28,8 @@ PROMETHEUS_PORT = 9090
 # The grafana subchart's `service.port` default; the parent chart's
 # values.yaml does not expose it, so it is not set here, only read.
 GRAFANA_PORT = 80
+# The Grafana container's own port (the Service's target).
+GRAFANA_CONTAINER_PORT = 3000
 GRAFANA_ADMIN_USER = "admin"
 GRAFANA_SECRET_USER_KEY = "admin-user"
 GRAFANA_SECRET_PASSWORD_KEY = "admin-password"
@@ -55,6 +58,21 @@ def prometheus_url(ns: str = NAMESPACE, release_name: str = RELEASE_NAME) -> str
 def grafana_url(ns: str = NAMESPACE, release_name: str = RELEASE_NAME) -> str:
     """In-cluster URL of the Grafana Service."""
     return f"http://{grafana_service_name(release_name)}.{ns}.svc:{GRAFANA_PORT}"
+
+
+def prometheus_pods(ns: str = NAMESPACE, release_name: str = RELEASE_NAME) -> PlatformPods:
+    """The Prometheus pods as the operator labels them (`<fullname>-prometheus` is the Prometheus object)."""
+    labels = {
+        "app.kubernetes.io/name": "prometheus",
+        "operator.prometheus.io/name": f"{prometheus_fullname(release_name)}-prometheus",
+    }
+    return PlatformPods(ns, labels, (PROMETHEUS_PORT,))
+
+
+def grafana_pods(ns: str = NAMESPACE, release_name: str = RELEASE_NAME) -> PlatformPods:
+    """The Grafana pods as the grafana subchart labels them."""
+    labels = {"app.kubernetes.io/name": "grafana", "app.kubernetes.io/instance": release_name}
+    return PlatformPods(ns, labels, (GRAFANA_CONTAINER_PORT,))
 
 
 def _volume_claim(storage_class: str, gib: int) -> dict[str, Any]:
@@ -106,6 +124,29 @@ def _prometheus(obs: Observability, storage_class: str, scheduling: dict[str, An
     }
 
 
+def _grafana_sidecar() -> dict[str, Any]:
+    """Dashboards from ConfigMaps in this namespace only, with RBAC to match.
+
+    The grafana subchart's default RBAC is a ClusterRole that reads every
+    ConfigMap and Secret in the cluster (its sidecars may watch any
+    namespace). The serving layer puts its dashboards here, so the sidecar
+    searches only here and `rbac.namespaced` turns the ClusterRole into a
+    Role in this namespace: Grafana's account can no longer read the
+    serving namespace's API keys or Redis password.
+    """
+    return {
+        "rbac": {"namespaced": True},
+        "sidecar": {
+            "dashboards": {
+                "enabled": True,
+                "label": DASHBOARD_LABEL[0],
+                "labelValue": DASHBOARD_LABEL[1],
+                "searchNamespace": NAMESPACE,
+            }
+        },
+    }
+
+
 def monitoring_values(
     obs: Observability,
     *,
@@ -128,14 +169,7 @@ def monitoring_values(
                 "userKey": GRAFANA_SECRET_USER_KEY,
                 "passwordKey": GRAFANA_SECRET_PASSWORD_KEY,
             },
-            "sidecar": {
-                "dashboards": {
-                    "enabled": True,
-                    "label": DASHBOARD_LABEL[0],
-                    "labelValue": DASHBOARD_LABEL[1],
-                    "searchNamespace": "ALL",
-                }
-            },
+            **_grafana_sidecar(),
         },
         "prometheusOperator": {"enabled": True, **scheduling},
         "prometheus": _prometheus(obs, storage_class, scheduling),

@@ -20,10 +20,13 @@ from typing import Any, Literal
 import pulumi
 import pulumi_kubernetes as k8s
 
+from infra.aws.queue import queue_names
 from infra.config import Slo
 from infra.serving import kuberay
+from infra.serving.batch import WORKER_NAME as BATCH_SCALED_OBJECT
 from infra.serving.namespace import PART_OF
 from infra.serving.ports import RAY_PORTS
+from infra.serving.ray_service import TIMEOUT_BIG_SECONDS
 
 PROMETHEUS_RULE_TYPE = "kubernetes:monitoring.coreos.com/v1:PrometheusRule"
 POD_MONITOR_TYPE = "kubernetes:monitoring.coreos.com/v1:PodMonitor"
@@ -35,6 +38,16 @@ HEADROOM_POD_PATTERN = "gpu-headroom-.*"
 
 # Below this utilisation (percent) a GPU counts as idle.
 GPU_IDLE_UTIL_PERCENT = 5
+# Container restarts within CRASH_LOOP_WINDOW that make a crash loop.
+CRASH_LOOP_RESTARTS = 3
+CRASH_LOOP_WINDOW = "15m"
+# An upgrade still in progress after the longest wait a deploy allows
+# (a big model's RayService timeout) is stuck.
+UPGRADE_STUCK_MINUTES = TIMEOUT_BIG_SECONDS // 60
+# KEDA names an aws-sqs-queue trigger's metric `s<index>-aws-sqs-<queue name>`;
+# the dead-letter queue's name ends the same way in every cluster.
+DEAD_LETTER_QUEUE_SUFFIX = queue_names("")[1]
+DEAD_LETTER_METRIC = f"s[0-9]+-aws-sqs-.+{DEAD_LETTER_QUEUE_SUFFIX}"
 
 
 @dataclass(frozen=True)
@@ -78,11 +91,13 @@ METRIC_INVENTORY: tuple[MetricFamily, ...] = (
             "ray_serve_deployment_replica_healthy",
         ),
     ),
-    # The KubeRay operator's metrics endpoint: RayService conditions.
+    # The KubeRay operator's metrics endpoint (chart `metrics.enabled`, its
+    # ServiceMonitor with honorLabels): RayService conditions. Labels: name,
+    # namespace (the RayService's), condition ("true"/"false"), value 1.
     MetricFamily(
         exporter="KubeRay operator",
         prefix="kuberay_",
-        names=("kuberay_service_condition_ready",),
+        names=("kuberay_service_condition_ready", "kuberay_service_condition_upgrade_in_progress"),
     ),
     # NVIDIA's DCGM exporter (deployed by the GPU Operator). Labels: Hostname,
     # gpu, UUID, modelName, and the pod holding the GPU (`pod` or `exported_pod`).
@@ -98,17 +113,34 @@ METRIC_INVENTORY: tuple[MetricFamily, ...] = (
         ),
     ),
     # kube-state-metrics (kube-prometheus-stack); extended resources appear
-    # with `.` and `/` turned into `_`, e.g. `nvidia_com_gpu`.
+    # with `.` and `/` turned into `_`, e.g. `nvidia_com_gpu`. Container
+    # series carry namespace, pod, container; the last termination's reason
+    # is a `reason` label (value 1).
     MetricFamily(
         exporter="kube-state-metrics",
         prefix="kube_",
-        names=("kube_pod_status_phase", "kube_pod_container_resource_requests"),
+        names=(
+            "kube_pod_status_phase",
+            "kube_pod_container_resource_requests",
+            "kube_pod_container_status_restarts_total",
+            "kube_pod_container_status_last_terminated_reason",
+        ),
     ),
     # cluster-autoscaler's per-node-group gauges (`--emit-per-nodegroup-metrics`).
     MetricFamily(
         exporter="cluster-autoscaler",
         prefix="cluster_autoscaler_",
         names=("cluster_autoscaler_node_group_target_count", "cluster_autoscaler_node_group_max_count"),
+    ),
+    # The KEDA operator (chart `prometheus.operator`, its ServiceMonitor):
+    # the last reading of every trigger of every ScaledObject. Labels:
+    # scaledObject, scaler, triggerIndex, metric (the trigger's metric name);
+    # the ScaledObject's namespace arrives as `exported_namespace`. The batch
+    # ScaledObject's dead-letter trigger reports that queue's depth.
+    MetricFamily(
+        exporter="KEDA operator",
+        prefix="keda_",
+        names=("keda_scaler_metrics_value",),
     ),
 )
 KNOWN_METRICS: frozenset[str] = frozenset(name for family in METRIC_INVENTORY for name in family.names)
@@ -254,6 +286,26 @@ def _gpu_pods_pending_at_max(ctx: RuleContext) -> str:
     )
 
 
+def _upgrade_stuck(ctx: RuleContext) -> str:
+    return f'kuberay_service_condition_upgrade_in_progress{{namespace="{ctx.namespace}", condition="true"}} == 1'
+
+
+def _restarts(ctx: RuleContext) -> str:
+    """Container restarts in the serving namespace over the crash-loop window, per container."""
+    return (
+        "max by (namespace, pod, container) (increase(kube_pod_container_status_restarts_total"
+        f'{{namespace="{ctx.namespace}"}}[{CRASH_LOOP_WINDOW}]))'
+    )
+
+
+def _oom_killed(ctx: RuleContext) -> str:
+    return (
+        "max by (namespace, pod, container) (kube_pod_container_status_last_terminated_reason"
+        f'{{namespace="{ctx.namespace}", reason="OOMKilled"}}) == 1\n'
+        f"and on (namespace, pod, container)\n{_restarts(ctx)} > 0"
+    )
+
+
 # The serving alerts; thresholds from the config's SLOs. Each one needs a
 # `promtool test rules` case in tests/rules/ that fires it and one that does not.
 ALERTS: tuple[AlertSpec, ...] = (
@@ -356,6 +408,47 @@ ALERTS: tuple[AlertSpec, ...] = (
             "cluster_autoscaler_node_group_target_count",
             "cluster_autoscaler_node_group_max_count",
         ),
+    ),
+    AlertSpec(
+        name="RayServiceUpgradeStuck",
+        expr=_upgrade_stuck,
+        for_=f"{UPGRADE_STUCK_MINUTES}m",
+        severity="warning",
+        summary=f"RayService {{{{ $labels.name }}}} has been upgrading for over {UPGRADE_STUCK_MINUTES} minutes",
+        description="KubeRay's new cluster has not taken over: it holds twice the GPUs and the change is not "
+        "serving. Check the pending cluster's pods and Serve applications (`kubectl describe rayservice`).",
+        metrics=("kuberay_service_condition_upgrade_in_progress",),
+    ),
+    AlertSpec(
+        name="LlmContainerCrashLooping",
+        expr=lambda c: f"{_restarts(c)} >= {CRASH_LOOP_RESTARTS}",
+        for_="5m",
+        severity="warning",
+        summary="Container {{ $labels.container }} of {{ $labels.pod }} keeps restarting",
+        description=f"{{{{ $value }}}} restarts in {CRASH_LOOP_WINDOW}: the container crash-loops; "
+        "check its previous logs (`kubectl logs --previous`).",
+        metrics=("kube_pod_container_status_restarts_total",),
+    ),
+    AlertSpec(
+        name="LlmContainerOomKilled",
+        expr=_oom_killed,
+        for_="0m",
+        severity="warning",
+        summary="Container {{ $labels.container }} of {{ $labels.pod }} was OOM-killed",
+        description=f"The container restarted in the last {CRASH_LOOP_WINDOW} after running out of memory: "
+        "raise its memory or lower what it holds (batch size, KV cache, max_model_len).",
+        metrics=("kube_pod_container_status_last_terminated_reason", "kube_pod_container_status_restarts_total"),
+    ),
+    AlertSpec(
+        name="BatchDeadLetterQueueNotEmpty",
+        expr=f'max by (scaledObject, metric) (keda_scaler_metrics_value{{scaledObject="{BATCH_SCALED_OBJECT}", '
+        f'metric=~"{DEAD_LETTER_METRIC}"}}) > 0',
+        for_="5m",
+        severity="warning",
+        summary="Batch requests are in the dead-letter queue",
+        description="{{ $value }} messages failed every receive and moved to the dead-letter queue: "
+        "read one, fix the cause, then redrive them to the request queue.",
+        metrics=("keda_scaler_metrics_value",),
     ),
 )
 

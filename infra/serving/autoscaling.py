@@ -28,6 +28,7 @@ from infra.config import Model, PreScale
 from infra.scheduling import GpuPlacement
 from infra.serving import kuberay
 from infra.serving.namespace import PART_OF
+from infra.serving.pod_security import PAUSE_UID, checkov_skips, container_security_context, pod_security_context
 from infra.serving.ray_service import INGRESS_GROUP, worker_group_name
 
 SCALED_OBJECT_TYPE = "kubernetes:keda.sh/v1alpha1:ScaledObject"
@@ -40,6 +41,11 @@ SERVING_PRIORITY = 100_000
 # cluster-autoscaler's expendable cutoff (-10): pods under it never trigger
 # a scale-up, and holding nodes is the placeholders' only job.
 HEADROOM_PRIORITY = -5
+# Checks that can not apply to a placeholder, with the reason (checkov.io/skip annotations).
+HEADROOM_CHECKOV_SKIPS = {
+    "CKV_K8S_8": "a pause container that only holds a GPU node; it serves nothing to probe",
+    "CKV_K8S_9": "a pause container that only holds a GPU node; no traffic is sent to it",
+}
 
 
 def priority_classes() -> list[dict[str, Any]]:
@@ -73,7 +79,12 @@ def headroom_deployment(window: PreScale, placement: GpuPlacement, namespace: st
     labels = {**PART_OF, "app.kubernetes.io/name": name}
     gpus = {"nvidia.com/gpu": str(placement.gpus_per_node)}
     return {
-        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": labels,
+            "annotations": checkov_skips(HEADROOM_CHECKOV_SKIPS),
+        },
         "spec": {
             "replicas": 0,
             "selector": {"matchLabels": labels},
@@ -84,20 +95,16 @@ def headroom_deployment(window: PreScale, placement: GpuPlacement, namespace: st
                     "priorityClassName": HEADROOM_CLASS,
                     "terminationGracePeriodSeconds": 0,
                     "automountServiceAccountToken": False,
+                    "securityContext": pod_security_context(PAUSE_UID, PAUSE_UID),
                     "containers": [
                         {
                             "name": "pause",
                             "image": versions.PAUSE_IMAGE,
                             "resources": {
                                 "requests": {"cpu": "10m", "memory": "16Mi", **gpus},
-                                "limits": {"memory": "16Mi", **gpus},
+                                "limits": {"cpu": "10m", "memory": "16Mi", **gpus},
                             },
-                            "securityContext": {
-                                "allowPrivilegeEscalation": False,
-                                "runAsNonRoot": True,
-                                "runAsUser": 65535,
-                                "capabilities": {"drop": ["ALL"]},
-                            },
+                            "securityContext": container_security_context(read_only_root=True),
                         }
                     ],
                 },
@@ -133,26 +140,46 @@ def headroom_scaled_object(window: PreScale, namespace: str) -> dict[str, Any]:
     }
 
 
-def disruption_budgets(ray_service: str, models: list[Model], namespace: str) -> list[dict[str, Any]]:
-    """One pod at a time for a RayService's head, its ingress group and each GPU group.
+def budget(min_replicas: int) -> dict[str, Any]:
+    """What an eviction may take from a group that keeps `min_replicas` replicas.
 
-    Selected by KubeRay's labels, so the budgets cover the pods of the active
-    and, during an upgrade, the pending cluster.
+    One pod at a time where another replica serves on; where the group keeps
+    exactly one replica, that one must stay (`minAvailable: 1`): a drain waits
+    until Serve has a second one, or an operator decides. A group that may be
+    at zero protects nothing.
     """
-    groups: list[tuple[str, dict[str, str]]] = [
-        ("head", {kuberay.NODE_TYPE: "head"}),
-        (INGRESS_GROUP, {kuberay.GROUP: INGRESS_GROUP}),
+    return {"minAvailable": 1} if min_replicas == 1 else {"maxUnavailable": 1}
+
+
+def disruption_budgets(
+    ray_service: str,
+    models: list[Model],
+    namespace: str,
+    *,
+    ingress_min_replicas: int = 1,
+    gcs_fault_tolerant: bool = False,
+) -> list[dict[str, Any]]:
+    """Budgets for a RayService's head, its ingress group and each GPU group (see `budget`).
+
+    The head is one pod: it must stay unless the GCS keeps its state in
+    Redis, where a restarted head picks up again and the workers keep
+    serving. Selected by KubeRay's labels, so the budgets cover the pods of
+    the active and, during an upgrade, the pending cluster.
+    """
+    groups: list[tuple[str, dict[str, str], dict[str, Any]]] = [
+        ("head", {kuberay.NODE_TYPE: "head"}, {"maxUnavailable": 1} if gcs_fault_tolerant else {"minAvailable": 1}),
+        (INGRESS_GROUP, {kuberay.GROUP: INGRESS_GROUP}, budget(ingress_min_replicas)),
     ]
-    groups += [(worker_group_name(m), {kuberay.GROUP: worker_group_name(m)}) for m in models]
+    groups += [
+        (worker_group_name(m), {kuberay.GROUP: worker_group_name(m)}, budget(m.autoscaling.min_replicas))
+        for m in models
+    ]
     return [
         {
             "metadata": {"name": f"{ray_service}-{suffix}", "namespace": namespace, "labels": dict(PART_OF)},
-            "spec": {
-                "maxUnavailable": 1,
-                "selector": {"matchLabels": {**kuberay.pods_of(ray_service), **selector}},
-            },
+            "spec": {**limit, "selector": {"matchLabels": {**kuberay.pods_of(ray_service), **selector}}},
         }
-        for suffix, selector in groups
+        for suffix, selector, limit in groups
     ]
 
 
@@ -164,6 +191,9 @@ class ServingAutoscalingArgs:
     prescale: list[PreScale]
     gpu: dict[str, GpuPlacement]
     services: dict[str, list[Model]]
+    # The OpenAI ingress' minimum replicas, and whether the GCS survives a head restart.
+    ingress_min_replicas: int = 1
+    gcs_fault_tolerant: bool = False
 
 
 class ServingAutoscaling(pulumi.ComponentResource):
@@ -212,7 +242,13 @@ class ServingAutoscaling(pulumi.ComponentResource):
             )
 
         for service, models in args.services.items():
-            for pdb in disruption_budgets(service, models, args.namespace):
+            for pdb in disruption_budgets(
+                service,
+                models,
+                args.namespace,
+                ingress_min_replicas=args.ingress_min_replicas,
+                gcs_fault_tolerant=args.gcs_fault_tolerant,
+            ):
                 k8s.policy.v1.PodDisruptionBudget(
                     f"{name}-{pdb['metadata']['name']}", metadata=pdb["metadata"], spec=pdb["spec"], opts=k8s_opts
                 )

@@ -26,6 +26,14 @@ from infra.aws.layer import BatchQueue, PodIdentity
 from infra.config import Batch
 from infra.scheduling import Placement
 from infra.serving.namespace import PART_OF
+from infra.serving.network import batch_worker_policy
+from infra.serving.pod_security import (
+    RAY_GID,
+    RAY_UID,
+    checkov_skips,
+    container_security_context,
+    pod_security_context,
+)
 from infra.serving.serve_config import MOUNTS
 from workloads.inference_server.batch_settings import env_names
 
@@ -34,8 +42,14 @@ WORKER_CONTAINER = "worker"
 TRIGGER_AUTH_NAME = "batch-queue-reader"
 KEDA_API_VERSION = "keda.sh/v1alpha1"
 # The worker's image user (the Ray image's `ray` user and `users` group).
-RUN_AS_USER = 1000
-RUN_AS_GROUP = 100
+RUN_AS_USER = RAY_UID
+RUN_AS_GROUP = RAY_GID
+# Checks that can not apply to the workers, with the reason (checkov.io/skip annotations).
+CHECKOV_SKIPS = {
+    "CKV_K8S_8": "listens on nothing: it long-polls SQS, and a stuck worker's messages return to the queue",
+    "CKV_K8S_9": "takes no traffic: readiness gates nothing for a queue consumer",
+    "CKV_K8S_40": "the serving image's own user is uid 1000 (workloads/Dockerfile), owner of its Python environment",
+}
 # A request must end this long before its message's visibility timeout, so
 # the answer is stored and the message deleted while this worker still holds it.
 VISIBILITY_MARGIN_SECONDS = 30
@@ -51,6 +65,11 @@ SCALE_DOWN_STABILIZATION_SECONDS = 300
 COOLDOWN_SECONDS = 300
 # Readings that may fail (KEDA can not reach SQS) before the fallback holds workers.
 FALLBACK_FAILURES = 3
+# The dead-letter trigger only reports the queue's depth (KEDA's
+# keda_scaler_metrics_value, which the BatchDeadLetterQueueNotEmpty alert
+# reads): thresholds no queue reaches, so it never wakes a worker and never
+# is the HPA's largest demand.
+REPORT_ONLY_QUEUE_LENGTH = str(10**9)
 
 
 def worker_labels() -> dict[str, str]:
@@ -100,13 +119,10 @@ def _worker_container(settings: Batch, queue: BatchQueue, image: pulumi.Input[st
         "env": [*worker_env(settings, queue, base_url), {"name": "PYTHONUNBUFFERED", "value": "1"}],
         "resources": {
             "requests": {"cpu": "250m", "memory": "256Mi"},
-            "limits": {"memory": "512Mi"},
+            # It waits on HTTP; a core is far more than it uses.
+            "limits": {"cpu": "1", "memory": "512Mi"},
         },
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": container_security_context(read_only_root=True),
         "volumeMounts": [
             {"name": "api-keys", "mountPath": MOUNTS.api_keys_dir, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
@@ -128,7 +144,12 @@ def worker_deployment(
     """The worker Deployment: non-root, read-only root, the API keys mounted read-only."""
     labels = worker_labels()
     return {
-        "metadata": {"name": WORKER_NAME, "namespace": namespace, "labels": labels},
+        "metadata": {
+            "name": WORKER_NAME,
+            "namespace": namespace,
+            "labels": labels,
+            "annotations": checkov_skips(CHECKOV_SKIPS),
+        },
         "spec": {
             # KEDA's HPA owns the count once it exists; this is the start.
             "replicas": settings.min_workers,
@@ -137,16 +158,14 @@ def worker_deployment(
                 "metadata": {"labels": labels},
                 "spec": {
                     **system.pod_scheduling(),
-                    # The account the pod identity association names. Its
-                    # token stays mounted: EKS Pod Identity's webhook needs it.
+                    # The account the pod identity association names. The
+                    # worker never calls the Kubernetes API, so no token is
+                    # mounted: EKS Pod Identity's webhook adds its own
+                    # projected token for AWS whatever this field says.
                     "serviceAccountName": service_account,
+                    "automountServiceAccountToken": False,
                     "terminationGracePeriodSeconds": request_timeout_seconds(settings) + DRAIN_MARGIN_SECONDS,
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "runAsUser": RUN_AS_USER,
-                        "runAsGroup": RUN_AS_GROUP,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
+                    "securityContext": pod_security_context(RUN_AS_USER, RUN_AS_GROUP),
                     "containers": [_worker_container(settings, queue, image, base_url)],
                     "volumes": [
                         {"name": "api-keys", "secret": {"secretName": api_keys_secret, "defaultMode": 0o444}},
@@ -166,6 +185,37 @@ def trigger_authentication(namespace: str) -> dict[str, Any]:
         "metadata": {"name": TRIGGER_AUTH_NAME, "namespace": namespace, "labels": dict(PART_OF)},
         "spec": {"podIdentity": {"provider": "aws", "identityOwner": "keda"}},
     }
+
+
+def queue_triggers(settings: Batch, queue: BatchQueue) -> list[dict[str, Any]]:
+    """The request queue's backlog scales the workers; the dead-letter queue's depth is only reported."""
+    return [
+        {
+            "type": "aws-sqs-queue",
+            "authenticationRef": {"name": TRIGGER_AUTH_NAME},
+            "metadata": {
+                "queueURL": queue.url,
+                "awsRegion": queue.region,
+                "queueLength": str(settings.messages_per_worker),
+                # Any waiting message wakes the first worker.
+                "activationQueueLength": "0",
+                # Messages being answered count as backlog, so a busy
+                # worker is not removed under its own requests.
+                "scaleOnInFlight": "true",
+            },
+        },
+        {
+            "type": "aws-sqs-queue",
+            "authenticationRef": {"name": TRIGGER_AUTH_NAME},
+            "metadata": {
+                "queueURL": queue.dead_letter_url,
+                "awsRegion": queue.region,
+                "queueLength": REPORT_ONLY_QUEUE_LENGTH,
+                "activationQueueLength": REPORT_ONLY_QUEUE_LENGTH,
+                "scaleOnInFlight": "false",
+            },
+        },
+    ]
 
 
 def scaled_object(settings: Batch, queue: BatchQueue, namespace: str) -> dict[str, Any]:
@@ -199,32 +249,14 @@ def scaled_object(settings: Batch, queue: BatchQueue, namespace: str) -> dict[st
                     },
                 }
             },
-            "triggers": [
-                {
-                    "type": "aws-sqs-queue",
-                    "authenticationRef": {"name": TRIGGER_AUTH_NAME},
-                    "metadata": {
-                        "queueURL": queue.url,
-                        "awsRegion": queue.region,
-                        "queueLength": str(settings.messages_per_worker),
-                        # Any waiting message wakes the first worker.
-                        "activationQueueLength": "0",
-                        # Messages being answered count as backlog, so a busy
-                        # worker is not removed under its own requests.
-                        "scaleOnInFlight": "true",
-                    },
-                }
-            ],
+            "triggers": queue_triggers(settings, queue),
         },
     }
 
 
-def network_policy(namespace: str) -> dict[str, Any]:
-    """The workers listen on nothing: no ingress at all (egress is not restricted in this namespace)."""
-    return {
-        "metadata": {"name": WORKER_NAME, "namespace": namespace, "labels": dict(PART_OF)},
-        "spec": {"podSelector": {"matchLabels": worker_labels()}, "policyTypes": ["Ingress"], "ingress": []},
-    }
+def network_policy(namespace: str, vpc_cidr: str) -> dict[str, Any]:
+    """The workers listen on nothing; they reach the serve port, DNS and AWS APIs."""
+    return batch_worker_policy(WORKER_NAME, namespace, worker_labels(), vpc_cidr)
 
 
 @dataclass(frozen=True)
@@ -240,6 +272,8 @@ class BatchWorkersArgs:
     api_keys_secret: str
     # The serve Service of the RayService that serves settings.model.
     serve_service: dict[str, Any]
+    # The cluster's VPC: the workers reach AWS APIs outside it only.
+    vpc_cidr: str
 
 
 class BatchWorkers(pulumi.ComponentResource):
@@ -280,7 +314,7 @@ class BatchWorkers(pulumi.ComponentResource):
                 pulumi.ResourceOptions(depends_on=[sa], ignore_changes=["spec.replicas"]),
             ),
         )
-        policy = network_policy(args.namespace)
+        policy = network_policy(args.namespace, args.vpc_cidr)
         k8s.networking.v1.NetworkPolicy(
             f"{name}-netpol", metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts
         )

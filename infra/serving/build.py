@@ -15,6 +15,7 @@ from infra.serving.dashboards import ServingDashboards, ServingDashboardsArgs
 from infra.serving.endpoint import ServingEndpoint, ServingEndpointArgs, serve_service_spec
 from infra.serving.layer import ServingLayer
 from infra.serving.namespace import ServingNamespace, ServingNamespaceArgs
+from infra.serving.network import ClusterPeers
 from infra.serving.ports import RAY_PORTS
 from infra.serving.ray_service import VllmRayService, VllmRayServiceArgs
 
@@ -23,6 +24,23 @@ def dashboard_access(namespace: str, ray_service: str) -> str:
     """How a user reaches a RayService's Ray dashboard (it is never exposed)."""
     port = RAY_PORTS.dashboard.number
     return f"kubectl -n {namespace} port-forward svc/{kuberay.head_service(ray_service)} {port}"
+
+
+def cluster_peers(cfg: StackConfig, platform: PlatformLayer) -> ClusterPeers:
+    """Who the serving NetworkPolicies let in or out, from the platform layer and the VPC."""
+    return ClusterPeers(
+        operator=platform.kuberay_operator,
+        prometheus=platform.prometheus,
+        grafana=platform.grafana,
+        vpc_cidr=str(cfg.network.vpc_cidr),
+    )
+
+
+def batch_service(cfg: StackConfig) -> str | None:
+    """The RayService the batch workers send to, when batch is on."""
+    if not cfg.batch.enabled:
+        return None
+    return next(m.service_name for m in cfg.models if m.model_id == cfg.batch.model)
 
 
 def _after(aws: AwsLayer, *resources: pulumi.Resource | None) -> pulumi.ResourceOptions:
@@ -75,7 +93,9 @@ def _batch_workers(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer, ns:
     if aws.batch_queue is None or aws.batch_worker is None:
         raise ValueError("batch is enabled but the AWS layer made no batch queue or worker identity")
     namespace = cfg.serving.namespace
-    batch_service = next(m.service_name for m in cfg.models if m.model_id == cfg.batch.model)
+    service = batch_service(cfg)
+    if service is None:
+        raise ValueError("batch is enabled but no model serves batch.model")
     BatchWorkers(
         "batch-workers",
         BatchWorkersArgs(
@@ -86,7 +106,8 @@ def _batch_workers(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer, ns:
             image=aws.image,
             system=aws.system,
             api_keys_secret=ns.api_keys_secret,
-            serve_service=serve_service_spec(batch_service, namespace, cfg.endpoint),
+            serve_service=serve_service_spec(service, namespace, cfg.endpoint),
+            vpc_cidr=str(cfg.network.vpc_cidr),
         ),
         _after(aws, *ns.ready, platform.keda_crds),
     )
@@ -126,7 +147,12 @@ def build_serving(
     autoscaling = ServingAutoscaling(
         "serving-autoscaling",
         ServingAutoscalingArgs(
-            namespace=namespace, prescale=list(cfg.autoscaling.prescale), gpu=aws.gpu, services=services
+            namespace=namespace,
+            prescale=list(cfg.autoscaling.prescale),
+            gpu=aws.gpu,
+            services=services,
+            ingress_min_replicas=cfg.serving.ingress.min_replicas,
+            gcs_fault_tolerant=aws.redis is not None,
         ),
         _after(aws, *ns.ready, platform.keda_crds),
     )
@@ -138,9 +164,11 @@ def build_serving(
         "serving-endpoint",
         ServingEndpointArgs(
             namespace=namespace,
-            monitoring_namespace=platform.monitoring_namespace,
             endpoint=cfg.endpoint,
             ray_services={name: rs.ray_service for name, rs in ray_services.items()},
+            peers=cluster_peers(cfg, platform),
+            gcs_redis=aws.redis is not None,
+            batch_service=batch_service(cfg),
         ),
         _after(aws, *ns.ready),
     )
@@ -153,4 +181,5 @@ def build_serving(
         ray_dashboards={name: dashboard_access(namespace, name) for name in services},
         endpoints=endpoint.urls,
         service_models={name: [m.model_id for m in models] for name, models in services.items()},
+        load_balancers=endpoint.hostnames,
     )

@@ -1,4 +1,4 @@
-"""The OpenAI endpoint: KubeRay's serve Service as an AWS load balancer, and NetworkPolicies.
+"""The OpenAI endpoint: KubeRay's serve Service as an AWS load balancer, and the Ray pods' NetworkPolicies.
 
 Why KubeRay's own serve Service (`spec.serveService`) and not a Service of
 ours: a RayService's pods change cluster on every upgrade, and only KubeRay
@@ -23,7 +23,9 @@ import pulumi_kubernetes as k8s
 
 from infra.config import Endpoint
 from infra.serving import kuberay
+from infra.serving.batch import worker_labels as batch_worker_labels
 from infra.serving.namespace import PART_OF
+from infra.serving.network import ClusterPeers, ray_service_policies
 from infra.serving.ports import HTTPS_PORT, RAY_PORTS
 
 LB_ANNOTATION = "service.beta.kubernetes.io/aws-load-balancer"
@@ -71,72 +73,41 @@ def base_url(hostname: str, endpoint: Endpoint) -> str:
     return f"http://{hostname}:{RAY_PORTS.serve.number}/v1"
 
 
-def _peer_port(number: int) -> dict[str, Any]:
-    return {"protocol": "TCP", "port": number}
-
-
-def network_policies(namespace: str, monitoring_namespace: str, ray_services: list[str]) -> list[dict[str, Any]]:
-    """Ray's ports only for the namespace, the monitoring stack and the operator; Serve's for anyone."""
-    policies: list[dict[str, Any]] = []
-    namespace_label = "kubernetes.io/metadata.name"
-    for name in ray_services:
-        policies.append(
-            {
-                "metadata": {"name": f"{name}-ray", "namespace": namespace, "labels": dict(PART_OF)},
-                "spec": {
-                    "podSelector": {"matchLabels": kuberay.pods_of(name)},
-                    "policyTypes": ["Ingress"],
-                    "ingress": [
-                        # Ray nodes talk to each other on many ports (GCS,
-                        # raylet, object manager, workers): the namespace is trusted.
-                        {"from": [{"podSelector": {}}]},
-                        {
-                            "from": [{"namespaceSelector": {"matchLabels": {namespace_label: monitoring_namespace}}}],
-                            "ports": [_peer_port(p.number) for p in RAY_PORTS.scraped_on_head()],
-                        },
-                        {
-                            # The KubeRay operator polls the dashboard for Serve's status.
-                            "from": [
-                                {
-                                    "namespaceSelector": {},
-                                    "podSelector": {"matchLabels": dict(kuberay.OPERATOR_POD_LABELS)},
-                                }
-                            ],
-                            "ports": [_peer_port(RAY_PORTS.dashboard.number), _peer_port(RAY_PORTS.serve.number)],
-                        },
-                        # The load balancer's IP targets: API keys guard the
-                        # routes, loadBalancerSourceRanges the addresses.
-                        {"ports": [_peer_port(RAY_PORTS.serve.number)]},
-                    ],
-                },
-            }
-        )
-    return policies
-
-
 @dataclass(frozen=True)
 class ServingEndpointArgs:
     """The endpoint of the RayServices already declared."""
 
     namespace: str
-    monitoring_namespace: str
     endpoint: Endpoint
     ray_services: Mapping[str, k8s.apiextensions.CustomResource]  # RayService name -> its CustomResource
+    peers: ClusterPeers
+    # The heads reach the GCS Redis (GCS fault tolerance is on).
+    gcs_redis: bool = False
+    # The RayService the batch workers send their requests to, if any.
+    batch_service: str | None = None
 
 
 class ServingEndpoint(pulumi.ComponentResource):
-    """NetworkPolicies for the Ray pods and each RayService's OpenAI base URL."""
+    """NetworkPolicies for the Ray pods (infra/serving/network.py) and each RayService's OpenAI base URL."""
 
     urls: dict[str, pulumi.Output[str]]
+    # RayService name -> its network load balancer's DNS name (what the
+    # domain's record points at), PENDING_HOSTNAME until the controller wrote it.
+    hostnames: dict[str, pulumi.Output[str]]
 
     def __init__(self, name: str, args: ServingEndpointArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("llm-platform:serving:Endpoint", name, None, opts)
         k8s_opts = pulumi.ResourceOptions(parent=self)
-        for policy in network_policies(args.namespace, args.monitoring_namespace, list(args.ray_services)):
-            k8s.networking.v1.NetworkPolicy(
-                policy["metadata"]["name"], metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts
-            )
+        for service in args.ray_services:
+            batch = batch_worker_labels() if service == args.batch_service else None
+            for policy in ray_service_policies(
+                args.namespace, service, args.peers, gcs_redis=args.gcs_redis, batch_labels=batch
+            ):
+                k8s.networking.v1.NetworkPolicy(
+                    policy["metadata"]["name"], metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts
+                )
         self.urls = {}
+        self.hostnames = {}
         for service, resource in args.ray_services.items():
             svc_name = kuberay.serve_service_name(service)
             # KubeRay creates the serve Service; read it once the RayService is
@@ -147,14 +118,16 @@ class ServingEndpoint(pulumi.ComponentResource):
                 svc_id,
                 opts=pulumi.ResourceOptions(parent=self, depends_on=[resource]),
             )
+            hostname = svc.status.apply(lambda s: _ingress_hostname(s) or PENDING_HOSTNAME)
+            self.hostnames[service] = hostname
             host = args.endpoint.service_host(service)
-            if host:
-                # Clients use the name the certificate covers, not the LB's.
-                self.urls[service] = pulumi.Output.from_input(base_url(host, args.endpoint))
-                continue
-            hostname = svc.status.apply(lambda s: _ingress_hostname(s))
-            self.urls[service] = hostname.apply(lambda h: base_url(h or PENDING_HOSTNAME, args.endpoint))
-        self.register_outputs({"urls": self.urls})
+            # Clients use the name the certificate covers, not the LB's.
+            self.urls[service] = (
+                pulumi.Output.from_input(base_url(host, args.endpoint))
+                if host
+                else hostname.apply(lambda h: base_url(h, args.endpoint))
+            )
+        self.register_outputs({"urls": self.urls, "hostnames": self.hostnames})
 
 
 def _serve_service_id(namespace: str, svc_name: str) -> Callable[[str], str]:

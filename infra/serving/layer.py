@@ -18,3 +18,5 @@ class ServingLayer:
     endpoints: dict[str, pulumi.Output[str]] = field(default_factory=dict)
     # RayService name -> the model ids it serves.
     service_models: dict[str, list[str]] = field(default_factory=dict)
+    # RayService name -> its network load balancer's DNS name.
+    load_balancers: dict[str, pulumi.Output[str]] = field(default_factory=dict)

@@ -7,6 +7,7 @@ running Pulumi; the component only declares it.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -18,17 +19,33 @@ from infra import versions
 from infra.aws.layer import RedisEndpoint
 from infra.config import RAY_SERVICE_NAME_MAX, Model, StackConfig
 from infra.scheduling import GpuPlacement, Placement
+from infra.serving.drain import drain, prestop_hook
 from infra.serving.namespace import PART_OF, REDIS_PASSWORD_KEY
+from infra.serving.pod_security import (
+    RAY_GID,
+    RAY_UID,
+    autoscaler_token_mount,
+    autoscaler_token_volume,
+    checkov_skips,
+    container_security_context,
+    pod_security_context,
+)
 from infra.serving.ports import RAY_PORTS, Port
-from infra.serving.serve_config import MOUNTS, serve_config_yaml
+from infra.serving.serve_config import INGRESS_RESOURCE, MOUNTS, serve_config_yaml
 
 RAY_SERVICE_TYPE = "kubernetes:ray.io/v1:RayService"
 RAY_CONTAINER = "ray"
 INGRESS_GROUP = "ingress"
 
-# Pulumi waits for Ready; model download and engine start dominate. Big
-# models stream tens of GiB from S3 and compile CUDA graphs.
-WAIT_FOR_READY = 'jsonpath={.status.conditions[?(@.type=="Ready")].status}=True'
+# Pulumi waits until every condition of the list holds: KubeRay's Ready,
+# and UpgradeInProgress back to False (during a NewCluster upgrade the old
+# cluster keeps Ready true until the new one has taken over, or forever if it
+# never does). The `condition=` form also waits until KubeRay has observed the
+# applied generation, so a status left from before the change never counts.
+# Model download and engine start dominate the wait: big models stream tens
+# of GiB from S3 and compile CUDA graphs.
+WAIT_FOR_CONDITIONS = ("condition=Ready", "condition=UpgradeInProgress=False")
+WAIT_FOR = json.dumps(list(WAIT_FOR_CONDITIONS))
 BIG_MODEL_GIB = 40.0
 TIMEOUT_SMALL_SECONDS = 1800
 TIMEOUT_BIG_SECONDS = 3600
@@ -50,11 +67,67 @@ SERVICE_LABEL = "llm-platform/ray-service"
 # KubeRay's label for a pod's worker group.
 RAY_GROUP_LABEL = "ray.io/group"
 RAY_CLUSTER_LABEL = "ray.io/cluster"
+ZONE_LABEL = "topology.kubernetes.io/zone"
+# The system CA bundle of the serving image (Debian/Ubuntu's ca-certificates;
+# the rayproject/ray-llm base is Ubuntu and its own build fetches over HTTPS
+# with it). ElastiCache's server certificates chain to Amazon's public roots,
+# which it holds, so the GCS verifies its `rediss://` Redis against it.
+SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+REDIS_CA_CERT_ENV = "RAY_REDIS_CA_CERT"
 
 
 def pod_labels(service: str) -> dict[str, str]:
     """Labels on every pod of one RayService."""
     return {**PART_OF, SERVICE_LABEL: service}
+
+
+# Checks that can not apply to a Ray pod, with the reason (checkov.io/skip annotations).
+RAY_CHECKOV_SKIPS = {
+    "CKV_K8S_22": "Ray and vLLM write session state, logs and compile caches under /tmp and the home directory",
+    "CKV_K8S_40": "the image's own user is uid 1000 (workloads/Dockerfile), owner of its Python environment",
+    "CKV_K8S_8": "KubeRay adds the liveness probe (dashboard agent /api/healthz) when it builds the pod",
+    "CKV_K8S_9": "KubeRay adds the readiness probe (raylet health, Serve's /-/healthz on workers) to the pod",
+}
+
+
+def ray_pod_security() -> dict[str, Any]:
+    """Pod-level security of every Ray pod: the image's non-root user, RuntimeDefault seccomp, no token.
+
+    fsGroup makes the model cache volume writable by the image's group.
+    """
+    return {
+        "securityContext": pod_security_context(RAY_UID, RAY_GID, fs_group=True),
+        "automountServiceAccountToken": False,
+    }
+
+
+def ray_container_security() -> dict[str, Any]:
+    """The Ray container's context; KubeRay copies it to the init container it adds to workers."""
+    return container_security_context(read_only_root=False)
+
+
+def ray_pod_metadata(service: str) -> dict[str, Any]:
+    """A Ray pod template's labels and its checkov skips."""
+    return {"labels": pod_labels(service), "annotations": checkov_skips(RAY_CHECKOV_SKIPS)}
+
+
+def autoscaler_security() -> dict[str, Any]:
+    """`autoscalerOptions` fields for the sidecar KubeRay adds to the head: restricted, with its own token.
+
+    The only container of a Ray pod that calls the Kubernetes API; the head
+    pod mounts no token, so the Ray container (and any job it runs) has none.
+    """
+    return {
+        # The autoscaler runs Ray's own CLI, which keeps its logs and
+        # temporary files under /tmp like the Ray container.
+        "securityContext": container_security_context(read_only_root=False),
+        "volumeMounts": [autoscaler_token_mount()],
+    }
+
+
+def aws_region_env(region: str) -> list[dict[str, str]]:
+    """The region for the AWS SDKs: pods can not look it up in the instance metadata (hop limit 1)."""
+    return [{"name": "AWS_REGION", "value": region}, {"name": "AWS_DEFAULT_REGION", "value": region}]
 
 
 def spread_over_nodes(service: str, group: str) -> dict[str, Any]:
@@ -70,6 +143,17 @@ def spread_over_nodes(service: str, group: str) -> dict[str, Any]:
         "labelSelector": {"matchLabels": {SERVICE_LABEL: service, RAY_GROUP_LABEL: group}},
         "matchLabelKeys": [RAY_CLUSTER_LABEL],
     }
+
+
+def spread_over_zones(service: str, group: str) -> dict[str, Any]:
+    """A group's pods spread over the zones as evenly as capacity allows, per RayCluster.
+
+    A preference (`ScheduleAnyway`), not a rule: a node group spans every
+    zone and cluster-autoscaler can not choose the zone of the node it adds,
+    so a hard rule could leave a replica pending beside a free node in
+    another zone.
+    """
+    return {**spread_over_nodes(service, group), "topologyKey": ZONE_LABEL, "whenUnsatisfiable": "ScheduleAnyway"}
 
 
 @dataclass(frozen=True)
@@ -141,6 +225,39 @@ def _api_keys_volume(args: VllmRayServiceArgs) -> tuple[dict[str, Any], dict[str
     return volume, mount
 
 
+def head_env(args: VllmRayServiceArgs) -> list[dict[str, Any]]:
+    """The head container's environment: where Prometheus and Grafana are, and the Redis CA for the GCS."""
+    env: list[dict[str, Any]] = [
+        {"name": "RAY_PROMETHEUS_HOST", "value": args.prometheus_url},
+        {"name": "RAY_GRAFANA_HOST", "value": args.grafana_url},
+    ]
+    if args.redis is not None and args.redis.tls:
+        # Without a CA the GCS can not verify the Redis' certificate
+        # (CERTIFICATE_VERIFY_FAILED) and the head crash-loops.
+        env.append({"name": REDIS_CA_CERT_ENV, "value": SYSTEM_CA_BUNDLE})
+    return env
+
+
+def drain_and_spread(args: VllmRayServiceArgs, group: dict[str, Any]) -> dict[str, Any]:
+    """A worker group with its drain (infra/serving/drain.py) and, in prod, its zone spread.
+
+    Every worker pod gets the preStop hook on its Ray container and a grace
+    period that covers it. Prod spreads single-host groups over the zones; a
+    multi-host replica's pipeline stages stay wherever the scheduler puts
+    them together.
+    """
+    timings = drain(args.cfg)
+    spec = group["template"]["spec"]
+    spec["terminationGracePeriodSeconds"] = timings.grace_seconds
+    for container in spec["containers"]:
+        if container["name"] == RAY_CONTAINER:
+            container["lifecycle"] = prestop_hook(timings.prestop_seconds)
+    if args.cfg.is_prod and group.get("numOfHosts", 1) == 1:
+        spread = spread_over_zones(args.name, group["groupName"])
+        spec["topologySpreadConstraints"] = [*spec.get("topologySpreadConstraints", []), spread]
+    return group
+
+
 def _head(args: VllmRayServiceArgs) -> dict[str, Any]:
     cfg = args.cfg
     keys_volume, keys_mount = _api_keys_volume(args)
@@ -154,23 +271,22 @@ def _head(args: VllmRayServiceArgs) -> dict[str, Any]:
             "metrics-export-port": str(RAY_PORTS.metrics.number),
         },
         "template": {
-            "metadata": {"labels": pod_labels(args.name)},
+            "metadata": ray_pod_metadata(args.name),
             "spec": {
                 **args.system.pod_scheduling(),
+                **ray_pod_security(),
                 "containers": [
                     {
                         "name": RAY_CONTAINER,
                         "image": args.image,
+                        "securityContext": ray_container_security(),
                         "ports": _ports(RAY_PORTS.head()),
-                        "env": [
-                            {"name": "RAY_PROMETHEUS_HOST", "value": args.prometheus_url},
-                            {"name": "RAY_GRAFANA_HOST", "value": args.grafana_url},
-                        ],
+                        "env": head_env(args),
                         "resources": {"requests": resources, "limits": resources},
                         "volumeMounts": [keys_mount],
                     }
                 ],
-                "volumes": [keys_volume],
+                "volumes": [keys_volume, autoscaler_token_volume()],
             },
         },
     }
@@ -189,16 +305,21 @@ def _ingress_group(args: VllmRayServiceArgs) -> dict[str, Any]:
         "minReplicas": minimum,
         "maxReplicas": ingress.nodes(ingress.max_replicas),
         "replicas": minimum,
+        # As many as the replicas a node may hold: Ray then places them here
+        # only, never on a GPU worker or the head (serve_config.INGRESS_RESOURCE).
+        "resources": {INGRESS_RESOURCE: str(ingress.max_replicas_per_node)},
         "rayStartParams": {"metrics-export-port": str(RAY_PORTS.metrics.number)},
         "template": {
-            "metadata": {"labels": pod_labels(args.name)},
+            "metadata": ray_pod_metadata(args.name),
             "spec": {
                 **args.system.pod_scheduling(),
+                **ray_pod_security(),
                 "topologySpreadConstraints": [spread_over_nodes(args.name, INGRESS_GROUP)],
                 "containers": [
                     {
                         "name": RAY_CONTAINER,
                         "image": args.image,
+                        "securityContext": ray_container_security(),
                         "ports": _ports(RAY_PORTS.worker()),
                         "resources": {"requests": resources, "limits": resources},
                         "volumeMounts": [keys_mount],
@@ -257,15 +378,19 @@ def _gpu_group(args: VllmRayServiceArgs, model: Model) -> dict[str, Any]:
         "resources": accelerator_resources(placement),
         "rayStartParams": {"metrics-export-port": str(RAY_PORTS.metrics.number)},
         "template": {
-            "metadata": {"labels": pod_labels(args.name)},
+            "metadata": ray_pod_metadata(args.name),
             "spec": {
                 **placement.pod_scheduling(),
+                **ray_pod_security(),
+                # EKS Pod Identity binds the model bucket role to this account.
                 "serviceAccountName": args.model_reader_service_account,
                 "priorityClassName": args.serving_priority_class,
                 "containers": [
                     {
                         "name": RAY_CONTAINER,
                         "image": args.image,
+                        "securityContext": ray_container_security(),
+                        "env": aws_region_env(args.cfg.region),
                         "ports": _ports(RAY_PORTS.worker()),
                         # Equal requests and limits: GPUs can not be overcommitted and
                         # Ray sizes its CPU and memory resources from the limits.
@@ -324,9 +449,12 @@ def ray_service_manifest(args: VllmRayServiceArgs) -> dict[str, Any]:
             # Add all pods a pending demand needs at once: a model replica is
             # useless until every one of its GPU pods is up.
             "upscalingMode": "Default",
+            **autoscaler_security(),
         },
         "headGroupSpec": _head(args),
-        "workerGroupSpecs": [_ingress_group(args)] + [_gpu_group(args, m) for m in args.models],
+        "workerGroupSpecs": [
+            drain_and_spread(args, g) for g in [_ingress_group(args), *(_gpu_group(args, m) for m in args.models)]
+        ],
     }
     if args.redis is not None:
         if args.redis_secret is None:
@@ -343,7 +471,7 @@ def ray_service_manifest(args: VllmRayServiceArgs) -> dict[str, Any]:
             "namespace": args.namespace,
             "labels": {**PART_OF, "app.kubernetes.io/name": args.name},
             "annotations": {
-                "pulumi.com/waitFor": WAIT_FOR_READY,
+                "pulumi.com/waitFor": WAIT_FOR,
                 "pulumi.com/timeoutSeconds": str(timeout_seconds(args.models)),
             },
         },
@@ -352,6 +480,9 @@ def ray_service_manifest(args: VllmRayServiceArgs) -> dict[str, Any]:
             # for replicas) stays out of the serve Service.
             "excludeHeadPodFromServeSvc": True,
             "upgradeStrategy": upgrade_strategy(cfg),
+            # After a NewCluster upgrade moves traffic, the old cluster
+            # finishes the streams it holds before KubeRay deletes it.
+            "rayClusterDeletionDelaySeconds": drain(cfg).cluster_deletion_delay_seconds,
             "serveService": args.serve_service,
             "serveConfigV2": serve_config_yaml(cfg, args.name, args.models, args.gpu),
             "rayClusterConfig": cluster,

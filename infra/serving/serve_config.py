@@ -16,8 +16,9 @@ import yaml
 
 from infra.config import Model, StackConfig
 from infra.scheduling import GpuPlacement
+from infra.serving.drain import WAIT_LOOP_SECONDS, drain
 from infra.serving.ports import RAY_PORTS
-from workloads.inference_server.catalog import Catalog, ModelEntry
+from workloads.inference_server.catalog import Catalog, GracefulShutdown, ModelEntry
 
 # The builder in workloads/ that turns the catalogue into Ray Serve LLM's app.
 IMPORT_PATH = "inference_server.app:build_app"
@@ -39,6 +40,12 @@ class Mounts:
 
 MOUNTS = Mounts()
 
+# The Ray custom resource only the ingress group's nodes advertise (KubeRay
+# group `resources`); the OpenAI ingress replicas ask for one each. Without it
+# Serve may place a second ingress replica on a GPU worker (it has the CPUs),
+# leaving an ingress pod with no replica, no proxy and so never Ready.
+INGRESS_RESOURCE = "llm_platform_ingress"
+
 
 def catalog_entry(model: Model, placement: GpuPlacement) -> ModelEntry:
     """The server's view of a configured model (placement fields dropped).
@@ -59,6 +66,9 @@ def catalog(cfg: StackConfig, models: list[Model], gpu: Mapping[str, GpuPlacemen
         models=[catalog_entry(m, gpu[m.gpu_group]) for m in models],
         limits=cfg.serving.limits,
         ingress=cfg.serving.ingress,
+        ingress_resource=INGRESS_RESOURCE,
+        # Every replica finishes the longest generation the limits allow before it stops.
+        shutdown=GracefulShutdown(timeout_s=drain(cfg).serve_timeout_seconds, wait_loop_s=WAIT_LOOP_SECONDS),
         api_keys_file=MOUNTS.api_keys_file,
         allow_hub_download=cfg.serving.allow_hub_download,
         model_cache_dir=MOUNTS.model_cache_dir,

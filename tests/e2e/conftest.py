@@ -27,7 +27,6 @@ from localserve.server import (
     MAX_MODEL_LEN,
     MODEL_ID,
     ServerStartError,
-    build_tiny_model,
     catalog_for,
     start,
     wait_ready,
@@ -85,11 +84,20 @@ def e2e_dir() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(e2e_dir: Path) -> Path:
+def tiny_model() -> Path:
+    """The tiny model, built once under build/ and shared with the twin runs (twin/model.py)."""
     _require_serving_stack()
-    model_dir = build_tiny_model(e2e_dir / "model")
+    from twin.model import tiny_model_dir
+
+    model_dir = tiny_model_dir()
     assert (model_dir / "model.safetensors").is_file()
     return model_dir
+
+
+@pytest.fixture(scope="session")
+def serving_stack() -> None:
+    """Ray, vLLM and the OpenAI client are installed (or the run says they must be)."""
+    _require_serving_stack()
 
 
 @dataclass

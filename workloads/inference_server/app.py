@@ -45,10 +45,17 @@ class GuardSettings(BaseModel):
     api_keys_file: str | None
     api_keys_env: str
     limits: RequestLimits
+    # The served model names: a request for any other gets an OpenAI-shaped 404 from the guard.
+    model_ids: list[str] = []
 
     @classmethod
     def from_catalog(cls, catalog: Catalog) -> GuardSettings:
-        return cls(api_keys_file=catalog.api_keys_file, api_keys_env=catalog.api_keys_env, limits=catalog.limits)
+        return cls(
+            api_keys_file=catalog.api_keys_file,
+            api_keys_env=catalog.api_keys_env,
+            limits=catalog.limits,
+            model_ids=[m.model_id for m in catalog.models],
+        )
 
     def keys(self) -> ApiKeys:
         keys = ApiKeys(self.api_keys_file, self.api_keys_env)
@@ -88,7 +95,13 @@ def _tokenize_request(model_id: str, path: str, body: dict[str, Any]) -> list[An
 def _install_guard(app: Any, settings: GuardSettings, counter: Any) -> None:
     """Put the guard outermost on a FastAPI app, even one whose stack is built."""
     app.middleware_stack = None  # let Starlette rebuild the stack with the guard
-    app.add_middleware(ApiGuard, keys=settings.keys(), limits=settings.limits, count_prompt_tokens=counter)
+    app.add_middleware(
+        ApiGuard,
+        keys=settings.keys(),
+        limits=settings.limits,
+        model_ids=settings.model_ids,
+        count_prompt_tokens=counter,
+    )
 
 
 class GuardedOpenAiIngress(OpenAiIngress):
@@ -200,7 +213,7 @@ def build_app(args: dict[str, Any]) -> Application:
             "ingress_cls": GuardedOpenAiIngress,
             "ingress_extra_kwargs": {"guard": GuardSettings.from_catalog(catalog).model_dump()},
         }
-        serving_args["ingress_deployment_config"] = ingress_deployment_config(catalog.ingress)
+        serving_args["ingress_deployment_config"] = ingress_deployment_config(catalog)
     logger.info(
         "Building the OpenAI app for %s (%s ingress)",
         [m.model_id for m in catalog.models],

@@ -54,7 +54,9 @@ class WorkerSettings(BaseModel):
     # One request's whole budget; kept inside the queue's visibility timeout
     # so a message is never handed to a second worker while the first still works on it.
     request_timeout_seconds: float = Field(alias="BATCH_REQUEST_TIMEOUT_SECONDS", gt=0)
-    # First retry delay after a 5xx or timeout; doubles with each receive.
+    # First retry delay after a 5xx, a 401 (key rotation) or a timeout; doubles with
+    # each receive. A message without a readable id comes back after this delay
+    # every time, so SQS's redrive moves it to the dead-letter queue promptly.
     retry_delay_seconds: int = Field(default=30, alias="BATCH_RETRY_DELAY_SECONDS", ge=0, le=43200)
     wait_seconds: int = Field(default=MAX_WAIT_SECONDS, alias="BATCH_WAIT_SECONDS", ge=0, le=MAX_WAIT_SECONDS)
 

@@ -4,16 +4,26 @@ Run as ``python -m inference_server.batch_worker`` (or ``inference-batch-worker`
 with the settings of :class:`~inference_server.batch_settings.WorkerSettings` in
 the environment. Needs pydantic, httpx and boto3 only (no Ray, no vLLM).
 
-Delivery is at least once:
+Delivery is at least once, and a message is deleted only once its result is
+stored (one object per message, ``s3://<bucket>/<prefix><id>.json``; a
+redelivery overwrites it with the same answer):
 
-- a 2xx answer is written to ``s3://<bucket>/<prefix><id>.json``, then the
-  message is deleted;
-- a 4xx answer (other than 408/409/425/429) or a malformed message can never
-  succeed: the error is written as the result and the message is deleted;
-- a 5xx answer, 408/409/425/429, a timeout or a connection error leaves the
-  message on the queue, hidden for a back-off that doubles with each receive;
-  SQS moves it to the dead-letter queue after the configured receives;
-- a failed result write leaves the message for a retry as well.
+- a 2xx answer is written as the result, then the message is deleted;
+- a request that can never succeed (a 4xx answer other than 401/408/409/425/429,
+  ``stream``, another model, a body that is not a request but whose ``id`` can
+  be read) is answered: the error is written as the result and the message is
+  deleted;
+- a 401 means the key is being rotated: the key is marked refused, the key
+  file is read again before the next request (the next key in it is tried),
+  and the message stays on the queue;
+- a 5xx answer, 408/409/425/429, a timeout, a connection error or a failed
+  result write leave the message on the queue, hidden for a back-off that
+  doubles with each receive;
+- a message without a readable ``id`` (not JSON, no id) has nowhere to put a
+  result: it is handed back after ``retry_delay_seconds`` every time.
+
+The worker never deletes a message that failed: SQS's own redrive moves it to
+the dead-letter queue after the queue's ``maxReceiveCount`` receives.
 
 On SIGTERM the worker stops receiving, hands back any message it received
 but did not start, and finishes the requests in flight before it exits.
@@ -25,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -39,7 +50,8 @@ from typing import Any, Protocol
 import httpx
 from pydantic import ValidationError
 
-from .batch_settings import MAX_RECEIVE_BATCH, BatchRequest, WorkerSettings
+from .batch_settings import MAX_RECEIVE_BATCH, REQUEST_ID_PATTERN, BatchRequest, WorkerSettings
+from .guard import parse_keys_file
 
 logger = logging.getLogger("inference_server.batch_worker")
 
@@ -74,6 +86,7 @@ class Outcome(Enum):
     SUCCEEDED = "succeeded"  # answered, result written, message deleted
     FAILED = "failed"  # can never succeed: error written as the result, message deleted
     RETRY = "retry"  # left on the queue for another attempt
+    REJECTED = "rejected"  # unreadable: left on the queue until SQS moves it to the dead-letter queue
 
 
 class _JsonFormatter(logging.Formatter):
@@ -105,13 +118,91 @@ def _log(level: int, event: str, **fields: Any) -> None:
     logger.log(level, event, extra={"fields": fields})
 
 
-def read_api_key(path: str) -> str:
-    """The first key in the mounted API-key file (one key per line)."""
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                return line.strip()
-    raise ValueError(f"no API key in {path}")
+class KeySource(Protocol):
+    """Where the worker gets the API key for each request."""
+
+    def key(self) -> str: ...
+
+    def refused(self, key: str) -> None: ...
+
+
+class ApiKeyFile:
+    """The API keys in the mounted key file, read again whenever the file changes.
+
+    The file is the same Secret the server reads (one key a line, ``#``
+    comments). The worker sends the first key that the server has not
+    refused. A 401 marks the key refused and makes the next request read the
+    file again, so a rotation works in either order: when the worker's copy
+    of the Secret changes first, the other key still in the file is tried;
+    when every key was refused, all are tried again (the server may not have
+    reloaded its copy yet). Keys are never logged.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+        self._stamp: tuple[int, int, int] | None = None
+        self._keys: list[str] = []
+        self._refused: set[str] = set()
+        self._stale = False
+        self._reload()
+        if not self._keys:
+            raise ValueError(f"no API key in {path}")
+
+    def _stamp_now(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self._path)  # follows the Secret volume's symlinks
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _reload(self) -> None:
+        stamp = self._stamp_now()
+        try:
+            with open(self._path, encoding="utf-8") as handle:
+                keys = parse_keys_file(handle.read())
+        except OSError as err:
+            # Mid-swap or briefly absent: keep the keys we have.
+            _log(logging.WARNING, "api_keys_unreadable", error=type(err).__name__)
+            return
+        if not keys:
+            _log(logging.WARNING, "api_keys_empty")
+            return
+        self._stamp, self._stale = stamp, False
+        if keys != self._keys:
+            self._keys = keys
+            self._refused.clear()
+            _log(logging.INFO, "api_keys_loaded", keys=len(keys))
+
+    def key(self) -> str:
+        with self._lock:
+            if self._stale or self._stamp_now() != self._stamp:
+                self._reload()
+            usable = [k for k in self._keys if k not in self._refused]
+            if not usable:
+                self._refused.clear()
+                usable = self._keys
+            return usable[0]
+
+    def refused(self, key: str) -> None:
+        with self._lock:
+            self._refused.add(key)
+            self._stale = True
+
+
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+
+
+def readable_request_id(raw: str) -> str | None:
+    """The ``id`` of a message that is not a valid request, when it has a usable one."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    value = doc.get("id") if isinstance(doc, dict) else None
+    if isinstance(value, str) and _REQUEST_ID.fullmatch(value):
+        return value
+    return None
 
 
 def retry_delay(settings: WorkerSettings, receives: int) -> int:
@@ -129,14 +220,14 @@ class BatchWorker:
         sqs: SqsClient,
         s3: S3Client,
         http: httpx.Client,
-        api_key: str,
+        keys: KeySource,
         now: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
         self._sqs = sqs
         self._s3 = s3
         self._http = http
-        self._api_key = api_key
+        self._keys = keys
         self._now = now
 
     # --- one message -------------------------------------------------------------------------
@@ -149,12 +240,18 @@ class BatchWorker:
         started = self._now()
         fields: dict[str, Any] = {"message_id": message_id, "receives": receives}
 
+        raw = str(message.get("Body", ""))
         try:
-            request = BatchRequest.model_validate_json(message.get("Body", ""))
+            request = BatchRequest.model_validate_json(raw)
         except ValidationError as err:
-            # Keyed by the SQS message id: the request's own id may be what is broken.
             problem = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in err.errors())
-            return self._fail(receipt, message_id, None, "invalid_request", problem, fields, receives)
+            request_id = readable_request_id(raw)
+            if request_id is None:
+                # No id, so no result object the sender could find: the
+                # dead-letter queue is where this message can be seen.
+                return self._reject(receipt, {**fields, "reason": "unreadable_message"})
+            fields["request_id"] = request_id
+            return self._fail(receipt, request_id, None, "invalid_request", problem, fields, receives)
         fields["request_id"] = request.id
 
         body = dict(request.body)
@@ -174,11 +271,12 @@ class BatchWorker:
                 receives,
             )
 
+        api_key = self._keys.key()
         try:
             response = self._http.post(
                 CHAT_PATH,
                 json=body,
-                headers={"Authorization": f"Bearer {self._api_key}"},
+                headers={"Authorization": f"Bearer {api_key}"},
                 timeout=self.settings.request_timeout_seconds,
             )
         except httpx.TimeoutException:
@@ -189,6 +287,11 @@ class BatchWorker:
         fields["status_code"] = response.status_code
         fields["duration_ms"] = round((self._now() - started) * 1000)
         code = response.status_code
+        if code == 401:
+            # A key being rotated: the server and this worker see the new
+            # Secret at different moments. Read the key file again and retry.
+            self._keys.refused(api_key)
+            return self._retry(receipt, receives, {**fields, "reason": "http_401"})
         if code >= 500 or code in RETRYABLE_4XX:
             return self._retry(receipt, receives, {**fields, "reason": f"http_{code}"})
         try:
@@ -285,6 +388,22 @@ class BatchWorker:
         _log(logging.WARNING, "request_retry", **fields, retry_in_seconds=delay)
         return Outcome.RETRY
 
+    def _reject(self, receipt: str, fields: dict[str, Any]) -> Outcome:
+        """Leave an unreadable message for SQS's redrive, visible again after the first retry delay.
+
+        No back-off: the message will not get better, so it reaches the
+        dead-letter queue after maxReceiveCount receives, in minutes.
+        """
+        delay = self.settings.retry_delay_seconds
+        try:
+            self._sqs.change_message_visibility(
+                QueueUrl=self.settings.queue_url, ReceiptHandle=receipt, VisibilityTimeout=delay
+            )
+        except Exception:
+            delay = -1
+        _log(logging.ERROR, "message_rejected", **fields, retry_in_seconds=delay)
+        return Outcome.REJECTED
+
     # --- the loop ----------------------------------------------------------------------------
 
     def _process(self, message: Mapping[str, Any], slots: threading.Semaphore) -> None:
@@ -370,7 +489,7 @@ def main() -> int:
     """Entry point: read the settings, connect, run until told to stop."""
     configure_logging()
     settings = WorkerSettings.from_env(os.environ)
-    api_key = read_api_key(settings.api_keys_file)
+    keys = ApiKeyFile(settings.api_keys_file)
 
     import boto3  # the image has it; tests use fakes and never import it
     from botocore.config import Config
@@ -389,7 +508,7 @@ def main() -> int:
     install_signal_handlers(stop)
     limits = httpx.Limits(max_connections=settings.concurrency, max_keepalive_connections=settings.concurrency)
     with httpx.Client(base_url=settings.base_url, limits=limits, timeout=settings.request_timeout_seconds) as http:
-        BatchWorker(settings, sqs=sqs, s3=s3, http=http, api_key=api_key).run(stop)
+        BatchWorker(settings, sqs=sqs, s3=s3, http=http, keys=keys).run(stop)
     return 0
 
 

@@ -32,6 +32,45 @@ class RequestLimits(_Strict):
 
     max_tokens: int = Field(default=4096, gt=0, description="Largest max_tokens / max_completion_tokens accepted.")
     max_prompt_tokens: int = Field(default=32768, gt=0, description="Largest prompt accepted, in tokens.")
+    max_n: int = Field(
+        default=4,
+        ge=1,
+        le=128,
+        description="Largest n (choices) and best_of accepted: each choice is a sequence the engine generates.",
+    )
+    max_request_output_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Most tokens one request may ask for over all its sequences: prompts x max(n, best_of) x max_tokens "
+            "(the server's max_tokens when the request leaves it out). None: max_tokens x max_n."
+        ),
+    )
+    prompt_bytes_per_token: int = Field(
+        default=16,
+        ge=1,
+        le=256,
+        description=(
+            "Cheap pre-check before tokenizing: a prompt with more than max_prompt_tokens x this many UTF-8 "
+            "bytes is refused unread by the tokenizer. Text averages 3-5 bytes a token; it also sizes the body cap."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_output_budget(self) -> RequestLimits:
+        if self.max_request_output_tokens is not None and self.max_request_output_tokens < self.max_tokens:
+            raise ValueError(
+                f"max_request_output_tokens ({self.max_request_output_tokens}) must be at least max_tokens "
+                f"({self.max_tokens}): a single choice at the default length would be refused"
+            )
+        return self
+
+    @property
+    def output_token_budget(self) -> int:
+        """The most tokens one request may ask for over all its sequences."""
+        if self.max_request_output_tokens is not None:
+            return self.max_request_output_tokens
+        return self.max_tokens * self.max_n
 
 
 class ServeAutoscaling(_Strict):
@@ -103,6 +142,19 @@ class IngressScaling(_Strict):
     def nodes(self, replicas: int) -> int:
         """Ray nodes (ingress pods) that hold `replicas` replicas."""
         return -(-replicas // self.max_replicas_per_node)
+
+
+class GracefulShutdown(_Strict):
+    """How a Serve replica stops: it takes no new requests and finishes the ones it holds.
+
+    Set on every deployment (each model and the OpenAI ingress, which holds a
+    stream for as long as the model does). The platform sets ``timeout_s`` to
+    the longest generation the request limits allow (infra/serving/drain.py);
+    the defaults are Serve's own.
+    """
+
+    timeout_s: float = Field(default=20, ge=0, description="Serve's graceful_shutdown_timeout_s.")
+    wait_loop_s: float = Field(default=2, ge=0, description="Serve's graceful_shutdown_wait_loop_s.")
 
 
 class ModelEntry(_Strict):
@@ -193,6 +245,11 @@ class Catalog(_Strict):
     models: list[ModelEntry] = Field(min_length=1)
     limits: RequestLimits = Field(default_factory=RequestLimits)
     ingress: IngressScaling = Field(default_factory=IngressScaling)
+    shutdown: GracefulShutdown = Field(default_factory=GracefulShutdown)
+    ingress_resource: str | None = Field(
+        default=None,
+        description="A Ray custom resource that only the ingress nodes advertise; each ingress replica asks for 1.",
+    )
     api_keys_file: str | None = Field(
         default="/etc/inference/api-keys/keys", description="File with one API key per line."
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .catalog import Catalog, IngressScaling, ModelEntry, ServeAutoscaling
+from .catalog import Catalog, GracefulShutdown, ModelEntry, ServeAutoscaling
 
 # vLLM streams safetensors straight from S3 with this loader; nothing is
 # written to local disk and no model hub is asked.
@@ -32,9 +32,19 @@ def autoscaling_config(scaling: ServeAutoscaling) -> dict[str, Any]:
     return config
 
 
-def ingress_deployment_config(ingress: IngressScaling) -> dict[str, Any]:
-    """Serve LLM's ``ingress_deployment_config``: replaces its defaults (to zero with the models, else 1..1)."""
+def shutdown_options(shutdown: GracefulShutdown) -> dict[str, Any]:
+    """Serve's graceful shutdown options of a deployment."""
     return {
+        "graceful_shutdown_timeout_s": shutdown.timeout_s,
+        "graceful_shutdown_wait_loop_s": shutdown.wait_loop_s,
+    }
+
+
+def ingress_deployment_config(catalog: Catalog) -> dict[str, Any]:
+    """Serve LLM's ``ingress_deployment_config``: replaces its defaults (to zero with the models, else 1..1)."""
+    ingress = catalog.ingress
+    config: dict[str, Any] = {
+        **shutdown_options(catalog.shutdown),
         "autoscaling_config": {
             "min_replicas": ingress.min_replicas,
             "max_replicas": ingress.max_replicas,
@@ -45,6 +55,12 @@ def ingress_deployment_config(ingress: IngressScaling) -> dict[str, Any]:
         "max_ongoing_requests": ingress.max_ongoing_requests,
         "max_replicas_per_node": ingress.max_replicas_per_node,
     }
+    if catalog.ingress_resource is not None:
+        # Only the ingress group's nodes advertise it: a replica never takes
+        # a GPU worker's CPUs, and each ingress pod's replica (and so its
+        # proxy, which its readiness probe needs) stays on that pod.
+        config["ray_actor_options"] = {"resources": {catalog.ingress_resource: 1}}
+    return config
 
 
 def engine_kwargs(entry: ModelEntry, catalog: Catalog) -> dict[str, Any]:
@@ -78,6 +94,7 @@ def llm_config_kwargs(entry: ModelEntry, catalog: Catalog) -> dict[str, Any]:
         "deployment_config": {
             "autoscaling_config": autoscaling_config(scaling),
             "max_ongoing_requests": scaling.max_ongoing_requests,
+            **shutdown_options(catalog.shutdown),
         },
         # vLLM's own metrics, exported by Ray's metrics agent as ray_vllm_*.
         "log_engine_metrics": True,

@@ -1,11 +1,27 @@
-"""API-key authentication and request limits, as one pure ASGI middleware.
+"""API keys, request checks and OpenAI-shaped errors, as one pure ASGI middleware.
 
 This module needs only the standard library and the catalogue (pydantic), so it
 is cheap to import and to test. The server installs :class:`ApiGuard` as the
 outermost middleware of the OpenAI-compatible FastAPI app that Ray Serve LLM
-builds, which keeps the checks in the same process as the routes: no extra
-network hop, one JSON parse per generation request and nothing at all for the
-health routes.
+builds (or of vLLM's own app in the direct-streaming layout), so every check
+runs in the same process as the routes and before any of their handlers.
+
+What the guard promises, in order:
+
+1. A WebSocket is refused (the API has none, and no limit could be applied to one).
+2. A body declared larger than the cap (``Content-Length``) gets 413 before a
+   byte of it is read; a chunked body is cut off at the cap while it streams.
+3. Every route but the health routes needs ``Authorization: Bearer <key>`` (401),
+   ``OPTIONS`` included.
+4. A ``POST`` body must be ``application/json`` (415), valid UTF-8 JSON
+   without ``NaN``/``Infinity`` (400) and an object (400); a ``model`` the
+   catalogue does not serve gets 404.
+5. On the generation routes, integer parameters must be JSON integers, and
+   ``max_tokens``, ``n``/``best_of``, the request's total output and every
+   prompt stay within :class:`~inference_server.catalog.RequestLimits` (400).
+6. Any error the routes behind it answer is rewritten into the OpenAI shape
+   ``{"error": {"message", "type", "param", "code"}}``; a 5xx never carries
+   exception text.
 
 Keys are never logged and never echoed back in an error.
 """
@@ -16,9 +32,11 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
+import re
 import time
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,14 +61,45 @@ OPEN_PATHS = frozenset({"/-/healthz", "/-/routes", "/health", "/ping", "/version
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
 LIMITED_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH})
+MODEL_PATH_PREFIX = "/v1/models/"
+# Methods whose requests carry a body; every such route of the API takes JSON.
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# Parameters the engine reads as integers. Its request models coerce "100" and
+# 100.0 to 100, which would slip past a check that looks only at ints.
+INTEGER_PARAMS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of")
 
 # The cheap prompt bound: a token of a byte-level BPE or SentencePiece
 # vocabulary covers at least one UTF-8 byte, so a prompt's byte count plus what
 # a chat template adds around each message bounds its token count from above.
 CHAT_TEMPLATE_TOKENS = 64
 CHAT_TOKENS_PER_MESSAGE = 16
-# A body larger than this is refused before it is buffered.
-MAX_BODY_BYTES = 64 * 1024 * 1024
+
+# The body cap. A prompt that passes the byte pre-check holds at most
+# max_prompt_tokens x prompt_bytes_per_token bytes of text. JSON escaping at
+# most doubles real text (a 3-byte character sent as a 6-byte \uXXXX escape),
+# and a prompt sent as token ids costs at most 8 bytes a token ("128255,"),
+# so twice the text bound holds the largest prompt the limits accept. The floor
+# leaves room for long chat histories and tool schemas when the limits are
+# small. With the defaults (32768 tokens x 16 bytes x 2) that is 1 MiB, the
+# floor: json.loads takes about 20 ms for 1 MiB of token ids and 2 ms for
+# 1 MiB of text on one core. A thread would not help, since the C decoder holds
+# the GIL, so the cap is what keeps a parse from stalling the event loop.
+MIN_BODY_BYTES = 1024 * 1024
+JSON_ESCAPE_FACTOR = 2
+# Error bodies from the routes behind the guard are small; a larger one passes unchanged.
+MAX_ERROR_BODY_BYTES = 64 * 1024
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+# Error types the OpenAI API itself uses; any other type from a route is replaced.
+OPENAI_ERROR_TYPES = frozenset(
+    {INVALID_REQUEST, SERVER_ERROR, "authentication_error", "permission_error", "not_found_error", "rate_limit_error"}
+)
+
+
+def body_cap(limits: RequestLimits) -> int:
+    """The largest request body accepted (see :data:`MIN_BODY_BYTES` for the reasoning)."""
+    return max(MIN_BODY_BYTES, limits.max_prompt_tokens * limits.prompt_bytes_per_token * JSON_ESCAPE_FACTOR)
 
 
 def error_body(message: str, *, type_: str, param: str | None, code: str | None) -> bytes:
@@ -185,11 +234,246 @@ def bearer_token(scope: Scope) -> str | None:
     return None
 
 
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers") or ():
+        if key == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+# ---------------------------------------------------------------- refusals
+
+
 @dataclass(frozen=True)
-class LimitViolation:
+class Refusal:
+    """A client mistake, answered with ``status`` and an OpenAI error body."""
+
+    status: int
     message: str
-    param: str
-    code: str
+    param: str | None
+    code: str | None
+    type: str = INVALID_REQUEST
+
+    def body(self) -> bytes:
+        return error_body(self.message, type_=self.type, param=self.param, code=self.code)
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, float):
+        return "a decimal number"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return "null" if value is None else type(value).__name__
+
+
+def _shown(value: str, limit: int = 80) -> str:
+    return value if len(value) <= limit else value[:limit] + "..."
+
+
+def check_content_type(scope: Scope) -> Refusal | None:
+    """415 unless the body is declared as JSON in UTF-8, unencoded."""
+    declared = _header(scope, b"content-type")
+    media, _, params = (declared or "").partition(";")
+    charset = ""
+    for param in params.split(";"):
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "charset":
+            charset = value.strip().strip('"').lower()
+    if media.strip().lower() != "application/json" or charset not in ("", "utf-8", "utf8"):
+        shown = f"'{_shown(declared)}'" if declared else "no Content-Type"
+        return Refusal(
+            415,
+            f"The request body must be JSON sent with 'Content-Type: application/json'; this request has {shown}.",
+            param=None,
+            code="unsupported_media_type",
+        )
+    encoding = (_header(scope, b"content-encoding") or "identity").strip().lower()
+    if encoding != "identity":
+        return Refusal(
+            415,
+            f"Content-Encoding '{_shown(encoding)}' is not accepted: send the JSON body uncompressed.",
+            param=None,
+            code="unsupported_media_type",
+        )
+    return None
+
+
+def too_large(limit: int) -> Refusal:
+    return Refusal(
+        413,
+        f"The request body is larger than this server accepts ({limit} bytes). Shorten the prompt.",
+        param=None,
+        code="request_too_large",
+    )
+
+
+def declared_length(scope: Scope) -> int | Refusal | None:
+    """The body size in ``Content-Length``, a 400 for a malformed one, None when absent."""
+    value = _header(scope, b"content-length")
+    if value is None:
+        return None
+    value = value.strip()
+    if not value.isdigit() or len(value) > 18:
+        return Refusal(400, "Content-Length must be a number of bytes.", param=None, code="invalid_content_length")
+    return int(value)
+
+
+class _NotFiniteError(ValueError):
+    pass
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NotFiniteError(name)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses to inf
+        raise _NotFiniteError(text)
+    return value
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any] | Refusal:
+    """The body as a JSON object, or the 400 that says what is wrong with it."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return Refusal(400, "The request body is not valid UTF-8.", param=None, code="invalid_json")
+    if not text.strip():
+        return Refusal(400, "The request body is empty: send a JSON object.", param=None, code="invalid_json")
+    try:
+        body = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except _NotFiniteError as err:
+        return Refusal(
+            400,
+            f"The request body contains {_shown(str(err), 40)}, which is not a JSON number: "
+            "send finite numbers only (no NaN or Infinity).",
+            param=None,
+            code="invalid_json",
+        )
+    except json.JSONDecodeError as err:
+        return Refusal(
+            400,
+            f"The request body is not valid JSON: {err.msg} (line {err.lineno}, column {err.colno}).",
+            param=None,
+            code="invalid_json",
+        )
+    except (ValueError, RecursionError):
+        # Integers of more than 4300 digits, arrays nested thousands deep.
+        return Refusal(400, "The request body is not valid JSON.", param=None, code="invalid_json")
+    if not isinstance(body, dict):
+        return Refusal(
+            400, f"The request body must be a JSON object, not {_json_kind(body)}.", param=None, code="invalid_json"
+        )
+    return body
+
+
+def model_not_found(model: str) -> Refusal:
+    return Refusal(
+        404,
+        f"The model '{_shown(model)}' does not exist or you do not have access to it.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def check_model(body: dict[str, Any], model_ids: Collection[str]) -> Refusal | None:
+    """404 for a model the catalogue does not serve; a missing model is left to the route."""
+    model = body.get("model")
+    if model is None or not model_ids:
+        return None
+    if not isinstance(model, str):
+        return Refusal(400, f"model must be a string, not {_json_kind(model)}.", param="model", code="invalid_type")
+    if model not in model_ids:
+        return model_not_found(model)
+    return None
+
+
+def check_integer_params(body: dict[str, Any]) -> Refusal | None:
+    """400 for an integer parameter sent as a string, a decimal number or a boolean."""
+    for param in INTEGER_PARAMS:
+        value = body.get(param)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            return Refusal(
+                400,
+                f"{param} must be an integer, not {_json_kind(value)}.",
+                param=param,
+                code="invalid_type",
+            )
+    return None
+
+
+def check_choices(body: dict[str, Any], limits: RequestLimits) -> Refusal | None:
+    """400 for ``n`` or ``best_of`` above ``limits.max_n`` (integers already checked)."""
+    for param in ("n", "best_of"):
+        value = body.get(param)
+        if value is not None and value > limits.max_n:
+            return Refusal(
+                400,
+                f"{param} is {value}, but this server accepts at most {limits.max_n}. Lower {param}.",
+                param=param,
+                code="too_many_choices",
+            )
+    return None
+
+
+def check_max_tokens(body: dict[str, Any], limits: RequestLimits) -> Refusal | None:
+    """400 for ``max_tokens``/``max_completion_tokens`` above the limit (integers already checked)."""
+    for param in ("max_tokens", "max_completion_tokens"):
+        value = body.get(param)
+        if value is not None and value > limits.max_tokens:
+            return Refusal(
+                400,
+                f"{param} is {value}, but this server accepts at most {limits.max_tokens}. Lower {param}.",
+                param=param,
+                code="max_tokens_exceeded",
+            )
+    return None
+
+
+def check_output_budget(body: dict[str, Any], limits: RequestLimits, prompts: int = 1) -> Refusal | None:
+    """400 when prompts x choices x max_tokens exceeds what one request may generate.
+
+    A request that leaves max_tokens out may generate the server's limit
+    (the engine's default is set to it), so that is what it is charged.
+    """
+    choices = max(body.get("n") or 1, body.get("best_of") or 1, 1)
+    asked = [v for v in (body.get("max_tokens"), body.get("max_completion_tokens")) if v is not None]
+    per_choice = max(asked) if asked else limits.max_tokens
+    total = prompts * choices * max(per_choice, 0)
+    budget = limits.output_token_budget
+    if total > budget:
+        shape = f"{prompts} prompts x " if prompts > 1 else ""
+        return Refusal(
+            400,
+            f"This request may generate {total} tokens ({shape}{choices} choices x {per_choice} max_tokens), "
+            f"but this server allows at most {budget} per request. Lower n, best_of or max_tokens.",
+            param="n" if choices > 1 else "prompt",
+            code="output_tokens_exceeded",
+        )
+    return None
+
+
+# ---------------------------------------------------------------- prompt size
+
+
+@dataclass(frozen=True)
+class PromptSize:
+    """How big one prompt is: its text bytes and a bound on its tokens (exact for token ids)."""
+
+    text_bytes: int
+    tokens: int
+    exact: bool
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _text_bytes(content: Any) -> int:
@@ -206,209 +490,241 @@ def _text_bytes(content: Any) -> int:
     return total
 
 
-def prompt_token_bound(path: str, body: dict[str, Any]) -> tuple[int, bool] | None:
-    """An upper bound on the prompt tokens of a request, and whether it is exact.
+def completion_prompts(prompt: Any) -> list[PromptSize] | Refusal:
+    """Each prompt of a completion request, sized; 400 for a shape the API does not define."""
+    bad = Refusal(
+        400,
+        "prompt must be a string, an array of strings, an array of token ids or an array of token id arrays.",
+        param="prompt",
+        code="invalid_prompt",
+    )
+    if isinstance(prompt, str):
+        size = len(prompt.encode())
+        return [PromptSize(size, size + 2, False)]
+    if not isinstance(prompt, list):
+        return bad
+    if not prompt:
+        return Refusal(400, "prompt must not be an empty array.", param="prompt", code="invalid_prompt")
+    if all(_is_token(t) for t in prompt):
+        return [PromptSize(0, len(prompt), True)]
+    if all(isinstance(p, str) for p in prompt):
+        return [PromptSize(len(p.encode()), len(p.encode()) + 2, False) for p in prompt]
+    if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
+        return [PromptSize(0, len(p), True) for p in prompt]
+    return bad
 
-    For a completion with several prompts the largest one counts, since each
-    is served as its own sequence. Returns None when the body has no prompt
-    this module understands (the engine validates it then).
-    """
+
+def chat_prompt(body: dict[str, Any]) -> PromptSize | None:
+    """The size of a chat request's prompt, or None when ``messages`` is not a list of objects."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        return None  # the route's own validation answers with a 400
+    text = 0
+    for message in messages:
+        text += _text_bytes(message.get("content"))
+        for key in ("role", "name", "reasoning_content", "tool_call_id"):
+            value = message.get(key)
+            if isinstance(value, str):
+                text += len(value.encode())
+        if message.get("tool_calls"):
+            text += len(json.dumps(message["tool_calls"]).encode())
+    if body.get("tools"):
+        text += len(json.dumps(body["tools"]).encode())
+    tokens = text + CHAT_TEMPLATE_TOKENS + CHAT_TOKENS_PER_MESSAGE * len(messages)
+    return PromptSize(text, tokens, False)
+
+
+def prompt_sizes(path: str, body: dict[str, Any]) -> list[PromptSize] | Refusal | None:
+    """The sizes of a generation request's prompts; None when there is nothing this module understands."""
     if path == COMPLETIONS_PATH:
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            return len(prompt.encode()) + 2, False
-        if isinstance(prompt, list) and prompt:
-            if all(isinstance(t, int) for t in prompt):
-                return len(prompt), True
-            if all(isinstance(p, list) for p in prompt):
-                return max(len(p) for p in prompt), True
-            if all(isinstance(p, str) for p in prompt):
-                return max(len(p.encode()) for p in prompt) + 2, False
-        return None
+        if "prompt" not in body:
+            return None
+        return completion_prompts(body["prompt"])
     if path == CHAT_PATH:
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            return None
-        total = CHAT_TEMPLATE_TOKENS
-        for message in messages:
-            if not isinstance(message, dict):
-                return None
-            total += CHAT_TOKENS_PER_MESSAGE + _text_bytes(message.get("content"))
-            for key in ("role", "name", "reasoning_content", "tool_call_id"):
-                value = message.get(key)
-                if isinstance(value, str):
-                    total += len(value.encode())
-            if message.get("tool_calls"):
-                total += len(json.dumps(message["tool_calls"]).encode())
-        if body.get("tools"):
-            total += len(json.dumps(body["tools"]).encode())
-        return total, False
+        size = chat_prompt(body)
+        return None if size is None else [size]
     return None
 
 
-def check_max_tokens(body: dict[str, Any], limits: RequestLimits) -> LimitViolation | None:
-    for param in ("max_tokens", "max_completion_tokens"):
-        value = body.get(param)
-        if isinstance(value, int) and not isinstance(value, bool) and value > limits.max_tokens:
-            return LimitViolation(
-                message=(f"{param} is {value}, but this server accepts at most {limits.max_tokens}. Lower {param}."),
-                param=param,
-                code="max_tokens_exceeded",
-            )
-    return None
+def prompt_too_long(tokens: int, limits: RequestLimits, param: str) -> Refusal:
+    return Refusal(
+        400,
+        f"The prompt has {tokens} tokens, but this server accepts at most {limits.max_prompt_tokens}. "
+        "Shorten the prompt.",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
-def prompt_violation(tokens: int, limits: RequestLimits) -> LimitViolation | None:
-    if tokens > limits.max_prompt_tokens:
-        return LimitViolation(
-            message=(
-                f"The prompt has {tokens} tokens, but this server accepts at most "
-                f"{limits.max_prompt_tokens}. Shorten the prompt."
-            ),
-            param="messages",
-            code="context_length_exceeded",
-        )
-    return None
+def check_prompt_cheaply(sizes: list[PromptSize], limits: RequestLimits, param: str) -> Refusal | bool:
+    """Decide on the prompts without a tokenizer where possible.
 
-
-class ApiGuard:
-    """ASGI middleware: API-key authentication, then request limits.
-
-    * Every HTTP route but :data:`OPEN_PATHS` (and CORS preflights) needs
-      ``Authorization: Bearer <key>``; otherwise 401 with an OpenAI error body.
-    * On the completion routes, ``max_tokens``/``max_completion_tokens`` above
-      ``limits.max_tokens`` and prompts above ``limits.max_prompt_tokens`` get
-      400. The prompt check costs nothing for prompts whose byte count already
-      fits; only larger ones are counted exactly, by ``count_prompt_tokens``.
+    Returns a refusal, or whether an exact count is still needed: token ids
+    are counted exactly here; text longer than ``max_prompt_tokens x
+    prompt_bytes_per_token`` bytes is refused unread; text whose byte bound
+    already fits passes; anything in between needs the tokenizer.
     """
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        keys: ApiKeys,
-        limits: RequestLimits,
-        count_prompt_tokens: PromptTokenCounter | None = None,
-        max_body_bytes: int = MAX_BODY_BYTES,
-    ) -> None:
-        self.app = app
-        self.keys = keys
-        self.limits = limits
-        self.count_prompt_tokens = count_prompt_tokens
-        self.max_body_bytes = max_body_bytes
-
-    @staticmethod
-    def _path(scope: Scope) -> str:
-        path: str = scope.get("path", "")
-        root = scope.get("root_path") or ""
-        if root and path.startswith(root):
-            path = path[len(root) :] or "/"
-        if len(path) > 1 and path.endswith("/"):
-            path = path.rstrip("/")
-        return path
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = self._path(scope)
-        method = scope.get("method", "GET")
-        if path in OPEN_PATHS or path.startswith("/-/") or method == "OPTIONS":
-            await self.app(scope, receive, send)
-            return
-
-        if not self.keys.verify(bearer_token(scope)):
-            await send_json(
-                send,
-                401,
-                error_body(
-                    "Missing or invalid API key. Send it as 'Authorization: Bearer <key>'.",
-                    type_="invalid_request_error",
-                    param=None,
-                    code="invalid_api_key",
-                ),
-                [(b"www-authenticate", b'Bearer realm="inference"')],
-            )
-            return
-
-        if method != "POST" or path not in LIMITED_PATHS:
-            await self.app(scope, receive, send)
-            return
-
-        body = await self._read_body(scope, receive, send)
-        if body is None:
-            return
-        violation = await self._check_limits(path, body)
-        if violation is not None:
-            await send_json(
-                send,
+    byte_cap = limits.max_prompt_tokens * limits.prompt_bytes_per_token
+    needs_count = False
+    for size in sizes:
+        if size.exact:
+            if size.tokens > limits.max_prompt_tokens:
+                return prompt_too_long(size.tokens, limits, param)
+            continue
+        if size.text_bytes > byte_cap:
+            return Refusal(
                 400,
-                error_body(
-                    violation.message,
-                    type_="invalid_request_error",
-                    param=violation.param,
-                    code=violation.code,
-                ),
+                f"The prompt has {size.text_bytes} bytes of text, more than the {limits.max_prompt_tokens} tokens "
+                f"this server accepts can hold (at most {byte_cap} bytes). Shorten the prompt.",
+                param=param,
+                code="context_length_exceeded",
             )
+        if size.tokens > limits.max_prompt_tokens:
+            needs_count = True
+    return needs_count
+
+
+# ---------------------------------------------------------------- errors from the routes
+
+# Ray Serve LLM's error messages look like
+# "Message: <text> (Request ID: <id>), Internal exception: ..., original exception: ...".
+_RAY_MESSAGE = re.compile(r"^Message: (?P<message>.*?)(?: \(Request ID: (?P<rid>[^)]*)\))?, Internal exception: ", re.S)
+_REQUEST_ID = re.compile(r"\(Request ID: (?P<rid>[A-Za-z0-9-]{1,64})\)")
+# Where Ray Serve LLM's validation errors say the problem is: "... at ('body', 'messages')".
+_RAY_LOC = re.compile(r"at \('body', '(?P<param>[A-Za-z_][A-Za-z0-9_]{0,63})'")
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\[\]]{0,63}$")
+_STATUS_CODES = {
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    429: "rate_limit_exceeded",
+}
+_SERVER_MESSAGES = {
+    502: "The server could not reach the model. Please retry your request.",
+    503: "The server is overloaded or not ready yet. Please retry your request.",
+    504: "The model did not answer in time. Please retry your request.",
+}
+
+
+def openai_error(status: int, raw: bytes) -> bytes:
+    """Any error body a route answered with, rewritten into the OpenAI shape.
+
+    Messages of 4xx answers are kept (Ray Serve LLM's internal exception
+    text is cut off); a 5xx answer gets a fixed message, so exception text
+    never reaches a client. The request id stays, to find the server's log.
+    """
+    try:
+        payload: Any = json.loads(raw)
+    except (ValueError, RecursionError):
+        payload = None
+    error: dict[str, Any] = {}
+    if isinstance(payload, dict):
+        inner = payload.get("error")
+        if isinstance(inner, dict):
+            error = inner
+        elif isinstance(payload.get("detail"), str):  # FastAPI's HTTPException
+            error = {"message": payload["detail"]}
+        elif isinstance(payload.get("message"), str):
+            error = payload
+    message = error["message"] if isinstance(error.get("message"), str) else ""
+    request_id = None
+    ray = _RAY_MESSAGE.match(message)
+    if ray:
+        message, request_id = ray.group("message"), ray.group("rid")
+    else:
+        found = _REQUEST_ID.search(message)
+        request_id = found.group("rid") if found else None
+        message = _REQUEST_ID.sub("", message).strip()
+    param = error.get("param")
+    if not (isinstance(param, str) and _IDENTIFIER.match(param)):
+        param = None
+    loc = _RAY_LOC.search(message)
+    if loc:
+        param = loc.group("param")
+    elif param and param.startswith("body."):
+        param = param.removeprefix("body.") or None
+    code = error.get("code")
+    if not (isinstance(code, str) and _IDENTIFIER.match(code)):
+        code = _STATUS_CODES.get(status)
+    if status >= 500:
+        type_ = SERVER_ERROR
+        message = _SERVER_MESSAGES.get(status, "The server had an error while processing your request.")
+    else:
+        given = error.get("type")
+        type_ = given if given in OPENAI_ERROR_TYPES else INVALID_REQUEST
+        message = _shown(message, 2000) or f"The request failed with HTTP {status}."
+    if request_id:
+        message = f"{message} (Request ID: {request_id})"
+    return error_body(message, type_=type_, param=param, code=code)
+
+
+def _shape_errors(send: Send, method: str) -> Send:
+    """A ``send`` that rewrites error answers (status >= 400) into the OpenAI shape."""
+    held: Message | None = None
+    chunks: list[bytes] = []
+    size = 0
+
+    async def shaped(message: Message) -> None:
+        nonlocal held, size
+        kind = message["type"]
+        if kind == "http.response.start":
+            if int(message.get("status", 200)) >= 400 and method != "HEAD":
+                held = message
+                return
+            await send(message)
             return
-        await self.app(scope, _replay(body, receive), send)
+        if held is None:
+            await send(message)
+            return
+        if kind != "http.response.body":
+            start, held = held, None
+            await send(start)
+            if chunks:
+                await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})
+            await send(message)
+            return
+        body = bytes(message.get("body", b""))
+        chunks.append(body)
+        size += len(body)
+        more = bool(message.get("more_body", False))
+        if size > MAX_ERROR_BODY_BYTES:
+            start, held = held, None
+            await send(start)
+            await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": more})
+            return
+        if more:
+            return
+        start, held = held, None
+        status = int(start["status"])
+        new_body = openai_error(status, b"".join(chunks))
+        headers = [
+            (bytes(k), bytes(v))
+            for k, v in start.get("headers") or ()
+            if bytes(k).lower() not in (b"content-length", b"content-type", b"content-encoding")
+        ]
+        headers += [(b"content-type", b"application/json"), (b"content-length", str(len(new_body)).encode())]
+        await send({**start, "headers": headers})
+        await send({"type": "http.response.body", "body": new_body, "more_body": False})
 
-    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                await send_json(
-                    send,
-                    413,
-                    error_body(
-                        f"Request body larger than {self.max_body_bytes} bytes.",
-                        type_="invalid_request_error",
-                        param=None,
-                        code="request_too_large",
-                    ),
-                )
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+    return shaped
 
-    async def _check_limits(self, path: str, raw: bytes) -> LimitViolation | None:
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return None  # the route answers malformed JSON itself
-        if not isinstance(body, dict):
-            return None
-        violation = check_max_tokens(body, self.limits)
-        if violation is not None:
-            return violation
-        bound = prompt_token_bound(path, body)
-        if bound is None:
-            return None
-        tokens, exact = bound
-        if tokens <= self.limits.max_prompt_tokens:
-            return None
-        if not exact:
-            if self.count_prompt_tokens is None:
-                return None
-            try:
-                counted = await self.count_prompt_tokens(path, body)
-            except Exception:
-                logger.warning("Exact prompt token count failed; leaving the check to the engine", exc_info=True)
-                return None
-            if counted is None:
-                return None
-            tokens = counted
-        violation = prompt_violation(tokens, self.limits)
-        if violation is not None and path == COMPLETIONS_PATH:
-            violation = LimitViolation(violation.message, "prompt", violation.code)
-        return violation
+
+def _capped(receive: Receive, limit: int) -> Receive:
+    """A ``receive`` that ends the request (as a disconnect) once its body passes ``limit`` bytes."""
+    seen = 0
+
+    async def capped() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                return {"type": "http.disconnect"}
+        return message
+
+    return capped
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -423,3 +739,159 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+# ---------------------------------------------------------------- the middleware
+
+
+class ApiGuard:
+    """ASGI middleware: API keys, request checks and OpenAI-shaped errors (see the module docstring).
+
+    ``model_ids`` are the served model names (empty: not checked here).
+    ``count_prompt_tokens`` counts a prompt exactly; it is asked only when
+    the cheap byte bounds can not decide.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        keys: ApiKeys,
+        limits: RequestLimits,
+        model_ids: Collection[str] = (),
+        count_prompt_tokens: PromptTokenCounter | None = None,
+        max_body_bytes: int | None = None,
+    ) -> None:
+        self.app = app
+        self.keys = keys
+        self.limits = limits
+        self.model_ids = frozenset(model_ids)
+        self.count_prompt_tokens = count_prompt_tokens
+        self.max_body_bytes = max_body_bytes if max_body_bytes is not None else body_cap(limits)
+
+    @staticmethod
+    def _path(scope: Scope) -> str:
+        path: str = scope.get("path", "")
+        root = scope.get("root_path") or ""
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        if len(path) > 1 and path.endswith("/"):
+            path = path.rstrip("/")
+        return path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await _refuse_websocket(receive, send)
+            return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = self._path(scope)
+        method = str(scope.get("method", "GET")).upper()
+
+        declared = declared_length(scope)
+        if isinstance(declared, Refusal):
+            await send_json(send, declared.status, declared.body())
+            return
+        if declared is not None and declared > self.max_body_bytes:
+            # Decided from the header alone: not a byte of the body is read.
+            await send_json(send, 413, too_large(self.max_body_bytes).body())
+            return
+
+        if path in OPEN_PATHS or path.startswith("/-/"):
+            await self.app(scope, _capped(receive, self.max_body_bytes), send)
+            return
+
+        if not self.keys.verify(bearer_token(scope)):
+            await send_json(
+                send,
+                401,
+                error_body(
+                    "Missing or invalid API key. Send it as 'Authorization: Bearer <key>'.",
+                    type_=INVALID_REQUEST,
+                    param=None,
+                    code="invalid_api_key",
+                ),
+                [(b"www-authenticate", b'Bearer realm="inference"')],
+            )
+            return
+
+        shaped_send = _shape_errors(send, method)
+        if method not in BODY_METHODS:
+            if method in ("GET", "HEAD") and path.startswith(MODEL_PATH_PREFIX) and self.model_ids:
+                model = path[len(MODEL_PATH_PREFIX) :]
+                # Ray Serve LLM spells "/" in a model id as "--" in this path.
+                if model not in self.model_ids and model.replace("--", "/") not in self.model_ids:
+                    missing = model_not_found(model)
+                    await send_json(send, missing.status, missing.body())
+                    return
+            await self.app(scope, _capped(receive, self.max_body_bytes), shaped_send)
+            return
+
+        refusal = check_content_type(scope)
+        raw = None
+        if refusal is None:
+            raw = await self._read_body(receive)
+            if raw is None:
+                return  # the client went away
+            if len(raw) > self.max_body_bytes:
+                refusal = too_large(self.max_body_bytes)
+        if refusal is None and raw is not None:
+            refusal = await self._check(path, raw)
+        if refusal is not None:
+            await send_json(send, refusal.status, refusal.body())
+            return
+        assert raw is not None
+        await self.app(scope, _replay(raw, receive), shaped_send)
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole body, or no more than one chunk past the cap; None when the client disconnected."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = bytes(message.get("body", b""))
+            size += len(chunk)
+            chunks.append(chunk)
+            if size > self.max_body_bytes or not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _check(self, path: str, raw: bytes) -> Refusal | None:
+        body = parse_json_object(raw)
+        if isinstance(body, Refusal):
+            return body
+        refusal = check_model(body, self.model_ids)
+        if refusal is not None or path not in LIMITED_PATHS:
+            return refusal
+        refusal = check_integer_params(body) or check_choices(body, self.limits) or check_max_tokens(body, self.limits)
+        if refusal is not None:
+            return refusal
+        param = "prompt" if path == COMPLETIONS_PATH else "messages"
+        sizes = prompt_sizes(path, body)
+        if isinstance(sizes, Refusal):
+            return sizes
+        refusal = check_output_budget(body, self.limits, prompts=len(sizes) if sizes else 1)
+        if refusal is not None or sizes is None:
+            return refusal
+        decided = check_prompt_cheaply(sizes, self.limits, param)
+        if isinstance(decided, Refusal):
+            return decided
+        if not decided or self.count_prompt_tokens is None:
+            return None
+        try:
+            counted = await self.count_prompt_tokens(path, body)
+        except Exception:
+            logger.warning("Exact prompt token count failed; leaving the check to the engine", exc_info=True)
+            return None
+        if counted is not None and counted > self.limits.max_prompt_tokens:
+            return prompt_too_long(counted, self.limits, param)
+        return None
+
+
+async def _refuse_websocket(receive: Receive, send: Send) -> None:
+    """Close a WebSocket before accepting it: the server answers the upgrade with 403."""
+    message = await receive()
+    if message["type"] == "websocket.connect":
+        await send({"type": "websocket.close", "code": 1008, "reason": "WebSockets are not offered"})

@@ -1,0 +1,111 @@
+"""The config rules the capacity plan enforces, one line each, naming the model and the numbers.
+
+infra/config.py calls `capacity_problems` for every model and prefixes the
+key path; this module returns (key under the model, message) pairs so that
+it does not import the config model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from infra.capacity.geometry import Geometry
+from infra.capacity.plan import (
+    GIB,
+    INT_OVERRIDES,
+    KV_CACHE_DTYPES,
+    Device,
+    EngineSettings,
+    ReplicaPlan,
+    plan_replica,
+    positive_int,
+)
+from infra.instance_types import GpuInstanceType
+from workloads.inference_server.catalog import ModelEntry
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def context_problems(name: str, entry: ModelEntry, geometry: Geometry) -> Iterable[tuple[str, str]]:
+    """max_model_len within the model's context limit (vLLM refuses longer without rope scaling of its own)."""
+    limit = geometry.max_position_embeddings
+    if entry.max_model_len > limit:
+        yield (
+            "max_model_len",
+            f"'{name}': {entry.max_model_len:,} exceeds the model's context limit of {limit:,} tokens "
+            "(max_position_embeddings)",
+        )
+
+
+def head_problems(name: str, entry: ModelEntry, geometry: Geometry) -> Iterable[tuple[str, str]]:
+    """TP divides the attention heads, and divides the KV heads or is a multiple of them (vLLM then replicates them)."""
+    tp = entry.tensor_parallel_size
+    heads, kv = geometry.num_attention_heads, geometry.num_key_value_heads
+    if heads % tp:
+        yield (
+            "tensor_parallel_size",
+            f"'{name}': {tp} does not divide the model's {heads} attention heads (vLLM shards them over the TP ranks)",
+        )
+    elif kv % tp and tp % kv:
+        yield (
+            "tensor_parallel_size",
+            f"'{name}': {tp} neither divides the model's {kv} KV heads nor is a multiple of them (vLLM shards the "
+            "KV heads over the TP ranks, or replicates each over TP / KV heads ranks)",
+        )
+
+
+def engine_value_problems(entry: ModelEntry) -> Iterable[tuple[str, str]]:
+    """The integer engine arguments the plan reads are positive integers."""
+    for key in INT_OVERRIDES:
+        value = entry.engine_overrides.get(key)
+        if value is not None and positive_int(value) is None:
+            yield (f"engine_overrides.{key}", f"{value!r} is not a positive integer")
+
+
+def kv_dtype_problems(entry: ModelEntry) -> Iterable[tuple[str, str]]:
+    """A kv_cache_dtype the plan knows the size of."""
+    value = entry.engine_overrides.get("kv_cache_dtype", "auto")
+    if value not in KV_CACHE_DTYPES:
+        yield (
+            "engine_overrides.kv_cache_dtype",
+            f"'{value}' is not a KV cache dtype the capacity plan sizes ({', '.join(KV_CACHE_DTYPES)})",
+        )
+
+
+def kv_message(name: str, plan: ReplicaPlan) -> str:
+    """Why the KV cache does not hold one max_model_len sequence, with the memory it has."""
+    engine, device, stage = plan.engine, plan.device, plan.binding
+    usable = max(0, plan.num_blocks - 1)
+    if engine.kv_cache_memory_bytes is not None:
+        memory = f"kv_cache_memory_bytes {engine.kv_cache_memory_bytes:,}"
+    else:
+        memory = (
+            f"{device.name} {_gib(device.memory_bytes)} x gpu_memory_utilization {engine.gpu_memory_utilization}, "
+            f"less {_gib(stage.weight_bytes)} of weights and {_gib(plan.overheads.total)} of activations, CUDA "
+            f"graphs and buffers (estimated), leaves {_gib(max(0, stage.kv_memory_bytes))}"
+        )
+    return (
+        f"'{name}': the KV cache holds {usable * plan.block_size:,} tokens ({usable} blocks of {plan.block_size} "
+        f"besides vLLM's null block; {memory} at {stage.kv_bytes_per_token:,} bytes a token per GPU), less than one "
+        f"max_model_len sequence of {engine.max_model_len:,} tokens: vLLM would refuse to start; lower "
+        "max_model_len, raise gpu_memory_utilization, add GPUs (tensor_parallel_size) or set kv_cache_dtype fp8"
+    )
+
+
+def capacity_problems(
+    name: str, entry: ModelEntry, geometry: Geometry, parameters_billion: float, gpu: GpuInstanceType | None
+) -> list[tuple[str, str]]:
+    """Every capacity rule for one model; the KV rule only on a `gpu` its parallelism fits and its weights fit."""
+    problems = [*context_problems(name, entry, geometry), *kv_dtype_problems(entry), *engine_value_problems(entry)]
+    if gpu is None:
+        return problems
+    problems += head_problems(name, entry, geometry)
+    if problems:
+        return problems
+    plan = plan_replica(geometry, parameters_billion, EngineSettings.of(entry), Device.of(gpu))
+    # Weights beyond the GPU are the weights rule's to report.
+    if plan.weight_bytes_per_gpu < gpu.gpu_memory_bytes * entry.gpu_memory_utilization and not plan.fits_one_sequence:
+        problems.append(("max_model_len", kv_message(name, plan)))
+    return problems

@@ -1,0 +1,53 @@
+"""The capacity and cost plan of a stack, offline: what each model's replica holds and costs.
+
+    python -m infra.plan --stack dev [--config FILE] [--markdown | --json]
+
+Reads Pulumi.<stack>.yaml, applies the config rules (a config error prints
+one line per problem and exits 2) and prints one row per model: weights and
+KV cache per GPU, KV tokens, max_model_len sequences, the recommended
+max_num_seqs, and the estimated decode rate and cost, with the assumptions
+behind every estimate. --markdown prints the table the pull request's
+preview comment shows; --json the `capacity` stack output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from infra.capacity.report import markdown, plan_stack, stack_output, text
+from infra.config import ConfigError, load_stack_file
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point."""
+    parser = argparse.ArgumentParser(prog="python -m infra.plan", description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--stack", required=True, help="stack name; reads Pulumi.<stack>.yaml")
+    parser.add_argument("--config", type=Path, help="plan this stack config file instead")
+    form = parser.add_mutually_exclusive_group()
+    form.add_argument("--markdown", action="store_true", help="a Markdown table (the preview comment's)")
+    form.add_argument("--json", action="store_true", help="the `capacity` stack output as JSON")
+    args = parser.parse_args(argv)
+    path = args.config or ROOT / f"Pulumi.{args.stack}.yaml"
+    if not path.is_file():
+        print(f"config error: {path}: no such stack config file", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_stack_file(path)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    plans = plan_stack(cfg)
+    if args.json:
+        print(json.dumps(stack_output(cfg, plans), indent=2, sort_keys=True))
+    else:
+        print((markdown if args.markdown else text)(args.stack, cfg, plans), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""NetworkPolicies of the serving namespace: deny by default, then allow each flow by name.
+
+Who may reach what (the README's "Security model" has the matrix in words):
+
+- Every pod in the namespace is denied ingress and egress unless a policy
+  below allows it; each may resolve names (kube-dns, port 53).
+- A Ray pod accepts any port from the pods of its own RayService (its own
+  label, `llm-platform/ray-service`, which both clusters of a NewCluster
+  upgrade carry) and nothing from another RayService.
+- The KubeRay operator, matched by its namespace AND its pod labels, reaches
+  a head's dashboard (deploys and Serve status) and its Serve proxy
+  (`/-/healthz`, which sets the head's `ray.io/serve` label). A pod that
+  copies the operator's labels in any other namespace matches nothing.
+- Prometheus, matched the same way, scrapes the metrics ports.
+- The serve port of the worker pods (the serve Service's endpoints) is open
+  to the load balancer: a network load balancer with IP targets connects
+  from its own addresses inside the VPC (it does not keep the client's),
+  and `loadBalancerSourceRanges` limits the clients at the load balancer.
+  The VPC CNI gives pods VPC addresses too, so this rule admits in-VPC
+  sources to that one port, which the API keys guard.
+- Batch workers reach the serve port of the RayServices' workers (their
+  model's serve Service), AWS APIs outside the VPC over 443 and the EKS Pod
+  Identity agent, nothing else.
+- Ray pods reach their own RayService, HTTPS (S3 for weights, the Kubernetes
+  API for the head's autoscaler), EKS Pod Identity's node-local agent, and
+  from the head: Prometheus and Grafana (the Ray dashboard's metrics views)
+  and the GCS Redis when there is one.
+
+Kubelet's probes come from the pod's own node and are always allowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from infra.cluster_services.layer import PlatformPods
+from infra.serving import kuberay
+from infra.serving.namespace import peer, policy_metadata
+from infra.serving.ports import RAY_PORTS
+from infra.serving.ray_service import SERVICE_LABEL
+
+HTTPS = 443
+REDIS_PORT = 6379
+# The EKS Pod Identity agent: a host-network DaemonSet answering on a
+# link-local address of every node (AWS_CONTAINER_CREDENTIALS_FULL_URI).
+POD_IDENTITY_AGENT = "169.254.170.23/32"
+POD_IDENTITY_AGENT_PORT = 80
+ANYWHERE = "0.0.0.0/0"
+# What the KubeRay operator calls on a head: the dashboard (Serve deploys and
+# status) and the Serve proxy's /-/healthz (reference: KubeRay's RayService
+# controller, `updateHeadPodServeLabel`).
+OPERATOR_PORTS = (RAY_PORTS.dashboard.number, RAY_PORTS.serve.number)
+
+
+@dataclass(frozen=True)
+class ClusterPeers:
+    """What the serving pods talk to outside their namespace."""
+
+    operator: PlatformPods
+    prometheus: PlatformPods
+    grafana: PlatformPods
+    # The cluster's VPC: the load balancer's sources and ElastiCache's address.
+    vpc_cidr: str
+
+
+def _tcp(*ports: int) -> list[dict[str, Any]]:
+    return [{"protocol": "TCP", "port": p} for p in ports]
+
+
+def _ip(cidr: str, *, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    block: dict[str, Any] = {"cidr": cidr}
+    if exclude:
+        block["except"] = list(exclude)
+    return {"ipBlock": block}
+
+
+def service_pods(service: str) -> dict[str, str]:
+    """Every pod of one RayService (both clusters during an upgrade)."""
+    return {SERVICE_LABEL: service}
+
+
+def head_pods(service: str) -> dict[str, str]:
+    """The head pods of one RayService."""
+    return {**service_pods(service), kuberay.NODE_TYPE: "head"}
+
+
+def worker_pods(service: str) -> dict[str, str]:
+    """The worker pods of one RayService: the serve Service's endpoints."""
+    return {**service_pods(service), kuberay.NODE_TYPE: "worker"}
+
+
+def _ray_pods_policy(namespace: str, service: str, peers: ClusterPeers) -> dict[str, Any]:
+    """Every pod of a RayService: its own RayService in and out, metrics to Prometheus, HTTPS out."""
+    own = {"podSelector": {"matchLabels": service_pods(service)}}
+    return {
+        "metadata": policy_metadata(f"{service}-ray", namespace),
+        "spec": {
+            "podSelector": {"matchLabels": service_pods(service)},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [
+                # Ray nodes talk to each other on many ports (GCS, raylets,
+                # object managers, workers, NCCL): only within the RayService.
+                {"from": [own]},
+                {"from": [peer(peers.prometheus)], "ports": _tcp(*(p.number for p in RAY_PORTS.scraped_on_head()))},
+            ],
+            "egress": [
+                {"to": [own]},
+                # S3 (model weights), the Kubernetes API (the head's
+                # autoscaler) and, outside prod, the model hub.
+                {"to": [_ip(ANYWHERE)], "ports": _tcp(HTTPS)},
+                # AWS credentials for the model reader's pod identity.
+                {"to": [_ip(POD_IDENTITY_AGENT)], "ports": _tcp(POD_IDENTITY_AGENT_PORT)},
+            ],
+        },
+    }
+
+
+def _head_policy(namespace: str, service: str, peers: ClusterPeers, gcs_redis: bool) -> dict[str, Any]:
+    """A RayService's heads: the operator in; Prometheus, Grafana and the GCS Redis out."""
+    egress: list[dict[str, Any]] = [
+        {"to": [peer(peers.prometheus)], "ports": _tcp(*peers.prometheus.ports)},
+        {"to": [peer(peers.grafana)], "ports": _tcp(*peers.grafana.ports)},
+    ]
+    if gcs_redis:
+        egress.append({"to": [_ip(peers.vpc_cidr)], "ports": _tcp(REDIS_PORT)})
+    return {
+        "metadata": policy_metadata(f"{service}-ray-head", namespace),
+        "spec": {
+            "podSelector": {"matchLabels": head_pods(service)},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [
+                # Serve deploys and status (dashboard) and the head's Serve
+                # health, which sets its `ray.io/serve` label; nothing else.
+                {"from": [peer(peers.operator)], "ports": _tcp(*OPERATOR_PORTS)},
+            ],
+            "egress": egress,
+        },
+    }
+
+
+def _serve_policy(
+    namespace: str, service: str, peers: ClusterPeers, batch_labels: Mapping[str, str] | None
+) -> dict[str, Any]:
+    """A RayService's workers: the serve port to the load balancer (and to the batch workers)."""
+    sources: list[dict[str, Any]] = [_ip(peers.vpc_cidr)]
+    if batch_labels:
+        sources.append({"podSelector": {"matchLabels": dict(batch_labels)}})
+    return {
+        "metadata": policy_metadata(f"{service}-ray-serve", namespace),
+        "spec": {
+            "podSelector": {"matchLabels": worker_pods(service)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": sources, "ports": _tcp(RAY_PORTS.serve.number)}],
+        },
+    }
+
+
+def ray_service_policies(
+    namespace: str,
+    service: str,
+    peers: ClusterPeers,
+    *,
+    gcs_redis: bool,
+    batch_labels: Mapping[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """The three policies of one RayService (all pods, heads, workers).
+
+    `batch_labels`: the batch workers' pod labels when they send their
+    requests to this RayService.
+    """
+    return [
+        _ray_pods_policy(namespace, service, peers),
+        _head_policy(namespace, service, peers, gcs_redis),
+        _serve_policy(namespace, service, peers, batch_labels),
+    ]
+
+
+def serving_pods() -> dict[str, str]:
+    """Pods whose Serve proxy takes traffic: the label KubeRay's serve Services select on.
+
+    The batch workers call their model through its serve Service's cluster
+    IP. The VPC CNI's policy agent sees that address, not the pod's (it
+    filters before the Service's DNAT), and its controller adds a Service's
+    cluster IP to an egress rule only when the rule's pod selector matches
+    the Service's own selector (`ray.io/cluster` and `ray.io/serve`). A
+    cluster's name changes with every upgrade, so the rule names the serve
+    label alone: the serve port of any RayService's workers, which their
+    load balancer exposes anyway.
+    """
+    return {kuberay.SERVE: "true"}
+
+
+def batch_worker_policy(name: str, namespace: str, labels: Mapping[str, str], vpc_cidr: str) -> dict[str, Any]:
+    """Batch workers: nothing in; the RayServices' serve port, AWS APIs and their credentials out."""
+    return {
+        "metadata": policy_metadata(name, namespace),
+        "spec": {
+            "podSelector": {"matchLabels": dict(labels)},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [],
+            "egress": [
+                {"to": [{"podSelector": {"matchLabels": serving_pods()}}], "ports": _tcp(RAY_PORTS.serve.number)},
+                # SQS and S3 on their public endpoints (through the NAT), not
+                # anything inside the VPC.
+                {"to": [_ip(ANYWHERE, exclude=(vpc_cidr,))], "ports": _tcp(HTTPS)},
+                {"to": [_ip(POD_IDENTITY_AGENT)], "ports": _tcp(POD_IDENTITY_AGENT_PORT)},
+            ],
+        },
+    }

@@ -1,0 +1,101 @@
+"""End-to-end: the local twin of each committed stack passes (`make twin`), and the local run answers (`make local`).
+
+Each twin renders the stack, runs Ray's own checks and a local multi-node
+cluster shaped like every RayService (under 10 minutes a stack on two
+cores). The tiny model is the one the server test built (build/tiny-model).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from infra.render import ROOT
+from localserve.processes import Child, child_env, free_port, marked_processes, session_members
+
+pytestmark = pytest.mark.e2e
+
+TWIN_TIMEOUT_S = 600.0
+LOCAL_READY_TIMEOUT_S = 600.0
+
+
+def _verdicts(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith(("PASS", "FAIL"))]
+
+
+@pytest.mark.parametrize("stack", ["dev", "prod"])
+def test_the_twin_of_the_stack_passes(stack: str, tiny_model: Path, tmp_path: Path) -> None:
+    log = tmp_path / "twin.log"
+    started = time.monotonic()
+    with log.open("w") as out:
+        done = subprocess.run(
+            [sys.executable, "-m", "infra.twin", "--stack", stack, "--out", str(tmp_path / "render")],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=TWIN_TIMEOUT_S + 60,
+            check=False,
+        )
+    took = time.monotonic() - started
+    output = log.read_text(errors="replace")
+    verdicts = _verdicts(output)
+    print(f"\n[twin {stack}] {took:.0f}s\n" + "\n".join(verdicts), flush=True)
+    assert done.returncode == 0, "\n".join(output.splitlines()[-80:])
+    assert not [v for v in verdicts if v.startswith("FAIL")]
+    assert took < TWIN_TIMEOUT_S, f"the {stack} twin took {took:.0f}s"
+    if stack == "dev":
+        assert any("wake (" in v for v in verdicts) and any("scale to zero (" in v for v in verdicts)
+    else:
+        assert sum("ingress (" in v for v in verdicts) == 2
+
+
+def _announced(child: Child) -> tuple[str, str] | None:
+    text = child.log_path.read_text(errors="replace")
+    url = re.search(r"OpenAI base URL: (\S+)", text)
+    key = re.search(r"API key:\s+(\S+)", text)
+    return (url.group(1), key.group(1)) if url and key else None
+
+
+def test_make_local_answers_the_openai_client_and_stops_on_ctrl_c(tiny_model: Path, tmp_path: Path) -> None:
+    port = free_port()
+    argv = [sys.executable, "-m", "twin.local", "--stack", "dev", "--port", str(port), "--model-dir", str(tiny_model)]
+    child = Child.start("local", argv, child_env({"PYTHONPATH": str(ROOT)}), tmp_path / "local.log")
+    try:
+        deadline = time.monotonic() + LOCAL_READY_TIMEOUT_S
+        while (found := _announced(child)) is None:
+            assert child.proc.poll() is None, child.log_tail()
+            assert time.monotonic() < deadline, child.log_tail()
+            time.sleep(2)
+        base_url, api_key = found
+        assert base_url == f"http://127.0.0.1:{port}/v1"
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=120, max_retries=0)
+        models = [m.id for m in client.models.list().data]
+        answer = client.chat.completions.create(
+            model=models[0],
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=4,
+            extra_body={"ignore_eos": True},
+        )
+        assert answer.usage is not None and answer.usage.completion_tokens == 4
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base_url, api_key="wrong-key", max_retries=0).models.list()
+        child.proc.send_signal(signal.SIGINT)
+        assert child.proc.wait(timeout=120) == 0, child.log_tail()
+        # Everything the run started is gone with it: its own processes and its cluster's.
+        files = re.search(r"cluster files: (\S+)", child.log_path.read_text(errors="replace"))
+        assert files is not None, child.log_tail()
+        deadline = time.monotonic() + 60
+        while (session_members(child.proc.pid) or marked_processes(files.group(1))) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert session_members(child.proc.pid) == [] and marked_processes(files.group(1)) == [], child.log_tail()
+    finally:
+        child.stop()

@@ -1,0 +1,145 @@
+"""Where the capacity plan shows: `python -m infra.plan`, the preview's lines, the `capacity` output,
+the pull request's preview comment and the README."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from infra import plan as plan_cli
+from infra.capacity.report import ASSUMPTIONS, COLUMNS, markdown, plan_stack, preview_line, stack_output, text
+from infra.config import load_stack_file
+from infra.render import ROOT, render
+from tests.harness import STACKS, render_stack
+
+README = ROOT / "README.md"
+UPDATE_ENV = "UPDATE_README_CAPACITY"
+
+
+def config(stack: str) -> Any:
+    return load_stack_file(ROOT / f"Pulumi.{stack}.yaml")
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_every_example_model_fits_and_has_a_price(stack: str) -> None:
+    cfg = config(stack)
+    plans = plan_stack(cfg)
+    assert [p.name for p in plans] == [m.name for m in cfg.models]
+    for p in plans:
+        assert p.replica.fits_one_sequence and p.replica.recommended_max_num_seqs >= p.replica.max_model_len_sequences
+        assert p.decode is not None and p.decode.tokens_per_second > 0
+        assert p.cost.usd_per_hour is not None and p.cost.usd_per_million_tokens is not None
+        assert p.cost.region == cfg.region
+        assert p.cost.capacity_type == cfg.node_groups.gpu_group(p.model.gpu_group).capacity_type
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_markdown_and_text_have_a_row_per_model_and_the_assumptions(stack: str) -> None:
+    cfg = config(stack)
+    plans = plan_stack(cfg)
+    md = markdown(stack, cfg, plans).splitlines()
+    assert md[0] == f"#### Capacity plan: `{stack}` ({cfg.region})"
+    rows = [line for line in md if line.startswith("| ")]
+    assert len(rows) == 1 + len(plans)
+    assert all(line.count(" | ") == len(COLUMNS) - 1 for line in rows)
+    assert all(f"- {a}" in md for a in ASSUMPTIONS)
+    plain = text(stack, cfg, plans)
+    assert all(p.name in plain for p in plans) and "est." in plain
+
+
+def test_the_labels_say_which_numbers_are_estimates() -> None:
+    assert [c for c in COLUMNS if "est." in c] == ["decode (est.)", "$/1M out (est.)"]
+    line = preview_line(plan_stack(config("dev"))[0])
+    assert line.startswith("capacity llama-31-8b: 1 x L4 (g6.2xlarge, spot) in us-west-2: weights 15.0 GiB/GPU")
+    assert "estimates: ~" in line
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_the_capacity_output_is_the_plan(stack: str) -> None:
+    cfg = config(stack)
+    wanted = stack_output(cfg, plan_stack(cfg))
+    got = render_stack(stack).outputs["capacity"]
+    assert set(got["models"]) == {m.name for m in cfg.models}
+    assert got["assumptions"] == wanted["assumptions"] and got["region"] == cfg.region
+    for name, model in wanted["models"].items():
+        # The render drops None values and writes whole floats as ints.
+        assert got["models"][name] == {k: v for k, v in model.items() if v is not None}
+
+
+def test_the_program_logs_one_line_per_model(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    render("prod")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("capacity ")]
+    assert lines == [preview_line(p) for p in plan_stack(config("prod"))]
+
+
+def test_the_command_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_cli.main(["--stack", "prod", "--markdown"]) == 0
+    cfg = config("prod")
+    assert capsys.readouterr().out == markdown("prod", cfg, plan_stack(cfg))
+    assert plan_cli.main(["--stack", "dev"]) == 0
+    assert capsys.readouterr().out.startswith("capacity plan: dev (us-west-2)\n")
+    assert plan_cli.main(["--stack", "dev", "--json"]) == 0
+    assert '"kv_tokens"' in capsys.readouterr().out
+
+
+def test_the_command_exits_2_with_one_line_per_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = yaml.safe_load((ROOT / "Pulumi.dev.yaml").read_text())
+    doc["config"]["llm-platform:models"][0]["max_model_len"] = 200_000
+    path = tmp_path / "Pulumi.dev.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert plan_cli.main(["--stack", "dev", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "config error: models[0].max_model_len: 'llama-31-8b': 200,000 exceeds the model's context limit of "
+        "131,072 tokens (max_position_embeddings)"
+    ]
+    assert plan_cli.main(["--stack", "nope"]) == 2
+
+
+def test_the_preview_workflow_adds_the_plan_to_its_comment() -> None:
+    doc = yaml.safe_load((ROOT / ".github" / "workflows" / "preview.yml").read_text())
+    steps = doc["jobs"]["preview"]["steps"]
+    names = [s.get("name") or s.get("uses", "") for s in steps]
+    plan_at = names.index("Capacity plan")
+    comment_at = names.index("Add the capacity plan to the preview comment")
+    pulumi_at = next(i for i, n in enumerate(names) if n.startswith("pulumi/actions"))
+    assert plan_at < pulumi_at < comment_at
+    assert 'venv/bin/python -m infra.plan --stack "${STACK}" --markdown > capacity-plan.md' in steps[plan_at]["run"]
+    assert "$GITHUB_STEP_SUMMARY" in steps[plan_at]["run"]
+    comment = steps[comment_at]
+    assert comment["env"]["STACK"] == "${{ matrix.stack }}" and "capacity-plan.md" in comment["run"]
+    # The heading pulumi/actions gives its comment, for this project.
+    project = yaml.safe_load((ROOT / "Pulumi.yaml").read_text())["name"]
+    assert f"#### :tropical_drink: \\`preview\\` on {project}/${{STACK}}" in comment["run"]
+
+
+# --- The README's plans, generated from the stacks. ---
+
+
+def _markers(stack: str) -> tuple[str, str]:
+    return f"<!-- capacity plan: {stack} -->", f"<!-- end of capacity plan: {stack} -->"
+
+
+def test_readme_shows_the_plan_of_both_example_stacks() -> None:
+    text_now = README.read_text()
+    updated = text_now
+    for stack in STACKS:
+        begin, end = _markers(stack)
+        assert updated.count(begin) == 1 and updated.count(end) == 1, f"README.md lost the {stack} plan markers"
+        head, rest = updated.split(begin)
+        _, tail = rest.split(end)
+        cfg = config(stack)
+        updated = f"{head}{begin}\n{markdown(stack, cfg, plan_stack(cfg))}{end}{tail}"
+    if os.environ.get(UPDATE_ENV) and not os.environ.get("CI"):
+        README.write_text(updated)
+        return
+    assert text_now == updated, (
+        "README.md's capacity plans are not the stacks' plans; rewrite them with "
+        f"{UPDATE_ENV}=1 venv/bin/python -m pytest -q tests/test_capacity_report.py -k readme"
+    )

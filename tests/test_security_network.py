@@ -1,0 +1,512 @@
+"""Who can reach which port of which pod, computed from the rendered NetworkPolicies.
+
+The evaluator below implements the NetworkPolicy semantics
+(kubernetes.io/docs/concepts/services-networking/network-policies):
+
+- a pod is isolated for ingress (egress) when any policy in its namespace
+  selects it and lists Ingress (Egress) in its policyTypes; an isolated pod
+  admits a connection only if some rule of such a policy allows it;
+- a rule allows a peer when one of its `from`/`to` elements matches (an
+  absent or empty list matches everything), and a port when one of its
+  `ports` matches (absent or empty: every port);
+- in one element, `namespaceSelector` and `podSelector` must both match;
+  a `podSelector` alone means the policy's own namespace; `ipBlock` matches
+  addresses in its CIDR and outside its `except`s;
+- a connection needs the source's egress and the target's ingress.
+
+The VPC CNI gives pods VPC addresses and its policy agent matches them
+against ipBlocks, so pods here have VPC addresses and ipBlocks match them.
+Kubelet's probes come from the pod's own node, which is always allowed, so
+they are not part of the matrix.
+
+Every source pod below is tried against every target and port, and the
+whole matrix must equal `expected`, the matrix in words of the README's
+"Security model".
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from functools import cache
+from typing import Any
+
+import pytest
+
+from infra.cluster_services import kuberay as kuberay_part
+from infra.cluster_services import monitoring
+from infra.config import StackConfig
+from infra.render import Rendered
+from infra.serving.batch import WORKER_NAME, worker_labels
+from infra.serving.network import POD_IDENTITY_AGENT, ClusterPeers, ray_service_policies
+from infra.serving.ports import RAY_PORTS
+from infra.serving.ray_service import SERVICE_LABEL, pod_labels
+from tests.harness import manifests_of, ray_service_pods, render_stack, stack_config, workload_pods
+
+STACKS = ["dev", "prod"]
+NAMESPACE_LABEL = "kubernetes.io/metadata.name"
+# Ports Ray listens on that no container port names: the dashboard agent
+# (its job agent runs code too) and a worker process's port.
+DASHBOARD_AGENT = 52365
+RAY_WORKER_PORT = 10002
+PROBE_PORT = 8080  # for pods that listen on nothing: any connection must fail
+OTHER_SERVICE = "other-model"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A source or target: a pod (namespace and labels) or an address outside the cluster."""
+
+    name: str
+    role: str
+    ip: str
+    namespace: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    ports: tuple[int, ...] = ()
+    service: str | None = None  # the RayService of a Ray pod
+
+    @property
+    def is_pod(self) -> bool:
+        return self.namespace is not None
+
+
+# --- the NetworkPolicy semantics ---------------------------------------------------------------
+
+
+def _selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
+    if selector is None:
+        return False
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], set(expr.get("values", []))
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and labels.get(key) in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def _in_block(ip: str, block: Mapping[str, Any]) -> bool:
+    address = ipaddress.ip_address(ip)
+    if address not in ipaddress.ip_network(block["cidr"]):
+        return False
+    return not any(address in ipaddress.ip_network(e) for e in block.get("except", []))
+
+
+def _peer_matches(element: Mapping[str, Any], policy_ns: str, other: Endpoint) -> bool:
+    if "ipBlock" in element:
+        return _in_block(other.ip, element["ipBlock"])
+    if not other.is_pod:
+        return False
+    if "namespaceSelector" in element:
+        ns_labels = {NAMESPACE_LABEL: other.namespace or ""}
+        if not _selects(element["namespaceSelector"], ns_labels):
+            return False
+    elif other.namespace != policy_ns:
+        return False
+    return _selects(element.get("podSelector", {}), other.labels)
+
+
+def _port_matches(rule_ports: Iterable[Mapping[str, Any]] | None, port: int) -> bool:
+    entries = list(rule_ports or [])
+    if not entries:
+        return True
+    for entry in entries:
+        if entry.get("protocol", "TCP") != "TCP":
+            continue
+        if "port" not in entry:
+            return True
+        low = int(entry["port"])
+        if low <= port <= int(entry.get("endPort", low)):
+            return True
+    return False
+
+
+def _types(spec: Mapping[str, Any]) -> list[str]:
+    return list(spec.get("policyTypes") or (["Ingress"] + (["Egress"] if "egress" in spec else [])))
+
+
+def _allowed(policies: list[dict[str, Any]], pod: Endpoint, other: Endpoint, port: int, direction: str) -> bool:
+    """Whether `pod`'s policies let it talk to `other` on `port` (direction Ingress or Egress)."""
+    rules_key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+    selecting = [
+        p
+        for p in policies
+        if p["metadata"]["namespace"] == pod.namespace
+        and _selects(p["spec"]["podSelector"], pod.labels)
+        and direction in _types(p["spec"])
+    ]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get(rules_key, []):
+            peers = rule.get(peers_key) or []
+            peer_ok = not peers or any(_peer_matches(e, policy["metadata"]["namespace"], other) for e in peers)
+            if peer_ok and _port_matches(rule.get("ports"), port):
+                return True
+    return False
+
+
+def reachable(policies: list[dict[str, Any]], src: Endpoint, dst: Endpoint, port: int) -> bool:
+    """Egress at the source (if a pod) and ingress at the target (if a pod)."""
+    if src.is_pod and not _allowed(policies, src, dst, port, "Egress"):
+        return False
+    return not dst.is_pod or _allowed(policies, dst, src, port, "Ingress")
+
+
+# --- the evaluator on its own ------------------------------------------------------------------
+
+ATTACKER = Endpoint("attacker", "attacker", "10.0.9.9", "attacker", {"app.kubernetes.io/name": "kuberay-operator"})
+HEAD = Endpoint("head", "head", "10.0.1.1", "llm", {"app": "ray"}, (8265,))
+
+
+def _policy(ingress: list[dict[str, Any]]) -> dict[str, Any]:
+    spec = {"podSelector": {"matchLabels": {"app": "ray"}}, "policyTypes": ["Ingress"], "ingress": ingress}
+    return {"metadata": {"name": "p", "namespace": "llm"}, "spec": spec}
+
+
+def test_an_empty_namespace_selector_with_a_label_lets_any_namespace_in() -> None:
+    """The hole the old policy had: `namespaceSelector: {}` plus a label anyone can set."""
+    hole = _policy(
+        [
+            {
+                "from": [
+                    {
+                        "namespaceSelector": {},
+                        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+                    }
+                ],
+                "ports": [{"port": 8265}],
+            }
+        ]
+    )
+    assert reachable([hole], ATTACKER, HEAD, 8265)
+    fixed = _policy(
+        [
+            {
+                "from": [
+                    {
+                        "namespaceSelector": {"matchLabels": {NAMESPACE_LABEL: "kuberay"}},
+                        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+                    }
+                ],
+                "ports": [{"port": 8265}],
+            }
+        ]
+    )
+    assert not reachable([fixed], ATTACKER, HEAD, 8265)
+    assert reachable([fixed], replace(ATTACKER, namespace="kuberay"), HEAD, 8265)
+
+
+def test_two_elements_are_an_or_and_one_element_is_an_and() -> None:
+    either = _policy(
+        [{"from": [{"namespaceSelector": {"matchLabels": {NAMESPACE_LABEL: "kuberay"}}}, {"podSelector": {}}]}]
+    )
+    assert not reachable([either], ATTACKER, HEAD, 1)
+    assert reachable([either], replace(ATTACKER, namespace="kuberay"), HEAD, 1)
+    assert reachable([either], replace(ATTACKER, namespace="llm"), HEAD, 1)
+
+
+def test_ip_blocks_ports_and_isolation() -> None:
+    lb = Endpoint("lb", "lb", "10.0.0.5")
+    policy = _policy(
+        [{"from": [{"ipBlock": {"cidr": "10.0.0.0/16", "except": ["10.0.9.0/24"]}}], "ports": [{"port": 8000}]}]
+    )
+    assert reachable([policy], lb, HEAD, 8000) and not reachable([policy], lb, HEAD, 8001)
+    assert not reachable([policy], ATTACKER, HEAD, 8000)  # in the except
+    assert reachable([], ATTACKER, HEAD, 1)  # nothing selects the head: not isolated
+    deny = _policy([])
+    assert not reachable([deny], lb, HEAD, 8000)
+    ranged = _policy([{"ports": [{"port": 8000, "endPort": 8010}]}])
+    assert reachable([ranged], lb, HEAD, 8005) and not reachable([ranged], lb, HEAD, 8011)
+
+
+# --- the endpoints of a stack ------------------------------------------------------------------
+
+
+class Addresses:
+    """Addresses handed out inside the stack's VPC, and one outside it."""
+
+    def __init__(self, cidr: str) -> None:
+        self._hosts = ipaddress.ip_network(cidr).hosts()
+
+    def next(self) -> str:
+        return str(next(self._hosts))
+
+
+def _ray_ports(pod: dict[str, Any]) -> tuple[int, ...]:
+    declared = {p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    return tuple(sorted(declared | {DASHBOARD_AGENT, RAY_WORKER_PORT}))
+
+
+def _pod_endpoint(pod: dict[str, Any], ip: str) -> Endpoint:
+    labels = pod["metadata"]["labels"]
+    node_type = labels.get("ray.io/node-type")
+    name = pod["metadata"]["name"]
+    if node_type is not None:
+        group = labels["ray.io/group"]
+        role = "head" if node_type == "head" else ("ingress" if group == "ingress" else "gpu")
+        return Endpoint(name, role, ip, pod["metadata"]["namespace"], labels, _ray_ports(pod), labels[SERVICE_LABEL])
+    role = "batch" if name == WORKER_NAME else "headroom"
+    return Endpoint(name, role, ip, pod["metadata"]["namespace"], labels, (PROBE_PORT,))
+
+
+def _other_service_pods(cfg: StackConfig, rendered: Rendered) -> list[dict[str, Any]]:
+    """A RayService the stack does not have, built like its first one (dev has only one)."""
+    rs = manifests_of(rendered, "RayService")[0]
+    first = rs["metadata"]["name"]
+    pods = ray_service_pods(rs)
+    for pod in pods:
+        labels = pod["metadata"]["labels"]
+        labels.update(pod_labels(OTHER_SERVICE))
+        labels["ray.io/originated-from-cr-name"] = OTHER_SERVICE
+        labels["ray.io/cluster"] = labels["ray.io/cluster"].replace(first, OTHER_SERVICE)
+        pod["metadata"]["name"] = pod["metadata"]["name"].replace(first, OTHER_SERVICE)
+    return [p for p in pods if p["metadata"]["labels"]["ray.io/group"] == "ingress"]
+
+
+def _sources_only(cfg: StackConfig, ips: Addresses) -> list[Endpoint]:
+    """Representative callers that are not pods the stack declares."""
+    ns = cfg.serving.namespace
+    operator = kuberay_part.operator_pods()
+    prometheus = monitoring.prometheus_pods()
+    grafana = monitoring.grafana_pods()
+    synthetic = [
+        Endpoint("kuberay-operator", "operator", ips.next(), operator.namespace, operator.labels),
+        Endpoint("attacker-with-operator-labels", "attacker", ips.next(), "attacker", operator.labels),
+        Endpoint("llm-pod-with-operator-labels", "llm-impostor", ips.next(), ns, operator.labels),
+        Endpoint("prometheus", "prometheus", ips.next(), prometheus.namespace, prometheus.labels, prometheus.ports),
+        Endpoint("grafana", "grafana", ips.next(), grafana.namespace, grafana.labels, grafana.ports),
+        Endpoint("load-balancer", "lb", ips.next()),
+        Endpoint("internet-client", "internet", "203.0.113.7"),
+    ]
+    if not cfg.batch.enabled:
+        synthetic.append(Endpoint(WORKER_NAME, "batch", ips.next(), ns, worker_labels(), (PROBE_PORT,)))
+    if not cfg.autoscaling.prescale:
+        labels = {**pod_labels("x"), "app.kubernetes.io/name": "gpu-headroom-x"}
+        del labels[SERVICE_LABEL]
+        synthetic.append(Endpoint("gpu-headroom-x", "headroom", ips.next(), ns, labels, (PROBE_PORT,)))
+    return synthetic
+
+
+def _outside(cfg: StackConfig, ips: Addresses) -> list[Endpoint]:
+    """What the pods call outside the namespace: targets for their egress."""
+    prometheus = monitoring.prometheus_pods()
+    grafana = monitoring.grafana_pods()
+    return [
+        Endpoint("prometheus", "prometheus", ips.next(), prometheus.namespace, prometheus.labels, prometheus.ports),
+        Endpoint("grafana", "grafana", ips.next(), grafana.namespace, grafana.labels, grafana.ports),
+        Endpoint("kube-dns", "dns", ips.next(), "kube-system", {"k8s-app": "kube-dns"}, (53,)),
+        Endpoint("gcs-redis", "redis", ips.next(), ports=(6379,)),
+        Endpoint("kube-api-private", "kube-api", ips.next(), ports=(443,)),
+        Endpoint("s3-and-sqs", "aws-api", "52.216.1.1", ports=(443,)),
+        Endpoint("pod-identity-agent", "pod-identity", POD_IDENTITY_AGENT.split("/")[0], ports=(80,)),
+    ]
+
+
+@dataclass
+class Matrix:
+    """Every (source, target) pair's reachable ports, and the endpoints."""
+
+    cfg: StackConfig
+    sources: list[Endpoint]
+    targets: list[Endpoint]
+    ports: dict[tuple[str, str], frozenset[int]]
+
+
+@cache
+def matrix(stack: str) -> Matrix:
+    cfg = stack_config(stack)
+    rendered = render_stack(stack)
+    ips = Addresses(str(cfg.network.vpc_cidr))
+    ns = cfg.serving.namespace
+    declared = [_pod_endpoint(p, ips.next()) for p in workload_pods(rendered) if p["metadata"]["namespace"] == ns]
+    others = [_pod_endpoint(p, ips.next()) for p in _other_service_pods(cfg, rendered)]
+    sources = declared + others + _sources_only(cfg, ips)
+    targets = declared + others + [e for e in sources if e.role == "batch" and e not in declared]
+    targets += [e for e in sources if e.role == "headroom" and e not in declared] + _outside(cfg, ips)
+    policies = manifests_of(rendered, "NetworkPolicy")
+    # The other RayService gets the policies the program gives any RayService.
+    policies += _policies_for(cfg, OTHER_SERVICE)
+    ports = {
+        (s.name, t.name): frozenset(p for p in t.ports if reachable(policies, s, t, p))
+        for s in sources
+        for t in targets
+        if s.name != t.name
+    }
+    return Matrix(cfg, sources, targets, ports)
+
+
+def _policies_for(cfg: StackConfig, service: str) -> list[dict[str, Any]]:
+    peers = ClusterPeers(
+        operator=kuberay_part.operator_pods(),
+        prometheus=monitoring.prometheus_pods(),
+        grafana=monitoring.grafana_pods(),
+        vpc_cidr=str(cfg.network.vpc_cidr),
+    )
+    return ray_service_policies(cfg.serving.namespace, service, peers, gcs_redis=cfg.ray.gcs_fault_tolerance.enabled)
+
+
+# --- what the matrix must be ---------------------------------------------------------------------
+
+RAY_ROLES = {"head", "ingress", "gpu"}
+IN_VPC_WITHOUT_EGRESS_POLICY = {"operator", "attacker", "prometheus", "grafana", "lb"}
+HEAD_METRICS = {p.number for p in RAY_PORTS.scraped_on_head()}
+OPERATOR_ON_HEAD = {RAY_PORTS.dashboard.number, RAY_PORTS.serve.number}
+SERVE = RAY_PORTS.serve.number
+
+
+def _to_ray_pod(cfg: StackConfig, src: Endpoint, dst: Endpoint) -> set[int]:
+    """Ray pods: their own RayService on every port; the rest only as the README says."""
+    if src.role in RAY_ROLES:
+        # Its own RayService: everything. Another one: nothing (its egress
+        # reaches only its own pods, HTTPS and the credentials agent).
+        return set(dst.ports) if src.service == dst.service else set()
+    if dst.role == "head":
+        # The operator (its namespace AND labels) on the dashboard and the
+        # Serve health; Prometheus on the metrics ports; nobody else.
+        return {"operator": OPERATOR_ON_HEAD, "prometheus": HEAD_METRICS}.get(src.role, set())
+    # Workers: the serve port for the load balancer, i.e. any VPC address
+    # whose own egress allows it, and the batch workers of this RayService;
+    # Prometheus scrapes the metrics port.
+    allowed: set[int] = set()
+    if src.role in IN_VPC_WITHOUT_EGRESS_POLICY:
+        allowed.add(SERVE)
+    if src.role == "batch" and cfg.batch.enabled:
+        # Their model's serve Service; the serve port of the other
+        # RayServices too (see test_egress_rules_to_services_match_the_services_selectors).
+        allowed.add(SERVE)
+    if src.role == "prometheus":
+        allowed.add(RAY_PORTS.metrics.number)
+    return allowed
+
+
+def _from_serving_pod(cfg: StackConfig, src: Endpoint, dst: Endpoint) -> set[int]:
+    """Egress of the serving namespace's pods to what is outside it."""
+    if dst.role == "dns":
+        return {53}
+    if src.role in RAY_ROLES:
+        allowed = {"aws-api": {443}, "kube-api": {443}, "pod-identity": {80}}.get(dst.role, set())
+        if src.role == "head":
+            allowed |= {"prometheus": {9090}, "grafana": {3000}}.get(dst.role, set())
+            if dst.role == "redis" and cfg.ray.gcs_fault_tolerance.enabled:
+                allowed = {6379}
+        return allowed
+    if src.role == "batch" and cfg.batch.enabled:
+        # AWS APIs outside the VPC only: not the private API endpoint.
+        return {"aws-api": {443}, "pod-identity": {80}}.get(dst.role, set())
+    return set()
+
+
+def expected(cfg: StackConfig, src: Endpoint, dst: Endpoint) -> set[int]:
+    """The matrix in words (README, "Security model")."""
+    if dst.role in RAY_ROLES:
+        return _to_ray_pod(cfg, src, dst)
+    if dst.role in {"batch", "headroom"}:
+        return set()  # nothing reaches them
+    if src.namespace == cfg.serving.namespace:
+        return _from_serving_pod(cfg, src, dst)
+    # Outside the serving namespace no policy applies: not this program's to decide.
+    return set(dst.ports)
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_the_whole_matrix(stack: str) -> None:
+    m = matrix(stack)
+    by_name = {e.name: e for e in m.sources + m.targets}
+    wrong = []
+    for (src, dst), ports in sorted(m.ports.items()):
+        want = frozenset(expected(m.cfg, by_name[src], by_name[dst]))
+        if ports != want:
+            wrong.append(f"{src} -> {dst}: reachable {sorted(ports)}, expected {sorted(want)}")
+    assert wrong == [], "\n".join(wrong)
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_the_matrix_covers_every_role(stack: str) -> None:
+    m = matrix(stack)
+    roles = {e.role for e in m.sources}
+    assert {"head", "ingress", "gpu", "batch", "headroom", "operator", "attacker", "prometheus", "lb"} <= roles
+    assert {e.service for e in m.sources if e.role == "ingress"} >= {*stack_config(stack).services(), OTHER_SERVICE}
+    assert len(m.ports) > 100
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_the_job_api_is_for_the_operator_and_the_own_cluster_only(stack: str) -> None:
+    """Ray's job API (dashboard 8265, and the dashboard agent's 52365) runs arbitrary code."""
+    m = matrix(stack)
+    by_name = {e.name: e for e in m.sources + m.targets}
+    for (src, dst), ports in m.ports.items():
+        s, t = by_name[src], by_name[dst]
+        if t.role not in RAY_ROLES or s.service == t.service:
+            continue
+        assert DASHBOARD_AGENT not in ports, (src, dst)
+        if RAY_PORTS.dashboard.number in ports:
+            assert s.role == "operator" and s.namespace == kuberay_part.NAMESPACE, (src, dst)
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_the_endpoint_component_declares_each_ray_services_policies(stack: str) -> None:
+    rendered = render_stack(stack)
+    policies = {
+        r["name"]: r for r in rendered.resources if r["type"] == "kubernetes:networking.k8s.io/v1:NetworkPolicy"
+    }
+    for service in stack_config(stack).services():
+        for name in (f"{service}-ray", f"{service}-ray-head", f"{service}-ray-serve"):
+            assert policies[name]["parent"] == "serving-endpoint", name
+    for name in ("serving-default-deny", "serving-allow-dns"):
+        assert policies[name]["parent"] == "serving", name
+
+
+# --- what the VPC CNI's policy agent sees ------------------------------------------------------
+
+# A pod that calls a Service's cluster IP is filtered before the Service's DNAT,
+# so the VPC CNI's policy controller adds a Service's cluster IP to an egress
+# rule only when the rule's pod selector matches the Service's own selector
+# (amazon-network-policy-controller-k8s, `getMatchingServiceClusterIPs`).
+# The Services the serving pods call, by their selectors:
+SERVICE_SELECTORS = {
+    # KubeRay's serve Service (common/service.go at v1.7.0); the cluster name changes on upgrades.
+    "serve": ("llm", {"ray.io/cluster": "llama-31-8b-x7k2p", "ray.io/serve": "true"}),
+    "prometheus": ("monitoring", dict(monitoring.prometheus_pods().labels)),
+    "grafana": ("monitoring", dict(monitoring.grafana_pods().labels)),
+    "kube-dns": ("kube-system", {"k8s-app": "kube-dns"}),
+}
+
+
+def _egress_peers(policy: dict[str, Any]) -> list[tuple[dict[str, Any], list[int]]]:
+    return [
+        (peer, [p["port"] for p in rule.get("ports", [])])
+        for rule in policy["spec"].get("egress", [])
+        for peer in rule.get("to", [])
+        if "podSelector" in peer
+    ]
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_egress_rules_to_services_match_the_services_selectors(stack: str) -> None:
+    """Batch workers reach their serve Service, heads Prometheus and Grafana, everyone kube-dns, by cluster IP."""
+    cfg = stack_config(stack)
+    policies = {p["metadata"]["name"]: p for p in manifests_of(render_stack(stack), "NetworkPolicy")}
+
+    def reaches(policy: str, service: str) -> bool:
+        namespace, selector = SERVICE_SELECTORS[service]
+        for peer, _ in _egress_peers(policies[policy]):
+            ns_ok = _selects(peer.get("namespaceSelector"), {NAMESPACE_LABEL: namespace}) or (
+                "namespaceSelector" not in peer and namespace == cfg.serving.namespace
+            )
+            if ns_ok and _selects(peer["podSelector"], selector):
+                return True
+        return False
+
+    assert reaches("allow-dns", "kube-dns")
+    for service in cfg.services():
+        assert reaches(f"{service}-ray-head", "prometheus") and reaches(f"{service}-ray-head", "grafana")
+    if cfg.batch.enabled:
+        assert reaches(WORKER_NAME, "serve")

