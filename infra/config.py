@@ -23,9 +23,19 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 import pulumi
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from infra import versions
+from infra.capacity.cold_start import ColdStart, Timeout, cold_start, timeout_problems
 from infra.capacity.geometry import Geometry, resolve_geometry, unknown_model_message
 from infra.capacity.plan import GIB, weight_bytes_per_parameter
 from infra.capacity.rules import capacity_problems
@@ -173,11 +183,29 @@ class SystemNodeGroupSettings(NodeGroupSettings):
     name: K8sName = "system"
 
 
+def _reservation_id(value: str) -> str:
+    if not _RESERVATION_ID.match(value):
+        raise ValueError(f"'{value}' is not an EC2 capacity reservation id (cr- and 8 to 17 hex digits)")
+    return value
+
+
+_RESERVATION_ID = re.compile(r"^cr-[0-9a-f]{8,17}$")
+ReservationId = Annotated[str, AfterValidator(_reservation_id)]
+
+
 class GpuNodeGroupSettings(NodeGroupSettings):
-    """A managed node group of one GPU shape."""
+    """A GPU group of one shape: a managed node group, or a Karpenter NodePool."""
 
     name: K8sName
     ami: Literal["al2023_nvidia", "bottlerocket_nvidia"] = "al2023_nvidia"
+    # On-demand capacity reservations or Capacity Blocks this group launches
+    # into first (Karpenter's `reserved` capacity type), before falling back
+    # to `capacity_type`. Karpenter only.
+    capacity_reservation_ids: list[ReservationId] = Field(default_factory=list)
+
+    def capacity_types(self) -> tuple[str, ...]:
+        """The capacity a Karpenter pool may launch: reserved first when it has reservations, then capacity_type."""
+        return (*(("reserved",) if self.capacity_reservation_ids else ()), self.capacity_type)
 
     def instance(self) -> GpuInstanceType:
         """The shape every node of this group has (the rules make them agree)."""
@@ -229,9 +257,19 @@ class Cluster(_Section):
     admin_principal_arns: list[str] = Field(default_factory=list)
     log_types: list[LogType] = Field(default_factory=lambda: list(_DEFAULT_LOG_TYPES))
     kubeconfig_context: str | None = None
-    # How the cluster gets nodes (infra/aws/provisioning.py): EKS managed node
-    # groups scaled by cluster-autoscaler, the one provisioner so far.
-    node_provisioner: Literal["managed_node_groups"] = "managed_node_groups"
+    # How the cluster gets GPU nodes (infra/aws/provisioning.py): Karpenter
+    # NodePools, or EKS managed node groups scaled by cluster-autoscaler. The
+    # system nodes are a managed node group under both.
+    node_provisioner: Literal["karpenter", "managed_node_groups"] = "karpenter"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _existing_keeps_its_nodes(cls, data: Any) -> Any:
+        # An existing cluster's nodes are not this program's: unless told
+        # otherwise it keeps today's behaviour (cluster-autoscaler installed).
+        if isinstance(data, dict) and data.get("mode") == "existing" and "node_provisioner" not in data:
+            return {**data, "node_provisioner": "managed_node_groups"}
+        return data
 
 
 class Versions(_Section):
@@ -302,10 +340,25 @@ class GcsFaultTolerance(_Section):
     node_type: Annotated[str, AfterValidator(_cache_node_type)] = "cache.t4g.small"
 
 
+class ColdStartTimeouts(_Section):
+    """The timeouts a cold start runs under; a rule holds each above the model's budget (infra/capacity/cold_start.py).
+
+    Defaults are the upstream ones (Ray 2.60's autoscaler v2 reconciler and
+    Serve LLM), written out so the rule can see them; `pulumi_wait_seconds`
+    unset keeps the RayService's own wait (1800 s, 3600 s from 40 GiB of weights).
+    """
+
+    autoscaler_allocate_seconds: int = Field(default=3600, ge=60)
+    autoscaler_ray_install_seconds: int = Field(default=1800, ge=60)
+    engine_start_seconds: int = Field(default=3600, ge=60)
+    pulumi_wait_seconds: int | None = Field(default=None, ge=60)
+
+
 class Ray(_Section):
     """RayService settings shared by every model."""
 
     gcs_fault_tolerance: GcsFaultTolerance = GcsFaultTolerance()
+    cold_start: ColdStartTimeouts = ColdStartTimeouts()
     idle_timeout_seconds: int = Field(default=300, ge=30)
     # NewCluster: a full second cluster, traffic switched when it is ready
     # (zero downtime, twice the GPUs while upgrading). None: cluster changes
@@ -362,6 +415,9 @@ class PreScale(_Section):
     nodes: int = Field(ge=1)
     timezone: str = "UTC"
     start: str = Field(description="cron expression when the window opens")
+    # How long before the peak `start` fires: the warm nodes must be up, and a
+    # replica started on them, by the peak (the cold-start rule's lead time).
+    lead_seconds: int = Field(default=1800, ge=0)
     end: str = Field(description="cron expression when the window closes")
 
 
@@ -960,6 +1016,93 @@ def _check_prescale(cfg: StackConfig, groups: dict[str, GpuNodeGroupSettings]) -
             yield Problem(f"{path}.timezone", zone_problem)
 
 
+_DURATION_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+# Pulumi's default wait for a RayService's Ready (infra/serving/ray_service.py):
+# big models stream tens of GiB and compile longer.
+PULUMI_WAIT_BIG_MODEL_GIB = 40.0
+PULUMI_WAIT_SMALL_SECONDS = 1800
+PULUMI_WAIT_BIG_SECONDS = 3600
+
+
+def duration_seconds(value: str) -> int:
+    """A `Duration` ("15m") in seconds."""
+    return int(value[:-1]) * _DURATION_SECONDS[value[-1]]
+
+
+def pulumi_wait_seconds(cfg: StackConfig, models: list[Model]) -> int:
+    """Pulumi's wait for a RayService of `models`: `ray.cold_start.pulumi_wait_seconds`, else by the biggest model."""
+    configured = cfg.ray.cold_start.pulumi_wait_seconds
+    if configured is not None:
+        return configured
+    biggest = max(m.weights_gib() for m in models)
+    return PULUMI_WAIT_BIG_SECONDS if biggest >= PULUMI_WAIT_BIG_MODEL_GIB else PULUMI_WAIT_SMALL_SECONDS
+
+
+def _cold_start_timeouts(cfg: StackConfig, model: Model) -> list[Timeout]:
+    """The timeouts a cold start of `model` runs under, each with the part of the budget it covers."""
+    t, key = cfg.ray.cold_start, "ray.cold_start"
+    service = [m for m in cfg.models if m.service_name == model.service_name]
+    return [
+        Timeout(
+            f"{key}.autoscaler_allocate_seconds",
+            t.autoscaler_allocate_seconds,
+            "to_ray_up",
+            "the Ray autoscaler's allocate timeout",
+        ),
+        Timeout(
+            f"{key}.autoscaler_ray_install_seconds",
+            t.autoscaler_ray_install_seconds,
+            "to_ray_up",
+            "the Ray autoscaler's ray-install timeout",
+        ),
+        Timeout(
+            f"{key}.engine_start_seconds", t.engine_start_seconds, "in_container", "Serve LLM's engine start timeout"
+        ),
+        Timeout(f"{key}.pulumi_wait_seconds", pulumi_wait_seconds(cfg, service), "total", "Pulumi's wait for Ready"),
+        Timeout(
+            "autoscaling.cluster.max_node_provision_time",
+            duration_seconds(cfg.autoscaling.cluster.max_node_provision_time),
+            "node_ready",
+            "cluster-autoscaler's node provision time",
+        ),
+        # KubeRay's probes are not here: the liveness probe it injects checks
+        # the raylet (up within Ray start, inside its 630 s window) and the
+        # readiness probe only holds the pod out of the Service, so neither
+        # ends a slow engine start (tests/test_cold_start.py checks the window).
+    ]
+
+
+def model_cold_start(cfg: StackConfig, model: Model, group: GpuNodeGroupSettings) -> ColdStart:
+    """A model's cold-start budget on its group (infra/capacity/cold_start.py)."""
+    instance = group.instance()
+    hosts = 1 if model.num_devices <= instance.gpus else model.pipeline_parallel_size
+    eager = str(model.engine_overrides.get("enforce_eager", False)).lower() == "true"
+    weight_bytes = model.weights_gib() * GIB
+    return cold_start(model.name, instance, weight_bytes, hosts, model.tensor_parallel_size, eager)
+
+
+def _check_cold_start(cfg: StackConfig, groups: dict[str, GpuNodeGroupSettings]) -> Iterable[Problem]:
+    """No timeout on a cold start's path is shorter than the part of the model's budget it covers."""
+    budgets: dict[str, ColdStart] = {}
+    for model in cfg.models:
+        group = groups.get(model.gpu_group)
+        if group is None or not _usable_group(group):
+            continue
+        budget = budgets[model.name] = model_cold_start(cfg, model, group)
+        for key, message in timeout_problems(budget, _cold_start_timeouts(cfg, model)):
+            yield Problem(key, message)
+    for i, window in enumerate(cfg.autoscaling.prescale):
+        on_group = [budgets[m.name] for m in cfg.models if m.gpu_group == window.gpu_group and m.name in budgets]
+        if not on_group:
+            continue
+        longest = max(on_group, key=lambda b: b.total)
+        lead = Timeout(
+            f"autoscaling.prescale[{i}].lead_seconds", window.lead_seconds, "total", "the pre-scale lead time"
+        )
+        for key, message in timeout_problems(longest, [lead]):
+            yield Problem(key, message)
+
+
 def longest_generation_seconds(cfg: StackConfig) -> float:
     """The longest request the limits allow, at the SLO: first token, then max_tokens tokens at the p95 pace."""
     slo = cfg.observability.slo
@@ -1115,9 +1258,27 @@ def _check_upgrade_headroom(cfg: StackConfig, groups: dict[str, GpuNodeGroupSett
             )
 
 
+def _check_provisioner(cfg: StackConfig) -> Iterable[Problem]:
+    """Karpenter launches nodes for a cluster made here; only Karpenter launches into capacity reservations."""
+    if cfg.cluster.node_provisioner == "karpenter":
+        if cfg.cluster.mode == "existing":
+            yield Problem(
+                "cluster.node_provisioner",
+                "karpenter needs cluster.mode: eks (an existing cluster's nodes are not made by this program)",
+            )
+        return
+    for i, group in enumerate(cfg.node_groups.gpu):
+        if group.capacity_reservation_ids:
+            yield Problem(
+                f"node_groups.gpu[{i}].capacity_reservation_ids",
+                "needs cluster.node_provisioner: karpenter (managed node groups here do not target reservations)",
+            )
+
+
 def check_rules(cfg: StackConfig) -> list[Problem]:
     """Every cross-field rule; an empty list means the config is usable."""
     problems: list[Problem] = []
+    problems += _check_provisioner(cfg)
     problems += _check_node_group("node_groups.system", cfg.node_groups.system)
     gpu_groups: dict[str, GpuNodeGroupSettings] = {}
     for i, group in enumerate(cfg.node_groups.gpu):
@@ -1133,6 +1294,7 @@ def check_rules(cfg: StackConfig) -> list[Problem]:
     problems += _check_cluster_mode(cfg)
     problems += _check_network(cfg)
     problems += _check_prescale(cfg, gpu_groups)
+    problems += _check_cold_start(cfg, gpu_groups)
     problems += _check_limits(cfg)
     problems += _check_batch(cfg)
     problems += _check_ingress(cfg)

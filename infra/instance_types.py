@@ -128,3 +128,62 @@ GPU_INSTANCE_TYPES: dict[str, GpuInstanceType] = {
     **_family(H100, {"p5.48xlarge": (8, 192, 2048)}),
     **_family(H200, {"p5e.48xlarge": (8, 192, 2048), "p5en.48xlarge": (8, 192, 2048)}),
 }
+
+
+@dataclass(frozen=True)
+class HostIo:
+    """A GPU instance type's network and local disk, as the cold-start budget and the S3 loader size them.
+
+    `network_gbps` is the EC2 page's figure; for "up to" sizes it is the
+    burst, which a single cold start (tens of GiB) stays within, and
+    `network_burst` says so. `instance_store_gb` is the total NVMe instance
+    store (0: none), which the node bootstrap stripes as RAID0.
+    """
+
+    network_gbps: float
+    network_burst: bool
+    instance_store_gb: int
+
+    @property
+    def network_bytes_s(self) -> float:
+        """The network's line rate in bytes per second."""
+        return self.network_gbps * 1e9 / 8
+
+
+# Network bandwidth (Gbps) and instance store (GB, NVMe SSD) from the EC2
+# accelerated-computing instance type pages (aws.amazon.com/ec2/instance-types/
+# g5, g6, g6e, p4, p5, "Network bandwidth" and "Instance storage" columns), 2026-06.
+_UP_TO = True
+HOST_IO: dict[str, HostIo] = {
+    "g5.xlarge": HostIo(10, _UP_TO, 250),
+    "g5.2xlarge": HostIo(10, _UP_TO, 450),
+    "g5.4xlarge": HostIo(25, _UP_TO, 600),
+    "g5.8xlarge": HostIo(25, False, 900),
+    "g5.12xlarge": HostIo(40, False, 3800),
+    "g5.24xlarge": HostIo(50, False, 3800),
+    "g5.48xlarge": HostIo(100, False, 7600),
+    "g6.xlarge": HostIo(10, _UP_TO, 250),
+    "g6.2xlarge": HostIo(10, _UP_TO, 450),
+    "g6.4xlarge": HostIo(25, _UP_TO, 600),
+    "g6.8xlarge": HostIo(25, False, 900),
+    "g6.12xlarge": HostIo(40, False, 3760),
+    "g6.24xlarge": HostIo(50, False, 3760),
+    "g6.48xlarge": HostIo(100, False, 7520),
+    "g6e.xlarge": HostIo(20, _UP_TO, 250),
+    "g6e.2xlarge": HostIo(20, _UP_TO, 450),
+    "g6e.4xlarge": HostIo(20, False, 600),
+    "g6e.8xlarge": HostIo(25, False, 900),
+    "g6e.12xlarge": HostIo(100, False, 3800),
+    "g6e.24xlarge": HostIo(200, False, 3800),
+    "g6e.48xlarge": HostIo(400, False, 7600),
+    "p4d.24xlarge": HostIo(400, False, 8000),
+    "p4de.24xlarge": HostIo(400, False, 8000),
+    "p5.48xlarge": HostIo(3200, False, 30720),
+    "p5e.48xlarge": HostIo(3200, False, 30720),
+    "p5en.48xlarge": HostIo(3200, False, 30720),
+}
+
+
+def host_io(instance_type: str) -> HostIo:
+    """The network and instance store of a GPU instance type (every type of GPU_INSTANCE_TYPES has a row)."""
+    return HOST_IO[instance_type]

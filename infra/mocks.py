@@ -155,6 +155,16 @@ def _queue(name: str, inputs: dict[str, Any], region: str) -> dict[str, Any]:
     return {"url": _queue_url(name, inputs, region), "arn": _arn("sqs", region, queue)}
 
 
+def _event_rule(name: str, inputs: dict[str, Any], region: str) -> dict[str, Any]:
+    rule = str(inputs.get("name") or f"{name}-{_hex(name, n=7)}")
+    return {"name": rule, "arn": _arn("events", region, f"rule/{rule}")}
+
+
+def _iam_policy(name: str, inputs: dict[str, Any], region: str) -> dict[str, Any]:
+    policy = str(inputs.get("name") or f"{name}-{_hex(name, n=7)}")
+    return {"name": policy, "arn": f"arn:aws:iam::{ACCOUNT_ID}:policy/{policy}"}
+
+
 # Resources whose provider id is not an opaque name (an SQS queue's id is its URL).
 TYPE_IDS: dict[str, Callable[[str, dict[str, Any], str], str]] = {
     "aws:sqs/queue:Queue": _queue_url,
@@ -173,6 +183,8 @@ TYPE_OUTPUTS: dict[str, OutputFn] = {
     "aws:iam/role:Role": _role,
     "aws:kms/key:Key": _kms_key,
     "aws:ec2/launchTemplate:LaunchTemplate": _launch_template,
+    "aws:cloudwatch/eventRule:EventRule": _event_rule,
+    "aws:iam/policy:Policy": _iam_policy,
 }
 
 
@@ -199,4 +211,9 @@ class PlatformMocks(pulumi.runtime.Mocks):
             return {"name": self.region, "region": self.region, "id": self.region}, []
         if args.token == "aws:index/getPartition:getPartition":
             return {"partition": "aws", "dnsSuffix": "amazonaws.com"}, []
+        if args.token == "aws:ec2/getRouteTable:getRouteTable":
+            # The route table awsx associates with a private subnet (network.py's S3 endpoint).
+            subnet = str(args.args.get("subnetId", ""))
+            table = f"rtb-{_hex(subnet, n=17)}"
+            return {**dict(args.args), "id": table, "routeTableId": table}, []
         return dict(args.args), []

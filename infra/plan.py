@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from infra.capacity.report import markdown, plan_stack, stack_output, text
+from infra.capacity.report import cold_start_budget, cold_start_line, markdown, plan_stack, stack_output, text
 from infra.config import ConfigError, load_stack_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(stack_output(cfg, plans), indent=2, sort_keys=True))
     else:
         print((markdown if args.markdown else text)(args.stack, cfg, plans), end="")
+        if not args.markdown:
+            # The cold-start budget per model, as the preview prints it.
+            print("", *(cold_start_line(cold_start_budget(cfg, p.model)) for p in plans), sep="\n")
     return 0
 
 

@@ -68,12 +68,16 @@ def _manifest(inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _helm(inputs: dict[str, Any]) -> dict[str, Any]:
+    chart, repository = inputs.get("chart"), (inputs.get("repositoryOpts") or {}).get("repo")
+    if isinstance(chart, str) and chart.startswith("oci://"):
+        # oci://<registry>/<chart>: shown as the chart and its repository, like the others.
+        repository, _, chart = chart.rpartition("/")
     return {
         "name": inputs.get("name"),
         "namespace": inputs.get("namespace"),
-        "chart": inputs.get("chart"),
+        "chart": chart,
         "version": inputs.get("version"),
-        "repository": (inputs.get("repositoryOpts") or {}).get("repo"),
+        "repository": repository,
         "values": inputs.get("values") or {},
     }
 

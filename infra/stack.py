@@ -5,7 +5,14 @@ from __future__ import annotations
 import pulumi
 
 from infra.aws.build import build_aws
-from infra.capacity.report import plan_stack, preview_line, stack_output
+from infra.capacity.report import (
+    cold_start_budget,
+    cold_start_line,
+    cold_start_output,
+    plan_stack,
+    preview_line,
+    stack_output,
+)
 from infra.cluster_services.build import build_platform
 from infra.config import LoadedConfig
 from infra.serving.build import build_serving
@@ -19,6 +26,7 @@ def build_stack(loaded: LoadedConfig) -> None:
     capacity = plan_stack(cfg)
     for plan in capacity:
         pulumi.log.info(preview_line(plan))
+        pulumi.log.info(cold_start_line(cold_start_budget(cfg, plan.model)))
     aws = build_aws(cfg)
     platform = build_platform(cfg, aws)
     serving = build_serving(cfg, loaded.api_keys, aws, platform)
@@ -47,6 +55,8 @@ def build_stack(loaded: LoadedConfig) -> None:
     pulumi.export("node_groups", aws.node_group_names)
     # What each model's replica holds and costs, with the assumptions behind the estimates.
     pulumi.export("capacity", stack_output(cfg, capacity))
+    # Each model's cold-start budget on a new node, phase by phase, and the figures behind it.
+    pulumi.export("cold_start", cold_start_output(cfg))
     if aws.batch_queue is not None:
         pulumi.export("batch_queue_url", aws.batch_queue.url)
         pulumi.export("batch_dead_letter_queue_url", aws.batch_queue.dead_letter_url)

@@ -13,7 +13,7 @@ stack, a stack config the program rejects), always one line each.
 from __future__ import annotations
 
 import argparse
-import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -57,7 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     command = [sys.executable, "-m", "twin", "--render", str(out), "--stack", args.stack, "--stack-config", str(config)]
     command += ["--static-only"] if args.static_only else []
     command += ["--keep"] if args.keep else []
-    return subprocess.call(command, cwd=ROOT)
+    # The twin replaces this process rather than running as its child: a
+    # SIGTERM or Ctrl-C (a CI timeout, a person) then reaches the twin itself,
+    # which ends every Ray process it started, instead of orphaning it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.chdir(ROOT)
+    os.execv(sys.executable, command)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,24 @@ CLUSTER_AUTOSCALER_IMAGE_TAG = "v1.35.0"
 AWS_LOAD_BALANCER_CONTROLLER = HelmChart("aws-load-balancer-controller", "3.5.0", "https://aws.github.io/eks-charts")
 # Chart 1.21.1 ships external-dns 0.21.0; installed only where the endpoint has a domain.
 EXTERNAL_DNS = HelmChart("external-dns", "1.21.1", "https://kubernetes-sigs.github.io/external-dns/")
+# Karpenter, the default GPU node provisioner; its chart is published to ECR
+# Public as an OCI artifact. The tests hold the NodePools, EC2NodeClasses and
+# the controller's IAM against the CRDs and CloudFormation of tag v1.14.1.
+# At that tag the repository's Chart.yaml still reads 1.13.0: the release job
+# rewrites it when it publishes, so the chart that ships those files is 1.14.1.
+KARPENTER = HelmChart("karpenter", "1.14.1", "oci://public.ecr.aws/karpenter")
+# The EKS-optimized AMI releases Karpenter's EC2NodeClasses pin (an alias
+# with a version never drifts to a newer image on its own). For GPU instance
+# types Karpenter picks the NVIDIA variant of the family. Before a bump, check
+# the release exists for the cluster's Kubernetes version (the AMI release
+# notes, or the SSM parameters under /aws/service/eks/optimized-ami and
+# /aws/service/bottlerocket): an alias that resolves to no image launches nothing.
+# al2023 v20260512: an EKS AL2023 NVIDIA release for Kubernetes 1.35 (driver
+# 580); Bottlerocket v1.56.0: 1.35 variants arrived in v1.53.0, on R580.
+KARPENTER_AMI_ALIASES: dict[str, str] = {
+    "al2023_nvidia": "al2023@v20260512",
+    "bottlerocket_nvidia": "bottlerocket@v1.56.0",
+}
 
 HELM_CHARTS: tuple[HelmChart, ...] = (
     GPU_OPERATOR,
@@ -43,6 +61,7 @@ HELM_CHARTS: tuple[HelmChart, ...] = (
     CLUSTER_AUTOSCALER,
     AWS_LOAD_BALANCER_CONTROLLER,
     EXTERNAL_DNS,
+    KARPENTER,
 )
 
 # EKS managed add-ons, pinned for Kubernetes 1.35 (`aws eks describe-addon-versions`).

@@ -58,11 +58,17 @@ class MotoServer:
         self.child.stop(grace_s=5)
 
 
-def start(work_dir: Path, timeout_s: float = 60) -> MotoServer:
-    """Start ``moto.server`` on 127.0.0.1 and wait until it answers."""
+def start(work_dir: Path, timeout_s: float = 60, auth_after: int | None = None, name: str = "moto") -> MotoServer:
+    """Start ``moto.server`` on 127.0.0.1 and wait until it answers.
+
+    ``auth_after``: moto answers that many requests unsigned (the test's own
+    set-up), then checks every request's SigV4 signature against its IAM
+    users' keys and their policies (moto's INITIAL_NO_AUTH_ACTION_COUNT).
+    """
     port = free_port()
     argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-    child = Child.start("moto", argv, child_env(), work_dir / "moto.log")
+    extra = {} if auth_after is None else {"INITIAL_NO_AUTH_ACTION_COUNT": str(auth_after)}
+    child = Child.start(name, argv, child_env(extra), work_dir / f"{name}.log")
     server = MotoServer(endpoint=f"http://127.0.0.1:{port}", child=child)
     deadline = time.monotonic() + timeout_s
     while True:

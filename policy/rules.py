@@ -403,6 +403,9 @@ EC2_INSTANCE = "aws:ec2/instance:Instance"
 EKS_NODE_GROUP = "aws:eks/nodeGroup:NodeGroup"
 PULUMI_EKS_NODE_GROUPS = ("eks:index:ManagedNodeGroup", "eks:index:NodeGroup", "eks:index:NodeGroupV2")
 PULUMI_EKS_CLUSTER = "eks:index:Cluster"
+# Karpenter's node settings: IMDS options on the EC2NodeClass, GPU bounds on the NodePool.
+EC2_NODE_CLASS = "kubernetes:karpenter.k8s.aws/v1:EC2NodeClass"
+NODE_POOL = "kubernetes:karpenter.sh/v1:NodePool"
 
 
 def _imds_v2(options: Mapping[str, Any]) -> bool:
@@ -412,7 +415,15 @@ def _imds_v2(options: Mapping[str, Any]) -> bool:
 def check_imds_v2(resource: Resource, config: Mapping[str, Any]) -> list[str]:
     """Nodes answer instance metadata only with IMDSv2 session tokens (no SSRF path to the node role)."""
     what = _what(resource)
-    if resource.type in (LAUNCH_TEMPLATE, EC2_INSTANCE):
+    if resource.type == EC2_NODE_CLASS:
+        # Karpenter's default when metadataOptions is absent is httpTokens: required.
+        options = _map(_get(resource.props, "spec.metadataOptions"))
+        if options and not _imds_v2(options):
+            return [
+                f"{what}: spec.metadataOptions.httpTokens is {options.get('httpTokens')!r}, so IMDSv1 answers; "
+                "fix: set spec.metadataOptions.httpTokens to 'required'"
+            ]
+    elif resource.type in (LAUNCH_TEMPLATE, EC2_INSTANCE):
         options = _map(resource.props.get("metadataOptions"))
         if not _imds_v2(options):
             return [
@@ -491,6 +502,23 @@ def check_helm_versions(resource: Resource, config: Mapping[str, Any]) -> list[s
     ]
 
 
+def check_node_pools(resource: Resource, config: Mapping[str, Any]) -> list[str]:
+    """A Karpenter NodePool bounds its GPUs and consolidates only empty nodes (never one with a replica on it)."""
+    if resource.type != NODE_POOL:
+        return []
+    what, spec = _what(resource), _map(resource.props.get("spec"))
+    problems = []
+    if GPU_RESOURCE not in _map(spec.get("limits")):
+        problems.append(f"{what}: no spec.limits['{GPU_RESOURCE}'], so nothing caps its GPU cost; fix: set the limit")
+    policy = _get(spec, "disruption.consolidationPolicy")
+    if policy != "WhenEmpty":
+        problems.append(
+            f"{what}: spec.disruption.consolidationPolicy is {policy!r}, so Karpenter may move serving replicas "
+            "to pack nodes; fix: set it to 'WhenEmpty'"
+        )
+    return problems
+
+
 # --- the rules ---------------------------------------------------------------------------------
 
 GPU_RULE = Rule(
@@ -534,13 +562,18 @@ LB_RULE = Rule(
 )
 IMDS_RULE = Rule(
     name="imdsv2-required",
-    description="Launch templates, instances and node groups require IMDSv2 tokens.",
+    description="Launch templates, instances, node groups and Karpenter node classes require IMDSv2 tokens.",
     check=check_imds_v2,
 )
 STATEFUL_RULE = Rule(
     name="stateful-resources-protected",
     description="S3 buckets and ECR repositories are protected unless they declare their contents disposable.",
     check=check_stateful_protected,
+)
+NODE_POOL_RULE = Rule(
+    name="karpenter-node-pools-bounded",
+    description="Karpenter NodePools limit their GPUs and consolidate only empty nodes.",
+    check=check_node_pools,
 )
 HELM_RULE = Rule(
     name="helm-charts-pinned",
@@ -557,6 +590,7 @@ RULES: tuple[Rule, ...] = (
     IMDS_RULE,
     STATEFUL_RULE,
     HELM_RULE,
+    NODE_POOL_RULE,
 )
 
 

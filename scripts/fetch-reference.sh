@@ -75,6 +75,7 @@ cluster_autoscaler=cluster-autoscaler-chart-$(pin cluster-autoscaler version)
 # share one version, which the controller's repository tags v<version>.
 aws_load_balancer_controller=v$(pin aws-load-balancer-controller version)
 external_dns=external-dns-helm-chart-$(pin external-dns version) # kubernetes-sigs/external-dns: chart releases
+karpenter=v$(pin karpenter version)                  # aws/karpenter-provider-aws: v<version>
 
 raw() { # ORG/REPO TAG PATH
   echo "https://raw.githubusercontent.com/$1/$2/$3"
@@ -107,6 +108,12 @@ aws-load-balancer-controller/chart-values.yaml aws-load-balancer-controller valu
 aws-load-balancer-controller/chart-chart.yaml aws-load-balancer-controller Chart.yaml $(raw kubernetes-sigs/aws-load-balancer-controller "$aws_load_balancer_controller" helm/aws-load-balancer-controller/Chart.yaml) -
 external-dns/chart-values.yaml external-dns values.yaml $(raw kubernetes-sigs/external-dns "$external_dns" charts/external-dns/values.yaml) -
 external-dns/Chart.yaml external-dns Chart.yaml $(raw kubernetes-sigs/external-dns "$external_dns" charts/external-dns/Chart.yaml) -
+karpenter/chart-values.yaml karpenter values.yaml $(raw aws/karpenter-provider-aws "$karpenter" charts/karpenter/values.yaml) -
+karpenter/Chart.yaml karpenter Chart.yaml $(raw aws/karpenter-provider-aws "$karpenter" charts/karpenter/Chart.yaml) -
+karpenter/crd-nodepools.yaml karpenter crds/karpenter.sh_nodepools.yaml $(raw aws/karpenter-provider-aws "$karpenter" pkg/apis/crds/karpenter.sh_nodepools.yaml) -
+karpenter/crd-nodeclaims.yaml karpenter crds/karpenter.sh_nodeclaims.yaml $(raw aws/karpenter-provider-aws "$karpenter" pkg/apis/crds/karpenter.sh_nodeclaims.yaml) -
+karpenter/crd-ec2nodeclasses.yaml karpenter crds/karpenter.k8s.aws_ec2nodeclasses.yaml $(raw aws/karpenter-provider-aws "$karpenter" pkg/apis/crds/karpenter.k8s.aws_ec2nodeclasses.yaml) -
+karpenter/cloudformation.yaml - - $(raw aws/karpenter-provider-aws "$karpenter" website/content/en/preview/getting-started/getting-started-with-karpenter/cloudformation.yaml) -
 "
 # The GPU Operator's Chart.yaml at a git tag carries a development version,
 # so a note names the release the files belong to.
@@ -141,7 +148,11 @@ pulled() {
   local into=$work/helm/$1
   if [ ! -d "$into/$1" ]; then
     mkdir -p "$into"
-    helm pull "$1" --repo "$(pin "$1" repository)" --version "$(pin "$1" version)" --untar --untardir "$into" >&2 ||
+    local repo source
+    repo=$(pin "$1" repository)
+    # An OCI registry is addressed as oci://<registry>/<chart>, not with --repo.
+    case $repo in oci://*) source=("$repo/$1") ;; *) source=("$1" --repo "$repo") ;; esac
+    helm pull "${source[@]}" --version "$(pin "$1" version)" --untar --untardir "$into" >&2 ||
       die "helm pull of $1 $(pin "$1" version) failed (--raw takes the files from the upstream tag instead)"
   fi
   echo "$into/$1"

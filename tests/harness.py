@@ -19,7 +19,7 @@ import pulumi_random as random
 import pytest
 import yaml
 
-from infra.aws.layer import AwsLayer, PodIdentity
+from infra.aws.layer import AwsLayer, KarpenterAccess, PodIdentity
 from infra.config import StackConfig, load_stack_file, parse, read_stack_file, sections
 from infra.render import ROOT, SECRET, Rendered, render, run_under_mocks
 from infra.scheduling import gpu_placements, system_placement
@@ -185,6 +185,14 @@ CLUSTER_READY = "cluster-ready"
 CA_IDENTITY = PodIdentity("kube-system", "cluster-autoscaler", None)
 LBC_IDENTITY = PodIdentity("kube-system", "aws-load-balancer-controller", None)
 KEDA_IDENTITY = PodIdentity("keda", "keda-operator", None)
+# Karpenter's access as the AWS layer hands it down (plain values instead of outputs).
+KARPENTER_ACCESS = KarpenterAccess(
+    identity=PodIdentity("kube-system", "karpenter", None),
+    interruption_queue="llm-test-karpenter",
+    node_role_name="karpenter-node",
+    subnet_ids=["subnet-0123456789abcdef0", "subnet-0123456789abcdef1"],
+    security_group_ids=["sg-0123456789abcdef0"],
+)
 CRD_GROUPS = {
     "ray.io": "kuberay-operator",
     "monitoring.coreos.com": "kube-prometheus-stack",
@@ -200,8 +208,12 @@ class PlatformRender:
     layer: dict[str, Any]
 
     def releases(self) -> dict[str, dict[str, Any]]:
-        """Helm releases by chart name."""
-        return {r["inputs"]["chart"]: r for r in self.resources if r["type"] == "kubernetes:helm.sh/v3:Release"}
+        """Helm releases by chart name (an OCI chart's last path segment)."""
+        return {
+            r["inputs"]["chart"].rsplit("/", 1)[-1]: r
+            for r in self.resources
+            if r["type"] == "kubernetes:helm.sh/v3:Release"
+        }
 
     def values(self, chart: str) -> dict[str, Any]:
         """The values one release sets."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 from typing import Any
@@ -46,10 +47,24 @@ def _list(value: Any) -> list[Any]:
     return [value] if isinstance(value, str) else list(value)
 
 
+def _managed_doc(name: str) -> dict[str, Any]:
+    """A stack file with its GPU groups as managed node groups (Karpenter's side: tests/test_aws_karpenter.py)."""
+    doc = copy.deepcopy(stack_doc(name))
+    doc["config"][f"{NS}cluster"]["node_provisioner"] = "managed_node_groups"
+    return doc
+
+
+@functools.cache
+def _managed_render(name: str) -> Rendered:
+    if _config(stack_doc(name)).cluster.node_provisioner == "managed_node_groups":
+        return render_stack(name)
+    return render_config(_managed_doc(name), name)
+
+
 @pytest.fixture(scope="module", params=STACKS)
 def stack(request: pytest.FixtureRequest) -> tuple[StackConfig, Rendered]:
     name = str(request.param)
-    return _config(stack_doc(name)), render_stack(name)
+    return _config(_managed_doc(name)), _managed_render(name)
 
 
 def test_every_gpu_group_carries_the_scheduling_objects_taint_and_labels(stack: tuple[StackConfig, Rendered]) -> None:
@@ -79,7 +94,7 @@ def test_every_gpu_group_carries_the_scheduling_objects_taint_and_labels(stack: 
 
 
 def test_capacity_types_and_scale_to_zero_follow_the_stacks() -> None:
-    dev = _node_group(render_stack("dev"), "l4-spot")["inputs"]
+    dev = _node_group(_managed_render("dev"), "l4-spot")["inputs"]
     assert dev["capacityType"] == "SPOT"
     assert dev["scalingConfig"]["minSize"] == 0
     prod = render_stack("prod")
@@ -125,7 +140,7 @@ def test_nodes_require_imdsv2_and_encrypted_gp3_sized_from_config(stack: tuple[S
 
 
 def test_bottlerocket_sizes_the_data_volume() -> None:
-    doc = copy.deepcopy(stack_doc("dev"))
+    doc = _managed_doc("dev")
     doc["config"][f"{NS}node_groups"]["gpu"][0]["ami"] = "bottlerocket_nvidia"
     r = render_config(doc, "dev")
     group = _node_group(r, "l4-spot")["inputs"]
@@ -352,7 +367,7 @@ def test_redis_only_in_prod_with_tls_and_a_secret_token() -> None:
 
 
 def _existing_doc() -> dict[str, Any]:
-    doc = copy.deepcopy(stack_doc("dev"))
+    doc = _managed_doc("dev")
     doc["config"][f"{NS}cluster"] = {"mode": "existing", "name": "shared-gpu", "kubeconfig_context": "shared-gpu-admin"}
     doc["config"][f"{NS}image"] = {"reference": "registry.example.com/llm-serving@sha256:" + "ab" * 32}
     return doc
@@ -376,7 +391,7 @@ def test_existing_cluster_creates_no_cluster_and_uses_the_context() -> None:
 
 
 def test_admin_principals_get_cluster_admin_access_entries() -> None:
-    doc = copy.deepcopy(stack_doc("dev"))
+    doc = _managed_doc("dev")
     arn = "arn:aws:iam::123456789012:role/platform-admins"
     doc["config"][f"{NS}cluster"]["admin_principal_arns"] = [arn]
     cluster = _one(render_config(doc, "dev"), "eks:index:Cluster", "cluster")["inputs"]

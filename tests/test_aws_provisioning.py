@@ -12,9 +12,9 @@ import pytest
 from infra.aws import provisioning
 from infra.aws.addons import EksAddons
 from infra.aws.build import build_aws
-from infra.aws.layer import MANAGED_NODE_GROUPS, AwsLayer
+from infra.aws.layer import KARPENTER, MANAGED_NODE_GROUPS, AwsLayer
 from infra.aws.node_groups import TAINT_EFFECTS, NodeGroup
-from infra.aws.provisioning import ManagedNodeGroups, node_provisioner
+from infra.aws.provisioning import KarpenterNodePools, ManagedNodeGroups, node_provisioner
 from infra.config import StackConfig, Taint
 from infra.render import ROOT, Rendered, run_under_mocks
 from infra.scheduling import NODE_GROUP_LABEL, GpuPlacement, gpu_placement, gpu_placements, system_placement
@@ -60,15 +60,19 @@ def test_the_configured_provisioner_is_managed_node_groups_with_the_configs_plac
     assert nodes.gpu == gpu_placements(cfg)
 
 
+def _managed(config: dict[str, Any]) -> None:
+    config[f"{NS}cluster"]["node_provisioner"] = MANAGED_NODE_GROUPS
+
+
 def test_an_unknown_provisioner_is_refused_by_name() -> None:
-    cfg = cast(StackConfig, SimpleNamespace(cluster=SimpleNamespace(node_provisioner="karpenter")))
-    with pytest.raises(ValueError, match="'karpenter' is not one of \\['managed_node_groups'\\]"):
+    cfg = cast(StackConfig, SimpleNamespace(cluster=SimpleNamespace(node_provisioner="fargate")))
+    with pytest.raises(ValueError, match="'fargate' is not one of \\['karpenter', 'managed_node_groups'\\]"):
         node_provisioner(cfg)
 
 
 @pytest.mark.parametrize("stack", STACKS)
 def test_the_layer_hands_down_what_the_provisioner_made(stack: str) -> None:
-    cfg = stack_config(stack)
+    cfg = stack_config(stack, _managed)
     layer, resources = _build(cfg)
     groups = [cfg.node_groups.system.name, *(g.name for g in cfg.node_groups.gpu)]
     assert layer.node_provisioner == MANAGED_NODE_GROUPS
@@ -94,23 +98,45 @@ def test_an_existing_cluster_gets_the_placements_but_no_nodes() -> None:
     assert not [r for r in resources if r["type"] == "llm-platform:aws:NodeGroup"]
 
 
-def test_gpu_pods_and_gpu_nodes_take_their_scheduling_from_the_same_placement(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Change the provisioner's GPU placements, and both the node groups and the GPU pods follow."""
+def _node_labels_and_taints(r: Rendered, provisioner: str, group: str) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """A GPU group's node labels and taints (Kubernetes spelling) as its provisioner declared them."""
+    if provisioner == KARPENTER:
+        (pool,) = [m for m in r.manifests if m.get("kind") == "NodePool" and m["metadata"]["name"] == group]
+        template = pool["spec"]["template"]
+        return template["metadata"]["labels"], template["spec"]["taints"]
+    (node_group,) = [x for x in by_type(r, "aws:eks/nodeGroup:NodeGroup") if x["name"] == f"nodes-{group}"]
+    effects = {v: k for k, v in TAINT_EFFECTS.items()}
+    return node_group["inputs"]["labels"], [
+        {**t, "effect": effects[t["effect"]]} for t in node_group["inputs"]["taints"]
+    ]
+
+
+@pytest.mark.parametrize("provisioner", [MANAGED_NODE_GROUPS, KARPENTER])
+def test_gpu_pods_and_gpu_nodes_take_their_scheduling_from_the_same_placement(
+    monkeypatch: pytest.MonkeyPatch, provisioner: str
+) -> None:
+    """Change the provisioner's GPU placements: the nodes (node groups or NodePools) and the GPU pods follow."""
+    make = {MANAGED_NODE_GROUPS: ManagedNodeGroups.from_config, KARPENTER: KarpenterNodePools.from_config}[provisioner]
 
     def marked(cfg: StackConfig) -> provisioning.NodeProvisioner:
-        nodes = ManagedNodeGroups.from_config(cfg)
+        nodes = make(cfg)
         return replace(nodes, gpu={name: _marked(p) for name, p in nodes.gpu.items()})
 
-    monkeypatch.setitem(provisioning.PROVISIONERS, MANAGED_NODE_GROUPS, marked)
+    monkeypatch.setitem(provisioning.PROVISIONERS, provisioner, marked)
+    doc = stack_doc("dev")
+    doc = {
+        **doc,
+        "config": {**doc["config"], f"{NS}cluster": {**doc["config"][f"{NS}cluster"], "node_provisioner": provisioner}},
+    }
     cfg = stack_config("dev")
-    r: Rendered = render_config(stack_doc("dev"), "dev")
+    r: Rendered = render_config(doc, "dev")
     pods = _pod_specs(r.manifests)
     for group in cfg.node_groups.gpu:
         placement = _marked(gpu_placement(group))
-        (node_group,) = [x for x in by_type(r, "aws:eks/nodeGroup:NodeGroup") if x["name"] == f"nodes-{group.name}"]
-        assert node_group["inputs"]["labels"] == placement.labels
-        assert node_group["inputs"]["taints"] == [
-            {"key": t.key, "value": t.value, "effect": TAINT_EFFECTS[t.effect]} for t in placement.taints
+        labels, taints = _node_labels_and_taints(r, provisioner, group.name)
+        assert labels == placement.labels
+        assert [(t["key"], t.get("value", ""), t["effect"]) for t in taints] == [
+            (t.key, t.value, t.effect) for t in placement.taints
         ]
         selecting = [p for p in pods if p.get("nodeSelector") == placement.node_selector()]
         assert selecting, f"no pod selects the nodes of {group.name}"

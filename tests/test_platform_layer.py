@@ -47,7 +47,9 @@ def _existing(parts_off: list[str]) -> Any:
 STACKS = ["dev", "prod"]
 # external-dns runs only where the endpoint has a domain and its hosted zone.
 DOMAIN_CHARTS = {versions.EXTERNAL_DNS.chart}
-ALL_CHARTS = {c.chart for c in versions.HELM_CHARTS} - DOMAIN_CHARTS
+# Karpenter runs only where the AWS layer made its identity and queue (the
+# karpenter provisioner on a new cluster; tests/test_platform_karpenter.py).
+ALL_CHARTS = {c.chart for c in versions.HELM_CHARTS} - DOMAIN_CHARTS - {versions.KARPENTER.chart}
 
 
 # --- versions --------------------------------------------------------------

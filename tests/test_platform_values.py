@@ -17,7 +17,14 @@ import pytest
 from infra import versions
 from infra.aws.identities import external_dns_zone
 from infra.aws.layer import ExternalDnsAccess, PodIdentity
-from tests.harness import PlatformRender, reference_dir, render_platform, stack_config, stack_render
+from tests.harness import (
+    KARPENTER_ACCESS,
+    PlatformRender,
+    reference_dir,
+    render_platform,
+    stack_config,
+    stack_render,
+)
 from tests.values_keys import REFERENCE_VALUES, documented_keys, key_paths, load_chart_values, unknown_keys
 
 
@@ -31,6 +38,8 @@ def _variants() -> dict[str, PlatformRender]:
         "prod": stack_render("prod"),
         "dev+mig+tainted-system": render_platform(stack_config("dev", mig_mixed_tainted)),
         "dev+no-vpc": render_platform(stack_config("dev"), vpc_id=None),
+        # Karpenter as the node provisioner: its chart and NodePools are installed.
+        "dev+karpenter": render_platform(stack_config("dev"), node_provisioner="karpenter", karpenter=KARPENTER_ACCESS),
         # A domain with its hosted zone: external-dns is installed.
         "prod+hosted-zone": render_platform(
             stack_config("prod"),
@@ -132,7 +141,10 @@ def test_whole_program_render_sets_only_chart_keys(stack: str) -> None:
     reference = reference_dir()
     rendered = render_stack(stack)
     # external-dns runs only where the endpoint has a domain and its hosted zone.
-    optional = set() if external_dns_zone(stack_config(stack)) else {"external-dns"}
+    cfg = stack_config(stack)
+    optional = set() if external_dns_zone(cfg) else {"external-dns"}
+    # One node provisioner per stack: cluster-autoscaler scales managed node groups only.
+    optional |= {"cluster-autoscaler"} if cfg.cluster.node_provisioner == "karpenter" else {"karpenter"}
     assert {h["chart"] for h in rendered.helm} == set(REFERENCE_VALUES) - optional
     problems: list[str] = []
     for release in rendered.helm:

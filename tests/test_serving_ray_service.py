@@ -102,8 +102,11 @@ def test_gpu_groups_ask_for_tp_x_pp_gpus_and_tolerate_exactly_the_group_taints(s
             assert int(limits["memory"].removesuffix("Gi")) < inst.memory_gib * share
             volumes = {v["name"]: v for v in spec["volumes"]}
             assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
-            claim = volumes["model-cache"]["ephemeral"]["volumeClaimTemplate"]["spec"]
-            assert claim["resources"]["requests"]["storage"] == f"{cfg.storage.model_cache_gib}Gi"
+            # S3 weights stream into memory: no per-pod EBS volume, no model cache at all;
+            # the engine caches sit on an emptyDir (the node's NVMe RAID0).
+            assert not any("ephemeral" in v for v in spec["volumes"])
+            assert "model-cache" not in volumes
+            assert "emptyDir" in volumes["engine-cache"] and "medium" not in volumes["engine-cache"]["emptyDir"]
 
 
 def test_tensor_parallel_70b_takes_the_whole_node() -> None:

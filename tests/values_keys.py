@@ -51,6 +51,7 @@ REFERENCE_VALUES: dict[str, str] = {
     "cluster-autoscaler": "cluster-autoscaler/chart-values.yaml",
     "aws-load-balancer-controller": "aws-load-balancer-controller/chart-values.yaml",
     "external-dns": "external-dns/chart-values.yaml",
+    "karpenter": "karpenter/chart-values.yaml",
 }
 
 

@@ -116,7 +116,9 @@ def _existing_cluster(cfg: StackConfig, nodes: NodeProvisioner, shared: _Shared)
 
 def _new_cluster(cfg: StackConfig, nodes: NodeProvisioner, shared: _Shared, tags: dict[str, str]) -> AwsLayer:
     """A new EKS cluster in a new VPC, its nodes, pod identities and core add-ons."""
-    network = ClusterNetwork("network", NetworkArgs(network=cfg.network, cluster_name=cfg.cluster.name))
+    network = ClusterNetwork(
+        "network", NetworkArgs(network=cfg.network, cluster_name=cfg.cluster.name, region=cfg.region)
+    )
     cluster = EksCluster(
         "cluster",
         ClusterArgs(
@@ -157,6 +159,7 @@ def _new_cluster(cfg: StackConfig, nodes: NodeProvisioner, shared: _Shared, tags
         batch_queue=shared.batch,
         batch_worker=identities.batch_worker,
         external_dns=identities.external_dns,
+        karpenter=provisioned.karpenter,
         cluster_ready=[*provisioned.ready, workload_addons],
     )
 
@@ -172,6 +175,8 @@ def _provision(
             node_role_arn=cluster.node_role.arn,
             subnet_ids=network.private_subnet_ids,
             tags=tags,
+            region=cfg.region,
+            security_group_id=cluster.node_security_group_id,
         ),
         # Nodes only turn Ready once the VPC CNI runs on them, and the node
         # role needs its policies before a node can join.

@@ -26,6 +26,16 @@ KEDA_OPERATOR_SA = "keda-operator"
 BATCH_WORKER_SA = "batch-worker"
 EXTERNAL_DNS_NAMESPACE = "external-dns"
 EXTERNAL_DNS_SA = "external-dns"
+# What the EKS Pod Identity webhook adds to a pod whose service account has an
+# association: the node-local agent's credentials URL and the projected
+# token the agent checks. The AWS SDKs' container credential provider reads
+# both; tests/e2e/test_s3_weights_e2e.py plays the agent on loopback.
+POD_IDENTITY_ENV = {
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI": "http://169.254.170.23/v1/credentials",
+    "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE": (
+        "/var/run/secrets/pods.eks.amazonaws.com/serviceaccount/eks-pod-identity-token"
+    ),
+}
 
 
 def model_reader_identity(namespace: str, role_arn: pulumi.Output[str] | None = None) -> PodIdentity:

@@ -10,8 +10,10 @@ import pulumi_kubernetes as k8s
 from infra.scheduling import GpuPlacement, Placement
 
 # `cluster.node_provisioner` of EKS managed node groups scaled by cluster-autoscaler
-# (infra/aws/provisioning.py), the one provisioner so far.
+# (infra/aws/provisioning.py).
 MANAGED_NODE_GROUPS = "managed_node_groups"
+# `cluster.node_provisioner` of Karpenter NodePools (infra/aws/karpenter.py).
+KARPENTER = "karpenter"
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,23 @@ class ExternalDnsAccess:
 
     identity: PodIdentity
     hosted_zone_id: str
+
+
+@dataclass(frozen=True)
+class KarpenterAccess:
+    """What the Karpenter chart and its EC2NodeClasses need from AWS.
+
+    The controller runs as `identity`; the EC2NodeClasses launch nodes with
+    `node_role_name` into `subnet_ids` with `security_group_ids` (selected
+    by id, so nothing else must carry discovery tags).
+    """
+
+    identity: PodIdentity
+    interruption_queue: pulumi.Input[str]
+    node_role_name: pulumi.Input[str]
+    subnet_ids: pulumi.Input[list[str]]
+    security_group_ids: pulumi.Input[list[str]]
+    tags: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -98,3 +117,7 @@ class AwsLayer:
     # external-dns' identity and hosted zone, when the endpoint has a domain
     # and its zone is known: the platform installs external-dns only then.
     external_dns: ExternalDnsAccess | None = None
+    # Karpenter's controller identity, queue and node launch settings, when
+    # the node provisioner is Karpenter on a cluster made here: the platform
+    # installs Karpenter and its NodePools only then.
+    karpenter: KarpenterAccess | None = None

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pulumi
 import pulumi_aws as aws
 
-from infra.aws import policies
+from infra.aws import node_bootstrap, policies
 from infra.config import NodeGroupSettings
+from infra.instance_types import HOST_IO
 from infra.scheduling import GpuPlacement, Placement
 
 AMI_TYPES = {
@@ -57,6 +59,19 @@ def autoscaler_tags(cluster: str, placement: Placement, disk_size_gib: int) -> d
         policies.autoscaler_cluster_tag(cluster): "owned",
         **node_template_tags(placement, disk_size_gib),
     }
+
+
+def has_instance_store(instance_types: Sequence[str]) -> bool:
+    """Every type of the group has NVMe instance store (a RAID0 of none fails the bootstrap)."""
+    return all(t in HOST_IO and HOST_IO[t].instance_store_gb > 0 for t in instance_types)
+
+
+def user_data(placement: Placement, instance_types: Sequence[str]) -> str | None:
+    """A GPU group's launch template user data (base64): RAID0 on the instance store, SOCI parallel pull."""
+    if not isinstance(placement, GpuPlacement):
+        return None
+    text = node_bootstrap.gpu_user_data(ami_type(placement), has_instance_store(instance_types))
+    return base64.b64encode(text.encode()).decode()
 
 
 def ami_type(placement: Placement) -> str:
@@ -120,6 +135,7 @@ class NodeGroup(pulumi.ComponentResource):
                 instance_metadata_tags="disabled",
             ),
             block_device_mappings=_volumes(ami_type(args.placement), args.config.disk_size_gib),
+            user_data=user_data(args.placement, args.config.instance_types),
             tag_specifications=[
                 aws.ec2.LaunchTemplateTagSpecificationArgs(
                     resource_type=kind, tags={**args.tags, "llm-platform/node-group": group}

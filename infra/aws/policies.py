@@ -315,3 +315,269 @@ def queue_tls_only(queue_arn: str) -> Policy:
             "Condition": {"Bool": {"aws:SecureTransport": "false"}},
         }
     )
+
+
+# The tags Karpenter puts on what it launches (instances, volumes, network
+# interfaces, launch templates, fleets) and on the instance profiles it
+# makes, and that its controller's permissions are conditioned on.
+KARPENTER_NODEPOOL_TAG = "karpenter.sh/nodepool"
+KARPENTER_NODECLASS_TAG = "karpenter.k8s.aws/ec2nodeclass"
+
+
+def _karpenter_owned(cluster: str) -> tuple[dict[str, str], dict[str, str], dict[str, str], dict[str, str]]:
+    """The tag conditions: on an existing resource (owned, nodepool) and on a request (requested, nodepool)."""
+    return (
+        {f"aws:ResourceTag/kubernetes.io/cluster/{cluster}": "owned"},
+        {f"aws:ResourceTag/{KARPENTER_NODEPOOL_TAG}": "*"},
+        {f"aws:RequestTag/kubernetes.io/cluster/{cluster}": "owned", "aws:RequestTag/eks:eks-cluster-name": cluster},
+        {f"aws:RequestTag/{KARPENTER_NODEPOOL_TAG}": "*"},
+    )
+
+
+def _karpenter_created(ec2: str) -> list[str]:
+    """What Karpenter's launches create, in this account and region."""
+    kinds = ("fleet", "instance", "volume", "network-interface", "launch-template", "spot-instances-request")
+    return [f"{ec2}:{kind}/*" for kind in kinds]
+
+
+def _karpenter_node_lifecycle(ec2: str, cluster: str) -> list[Policy]:
+    """Launch, tag and terminate only what carries this cluster's ownership tags."""
+    owned, nodepool, requested, requested_nodepool = _karpenter_owned(cluster)
+    created = _karpenter_created(ec2)
+    region_wide = ec2.rsplit(":", 1)[0] + ":"  # arn:<partition>:ec2:<region>: (images and snapshots have no account)
+    return [
+        {
+            "Sid": "AllowScopedEC2InstanceAccessActions",
+            "Effect": "Allow",
+            "Action": ["ec2:RunInstances", "ec2:CreateFleet"],
+            "Resource": [
+                f"{region_wide}:image/*",
+                f"{region_wide}:snapshot/*",
+                *(
+                    f"{ec2}:{kind}/*"
+                    for kind in ("security-group", "subnet", "capacity-reservation", "placement-group")
+                ),
+            ],
+        },
+        {
+            "Sid": "AllowScopedEC2LaunchTemplateAccessActions",
+            "Effect": "Allow",
+            "Action": ["ec2:RunInstances", "ec2:CreateFleet"],
+            "Resource": f"{ec2}:launch-template/*",
+            "Condition": {"StringEquals": owned, "StringLike": nodepool},
+        },
+        {
+            "Sid": "AllowScopedEC2InstanceActionsWithTags",
+            "Effect": "Allow",
+            "Action": ["ec2:RunInstances", "ec2:CreateFleet", "ec2:CreateLaunchTemplate"],
+            "Resource": created,
+            "Condition": {"StringEquals": requested, "StringLike": requested_nodepool},
+        },
+        *_karpenter_tagging_and_deletion(ec2, cluster),
+    ]
+
+
+def _karpenter_tagging_and_deletion(ec2: str, cluster: str) -> list[Policy]:
+    """Tag what a launch creates and name its instances; delete only this cluster's instances and templates."""
+    owned, nodepool, requested, requested_nodepool = _karpenter_owned(cluster)
+    return [
+        {
+            "Sid": "AllowScopedResourceCreationTagging",
+            "Effect": "Allow",
+            "Action": "ec2:CreateTags",
+            "Resource": _karpenter_created(ec2),
+            "Condition": {
+                "StringEquals": {
+                    **requested,
+                    "ec2:CreateAction": ["RunInstances", "CreateFleet", "CreateLaunchTemplate"],
+                },
+                "StringLike": requested_nodepool,
+            },
+        },
+        {
+            "Sid": "AllowScopedResourceTagging",
+            "Effect": "Allow",
+            "Action": "ec2:CreateTags",
+            "Resource": f"{ec2}:instance/*",
+            "Condition": {
+                "StringEquals": owned,
+                "StringLike": nodepool,
+                "StringEqualsIfExists": {"aws:RequestTag/eks:eks-cluster-name": cluster},
+                "ForAllValues:StringEquals": {
+                    "aws:TagKeys": ["eks:eks-cluster-name", "karpenter.sh/nodeclaim", "Name"]
+                },
+            },
+        },
+        {
+            "Sid": "AllowScopedDeletion",
+            "Effect": "Allow",
+            "Action": ["ec2:TerminateInstances", "ec2:DeleteLaunchTemplate"],
+            "Resource": [f"{ec2}:instance/*", f"{ec2}:launch-template/*"],
+            "Condition": {"StringEquals": owned, "StringLike": nodepool},
+        },
+    ]
+
+
+def _karpenter_iam_integration(profiles: str, region: str, cluster: str, node_role_arn: str) -> list[Policy]:
+    """Pass the nodes' role to EC2, and manage only instance profiles tagged for this cluster and region."""
+    owned = {
+        f"aws:ResourceTag/kubernetes.io/cluster/{cluster}": "owned",
+        "aws:ResourceTag/topology.kubernetes.io/region": region,
+    }
+    requested = {
+        f"aws:RequestTag/kubernetes.io/cluster/{cluster}": "owned",
+        "aws:RequestTag/eks:eks-cluster-name": cluster,
+        "aws:RequestTag/topology.kubernetes.io/region": region,
+    }
+    return [
+        {
+            "Sid": "AllowPassingInstanceRole",
+            "Effect": "Allow",
+            "Action": "iam:PassRole",
+            "Resource": node_role_arn,
+            "Condition": {"StringEquals": {"iam:PassedToService": ["ec2.amazonaws.com", "ec2.amazonaws.com.cn"]}},
+        },
+        {
+            "Sid": "AllowScopedInstanceProfileCreationActions",
+            "Effect": "Allow",
+            "Action": ["iam:CreateInstanceProfile"],
+            "Resource": profiles,
+            "Condition": {"StringEquals": requested, "StringLike": {f"aws:RequestTag/{KARPENTER_NODECLASS_TAG}": "*"}},
+        },
+        {
+            "Sid": "AllowScopedInstanceProfileTagActions",
+            "Effect": "Allow",
+            "Action": ["iam:TagInstanceProfile"],
+            "Resource": profiles,
+            "Condition": {
+                "StringEquals": {**owned, **requested},
+                "StringLike": {
+                    f"aws:ResourceTag/{KARPENTER_NODECLASS_TAG}": "*",
+                    f"aws:RequestTag/{KARPENTER_NODECLASS_TAG}": "*",
+                },
+            },
+        },
+        {
+            "Sid": "AllowScopedInstanceProfileActions",
+            "Effect": "Allow",
+            "Action": [
+                "iam:AddRoleToInstanceProfile",
+                "iam:RemoveRoleFromInstanceProfile",
+                "iam:DeleteInstanceProfile",
+            ],
+            "Resource": profiles,
+            "Condition": {"StringEquals": owned, "StringLike": {f"aws:ResourceTag/{KARPENTER_NODECLASS_TAG}": "*"}},
+        },
+    ]
+
+
+def _karpenter_resource_discovery(partition: str, region: str, account: str) -> list[Policy]:
+    """The read calls Karpenter makes to pick instance types, images, subnets and prices."""
+    return [
+        {
+            "Sid": "AllowRegionalReadActions",
+            "Effect": "Allow",
+            "Action": [
+                "ec2:DescribeCapacityReservations",
+                "ec2:DescribeImages",
+                "ec2:DescribeInstances",
+                "ec2:DescribeInstanceStatus",
+                "ec2:DescribeInstanceTypeOfferings",
+                "ec2:DescribeInstanceTypes",
+                "ec2:DescribeLaunchTemplates",
+                "ec2:DescribePlacementGroups",
+                "ec2:DescribeSecurityGroups",
+                "ec2:DescribeSpotPriceHistory",
+                "ec2:DescribeSubnets",
+            ],
+            "Resource": "*",
+            "Condition": {"StringEquals": {"aws:RequestedRegion": region}},
+        },
+        {
+            "Sid": "AllowSSMReadActions",
+            "Effect": "Allow",
+            "Action": "ssm:GetParameter",
+            "Resource": f"arn:{partition}:ssm:{region}::parameter/aws/service/*",
+        },
+        {"Sid": "AllowPricingReadActions", "Effect": "Allow", "Action": "pricing:GetProducts", "Resource": "*"},
+        {
+            "Sid": "AllowUnscopedInstanceProfileListAction",
+            "Effect": "Allow",
+            "Action": "iam:ListInstanceProfiles",
+            "Resource": "*",
+        },
+        {
+            "Sid": "AllowInstanceProfileReadActions",
+            "Effect": "Allow",
+            "Action": "iam:GetInstanceProfile",
+            "Resource": f"arn:{partition}:iam::{account}:instance-profile/*",
+        },
+    ]
+
+
+def karpenter_controller(
+    partition: str, region: str, account: str, cluster: str, queue_arn: str, node_role_arn: str
+) -> dict[str, Policy]:
+    """The Karpenter controller's permissions, one document per upstream managed policy.
+
+    The statements follow the six `KarpenterController<X>Policy` documents of
+    Karpenter's getting-started CloudFormation at the pinned version
+    (infra/versions.py KARPENTER; a test compares them statement by
+    statement), narrowed: every EC2 ARN names this account instead of `*`,
+    PassRole names the one role Karpenter's nodes run with, and the queue
+    actions name the one interruption queue. Kept as separate documents
+    because, like upstream, they are managed policies: a role's inline
+    policies share one 10,240-character limit that these would exceed.
+    """
+    ec2 = f"arn:{partition}:ec2:{region}:{account}"
+    cluster_arn = f"arn:{partition}:eks:{region}:{account}:cluster/{cluster}"
+    profiles = f"arn:{partition}:iam::{account}:instance-profile/*"
+    return {
+        "NodeLifecycle": _doc(*_karpenter_node_lifecycle(ec2, cluster)),
+        "IAMIntegration": _doc(*_karpenter_iam_integration(profiles, region, cluster, node_role_arn)),
+        "EKSIntegration": _doc(
+            {
+                "Sid": "AllowAPIServerEndpointDiscovery",
+                "Effect": "Allow",
+                "Action": "eks:DescribeCluster",
+                "Resource": cluster_arn,
+            }
+        ),
+        "Interruption": _doc(
+            {
+                "Sid": "AllowInterruptionQueueActions",
+                "Effect": "Allow",
+                "Action": ["sqs:DeleteMessage", "sqs:GetQueueUrl", "sqs:ReceiveMessage"],
+                "Resource": queue_arn,
+            }
+        ),
+        "ZonalShift": _doc(
+            {
+                "Sid": "AllowZonalShiftStatusReadOnly",
+                "Effect": "Allow",
+                "Action": ["arc-zonal-shift:GetManagedResource"],
+                "Resource": "*",
+                "Condition": {"StringEquals": {"arc-zonal-shift:ResourceIdentifier": cluster_arn}},
+            }
+        ),
+        "ResourceDiscovery": _doc(*_karpenter_resource_discovery(partition, region, account)),
+    }
+
+
+def karpenter_interruption_queue(queue_arn: str) -> Policy:
+    """EventBridge (and SQS itself) may send to the interruption queue; nothing may use it without TLS."""
+    tls_only: Policy = queue_tls_only(queue_arn)["Statement"][0]
+    return {
+        "Version": VERSION,
+        "Id": "EC2InterruptionPolicy",
+        "Statement": [
+            {
+                "Sid": "InterruptionEvents",
+                "Effect": "Allow",
+                "Principal": {"Service": ["events.amazonaws.com", "sqs.amazonaws.com"]},
+                "Action": "sqs:SendMessage",
+                "Resource": queue_arn,
+            },
+            tls_only,
+        ],
+    }

@@ -22,7 +22,8 @@ from typing import Protocol
 
 import pulumi
 
-from infra.aws.layer import MANAGED_NODE_GROUPS
+from infra.aws.karpenter import KarpenterController, KarpenterControllerArgs
+from infra.aws.layer import KARPENTER, MANAGED_NODE_GROUPS, KarpenterAccess
 from infra.aws.node_groups import NodeGroup, NodeGroupArgs
 from infra.config import NodeGroups, NodeGroupSettings, StackConfig
 from infra.scheduling import GpuPlacement, Placement, gpu_placements, system_placement
@@ -37,6 +38,10 @@ class NodeTarget:
     node_role_arn: pulumi.Input[str]
     subnet_ids: pulumi.Input[Sequence[str]]
     tags: dict[str, str] = field(default_factory=dict)
+    # What a provisioner that launches nodes itself (Karpenter) also needs:
+    # the region, and the security group every node's interfaces carry.
+    region: str = ""
+    security_group_id: pulumi.Input[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,8 @@ class ProvisionedNodes:
     names: dict[str, pulumi.Output[str]]
     # What in-cluster resources wait for: the capacity that runs their pods.
     ready: list[pulumi.Resource]
+    # Karpenter's AWS side, when the provisioner is Karpenter.
+    karpenter: KarpenterAccess | None = None
 
 
 class NodeProvisioner(Protocol):
@@ -129,14 +136,57 @@ class ManagedNodeGroups:
         )
 
 
+@dataclass(frozen=True)
+class KarpenterNodePools:
+    """The system nodes as a managed node group; GPU nodes launched by Karpenter.
+
+    The AWS side is a KarpenterController component (its role, the nodes'
+    role, the interruption queue); the NodePools and EC2NodeClasses that
+    carry each GPU placement are in-cluster objects the platform layer
+    makes from the same placements (infra/cluster_services/karpenter.py).
+    Nothing here makes GPU capacity ahead of pods asking for it.
+    """
+
+    settings: NodeGroups
+    system: Placement
+    gpu: dict[str, GpuPlacement]
+    name: str = field(default=KARPENTER, init=False)
+
+    @classmethod
+    def from_config(cls, cfg: StackConfig) -> KarpenterNodePools:
+        """The system group and the GPU placements of `cfg.node_groups`."""
+        return cls(settings=cfg.node_groups, system=system_placement(cfg), gpu=gpu_placements(cfg))
+
+    def provision(self, target: NodeTarget, opts: pulumi.ResourceOptions | None = None) -> ProvisionedNodes:
+        """The system group, then Karpenter's controller identity and interruption queue."""
+        system = ManagedNodeGroups._node_group(self.system, self.settings.system, target, opts)
+        if target.security_group_id is None:
+            raise ValueError("Karpenter needs the nodes' security group id (NodeTarget.security_group_id)")
+        controller = KarpenterController(
+            "karpenter",
+            KarpenterControllerArgs(
+                cluster_name=target.cluster_name,
+                region=target.region,
+                subnet_ids=target.subnet_ids,
+                security_group_id=target.security_group_id,
+                tags=target.tags,
+            ),
+            opts=opts,
+        )
+        return ProvisionedNodes(
+            names={self.system.group: system.name}, ready=[system, controller], karpenter=controller.access
+        )
+
+
 # `cluster.node_provisioner` -> the provisioner it selects.
 PROVISIONERS: dict[str, Callable[[StackConfig], NodeProvisioner]] = {
     MANAGED_NODE_GROUPS: ManagedNodeGroups.from_config,
+    KARPENTER: KarpenterNodePools.from_config,
 }
 
 
 def node_provisioner(cfg: StackConfig) -> NodeProvisioner:
-    """The provisioner `cluster.node_provisioner` selects (managed node groups when the setting is absent)."""
+    """The provisioner `cluster.node_provisioner` selects (Karpenter when the setting is absent)."""
     selected: str = cfg.cluster.node_provisioner
     if selected not in PROVISIONERS:
         raise ValueError(f"cluster.node_provisioner: '{selected}' is not one of {sorted(PROVISIONERS)}")

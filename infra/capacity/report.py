@@ -10,11 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from infra.capacity import cold_start
 from infra.capacity.cost import ROOFLINE, Cost, Decode, decode_estimate, replica_cost
 from infra.capacity.geometry import resolve_geometry
-from infra.capacity.plan import GIB, OVERHEADS, Device, EngineSettings, ReplicaPlan, plan_replica
+from infra.capacity.plan import (
+    GIB,
+    OVERHEADS,
+    Device,
+    EngineSettings,
+    ReplicaPlan,
+    plan_replica,
+)
 from infra.capacity.prices import ON_DEMAND_AS_OF, ON_DEMAND_SOURCE, SPOT_AS_OF, SPOT_SOURCE
-from infra.config import Model, StackConfig
+from infra.config import Model, StackConfig, model_cold_start
 from infra.instance_types import GpuInstanceType
 
 MEMORY = "GPU memory is the datasheet's GB (10^9 bytes); GiB = 2^30 bytes"
@@ -66,6 +74,27 @@ def plan_model(cfg: StackConfig, model: Model) -> ModelPlan:
     decode = decode_estimate(replica)
     cost = replica_cost(replica, instance, group.capacity_type, cfg.region, decode)
     return ModelPlan(model, instance, replica, decode, cost)
+
+
+def cold_start_budget(cfg: StackConfig, model: Model) -> cold_start.ColdStart:
+    """A model's cold-start budget on its group's instance type (infra/capacity/cold_start.py)."""
+    return model_cold_start(cfg, model, cfg.node_groups.gpu_group(model.gpu_group))
+
+
+def cold_start_line(budget: cold_start.ColdStart) -> str:
+    """One line for the preview's log: the budget and its phases."""
+    return (
+        f"cold start {budget.model}: {budget.total:.0f} s budget on a new {budget.instance} node "
+        f"({cold_start.describe(budget)})"
+    )
+
+
+def cold_start_output(cfg: StackConfig) -> dict[str, Any]:
+    """The `cold_start` stack output: each model's budget and the pinned figures behind it."""
+    return {
+        "models": {m.name: cold_start.output(cold_start_budget(cfg, m)) for m in cfg.models},
+        "figures": cold_start.sources(),
+    }
 
 
 def plan_stack(cfg: StackConfig) -> list[ModelPlan]:

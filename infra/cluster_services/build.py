@@ -8,8 +8,8 @@ parts it names in `after`, and all of them for the AWS layer's
    other charts' ServiceMonitors need);
 3. the AWS load balancer controller (its webhook intercepts every Service
    created afterwards, so it must be serving before the other charts' Services);
-4. GPU Operator, KubeRay, KEDA, cluster-autoscaler and, where the endpoint
-   has a domain, external-dns.
+4. GPU Operator, KubeRay, KEDA, cluster-autoscaler (managed node groups) or
+   Karpenter (its NodePools) and, where the endpoint has a domain, external-dns.
 """
 
 from __future__ import annotations
@@ -17,7 +17,16 @@ from __future__ import annotations
 import pulumi
 
 from infra.aws.layer import MANAGED_NODE_GROUPS, AwsLayer
-from infra.cluster_services import autoscaler, external_dns, gpu_operator, keda, kuberay, load_balancer, storage
+from infra.cluster_services import (
+    autoscaler,
+    external_dns,
+    gpu_operator,
+    karpenter,
+    keda,
+    kuberay,
+    load_balancer,
+    storage,
+)
 from infra.cluster_services import monitoring as mon
 from infra.cluster_services.chart_release import ChartRelease
 from infra.cluster_services.layer import PlatformLayer
@@ -54,6 +63,9 @@ PARTS: tuple[Part, ...] = (
     ),
     # The endpoints' DNS records, where the endpoint has a domain.
     Part("external-dns", external_dns.enabled, external_dns.build, after=_FOUNDATION),
+    # GPU nodes, where the node provisioner is Karpenter (its ServiceMonitor
+    # needs the monitoring CRDs, its Service the load balancer webhook).
+    Part("karpenter", karpenter.enabled, karpenter.build, after=_FOUNDATION),
 )
 
 

@@ -109,12 +109,15 @@ class ChartRelease(pulumi.ComponentResource):
         self.namespace = args.namespace
         ns = namespace(args.namespace, parent=self, labels=args.namespace_labels) if args.own_namespace else None
         first = [*([ns] if ns else []), *self._before_release(name, args, ns)]
+        # A chart in an OCI registry is named by its full reference; Helm's
+        # repository option only takes index-based (https) repositories.
+        oci = args.chart.repository.startswith("oci://")
         self.release = k8s.helm.v3.Release(
             f"{name}-release",
             name=args.release_name,
-            chart=args.chart.chart,
+            chart=f"{args.chart.repository}/{args.chart.chart}" if oci else args.chart.chart,
             version=args.version,
-            repository_opts=k8s.helm.v3.RepositoryOptsArgs(repo=args.chart.repository),
+            repository_opts=None if oci else k8s.helm.v3.RepositoryOptsArgs(repo=args.chart.repository),
             namespace=args.namespace,
             create_namespace=False,
             values=dict(args.values),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any
 
 import pulumi
@@ -17,7 +18,16 @@ import pulumi_kubernetes as k8s
 
 from infra import versions
 from infra.aws.layer import RedisEndpoint
-from infra.config import RAY_SERVICE_NAME_MAX, Model, StackConfig
+from infra.config import (
+    PULUMI_WAIT_BIG_MODEL_GIB,
+    PULUMI_WAIT_BIG_SECONDS,
+    PULUMI_WAIT_SMALL_SECONDS,
+    RAY_SERVICE_NAME_MAX,
+    ColdStartTimeouts,
+    Model,
+    StackConfig,
+    pulumi_wait_seconds,
+)
 from infra.scheduling import GpuPlacement, Placement
 from infra.serving.drain import drain, prestop_hook
 from infra.serving.namespace import PART_OF, REDIS_PASSWORD_KEY
@@ -46,9 +56,9 @@ INGRESS_GROUP = "ingress"
 # of GiB from S3 and compile CUDA graphs.
 WAIT_FOR_CONDITIONS = ("condition=Ready", "condition=UpgradeInProgress=False")
 WAIT_FOR = json.dumps(list(WAIT_FOR_CONDITIONS))
-BIG_MODEL_GIB = 40.0
-TIMEOUT_SMALL_SECONDS = 1800
-TIMEOUT_BIG_SECONDS = 3600
+BIG_MODEL_GIB = PULUMI_WAIT_BIG_MODEL_GIB
+TIMEOUT_SMALL_SECONDS = PULUMI_WAIT_SMALL_SECONDS
+TIMEOUT_BIG_SECONDS = PULUMI_WAIT_BIG_SECONDS
 
 # What a node keeps for itself: kubelet/system reserve and the daemonsets
 # (CNI, kube-proxy, EBS CSI, DCGM exporter, device plugin, node exporter).
@@ -74,6 +84,18 @@ ZONE_LABEL = "topology.kubernetes.io/zone"
 # which it holds, so the GCS verifies its `rediss://` Redis against it.
 SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 REDIS_CA_CERT_ENV = "RAY_REDIS_CA_CERT"
+# Serve LLM's engine start timeout (ray/llm/_internal/serve/constants.py).
+ENGINE_START_TIMEOUT_ENV = "RAYLLM_ENGINE_START_TIMEOUT_S"
+# The Ray autoscaler v2's reconciler gives up on an instance stuck in
+# ALLOCATED (pod created, Ray not yet up: node, image pull) or RAY_INSTALLING
+# after these (ray/autoscaler/v2/instance_manager/config.py; 3600 s and
+# 1800 s by default). Set on the autoscaler sidecar so the cold-start rule
+# can hold them above the budget.
+AUTOSCALER_ALLOCATE_TIMEOUT_ENV = "RAY_AUTOSCALER_RECONCILE_ALLOCATE_STATUS_TIMEOUT_S"
+AUTOSCALER_RAY_INSTALL_TIMEOUT_ENV = "RAY_AUTOSCALER_RECONCILE_RAY_INSTALL_STATUS_TIMEOUT_S"
+ENGINE_CACHE_VOLUME = "engine-cache"
+# torch.compile, CUDA graph and Triton artefacts of one engine: a few GiB.
+ENGINE_CACHE_GIB = 20
 
 
 def pod_labels(service: str) -> dict[str, str]:
@@ -93,7 +115,7 @@ RAY_CHECKOV_SKIPS = {
 def ray_pod_security() -> dict[str, Any]:
     """Pod-level security of every Ray pod: the image's non-root user, RuntimeDefault seccomp, no token.
 
-    fsGroup makes the model cache volume writable by the image's group.
+    fsGroup makes the cache volumes (emptyDirs) writable by the image's group.
     """
     return {
         "securityContext": pod_security_context(RAY_UID, RAY_GID, fs_group=True),
@@ -331,25 +353,73 @@ def _ingress_group(args: VllmRayServiceArgs) -> dict[str, Any]:
     }
 
 
-def _gpu_volumes(args: VllmRayServiceArgs, shape: GpuShape) -> list[dict[str, Any]]:
+def engine_cache_env(cache_root: str = MOUNTS.cache_dir) -> list[dict[str, str]]:
+    """Where vLLM, torch.compile and Triton keep what they build at start-up: the pod's local emptyDir.
+
+    vLLM 0.29 reads VLLM_CACHE_ROOT (its torch.compile artefacts and CUDA
+    graph metadata go under it, else `$XDG_CACHE_HOME/vllm`); Inductor reads
+    TORCHINDUCTOR_CACHE_DIR (else /tmp/torchinductor_<user>) and Triton
+    TRITON_CACHE_DIR (else ~/.triton). One root on one emptyDir: it lives in
+    kubelet's ephemeral storage, which the node's bootstrap puts on the
+    instance-store RAID0 (infra/aws/node_bootstrap.py), so the compile writes
+    go to local NVMe instead of the EBS root volume or the container layer.
+    """
+    root = PurePosixPath(cache_root)
     return [
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shape.shm_gib}Gi"}},
-        {
-            # A per-pod gp3 volume: weights are fetched or streamed once
-            # per pod without filling the node's root disk.
-            "name": "model-cache",
-            "ephemeral": {
-                "volumeClaimTemplate": {
-                    "metadata": {"labels": pod_labels(args.name)},
-                    "spec": {
-                        "accessModes": ["ReadWriteOnce"],
-                        "storageClassName": args.storage_class,
-                        "resources": {"requests": {"storage": f"{args.cfg.storage.model_cache_gib}Gi"}},
-                    },
-                }
-            },
-        },
+        {"name": "XDG_CACHE_HOME", "value": str(root / "xdg")},
+        {"name": "VLLM_CACHE_ROOT", "value": str(root / "vllm")},
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": str(root / "torchinductor")},
+        {"name": "TRITON_CACHE_DIR", "value": str(root / "triton")},
     ]
+
+
+def gpu_worker_env(
+    region: str, timeouts: ColdStartTimeouts, cache_root: str = MOUNTS.cache_dir
+) -> list[dict[str, str]]:
+    """The GPU worker container's environment: region, engine caches, Serve LLM's engine start timeout.
+
+    EKS Pod Identity adds the credential variables itself
+    (infra/aws/identities.POD_IDENTITY_ENV); the S3 endpoint is the SDK's
+    default regional one, reached through the VPC's S3 gateway endpoint.
+    """
+    return [
+        *aws_region_env(region),
+        *engine_cache_env(cache_root),
+        # Serve LLM cancels an engine that has not started by then (ray.llm's
+        # ENGINE_START_TIMEOUT_S, 3600 s by default); the cold-start rule holds it
+        # above the budget (infra/capacity/cold_start.py).
+        {"name": ENGINE_START_TIMEOUT_ENV, "value": str(timeouts.engine_start_seconds)},
+    ]
+
+
+def uses_hub(models: list[Model]) -> bool:
+    """Whether any model of the service downloads from a model hub (S3 weights stream, nothing is stored)."""
+    return any(m.weights_kind == "hub" for m in models)
+
+
+def _gpu_volumes(args: VllmRayServiceArgs, shape: GpuShape, models: list[Model]) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shape.shm_gib}Gi"}},
+        # Compile and kernel caches (engine_cache_env), on the node's local disk.
+        {"name": ENGINE_CACHE_VOLUME, "emptyDir": {"sizeLimit": f"{ENGINE_CACHE_GIB}Gi"}},
+    ]
+    if uses_hub(models):
+        # Only a hub download is written to disk. The gp3 volume per pod this
+        # replaced cost an EBS create and attach on every cold start and was
+        # never read by S3 sources (runai_streamer streams into memory); an
+        # emptyDir sits on the instance-store RAID0 the node already has.
+        volumes.append({"name": "model-cache", "emptyDir": {"sizeLimit": f"{args.cfg.storage.model_cache_gib}Gi"}})
+    return volumes
+
+
+def _gpu_mounts(models: list[Model], keys_mount: dict[str, Any]) -> list[dict[str, Any]]:
+    mounts = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": ENGINE_CACHE_VOLUME, "mountPath": MOUNTS.cache_dir},
+    ]
+    if uses_hub(models):
+        mounts.append({"name": "model-cache", "mountPath": MOUNTS.model_cache_dir})
+    return [*mounts, keys_mount]
 
 
 def _gpu_group(args: VllmRayServiceArgs, model: Model) -> dict[str, Any]:
@@ -390,19 +460,15 @@ def _gpu_group(args: VllmRayServiceArgs, model: Model) -> dict[str, Any]:
                         "name": RAY_CONTAINER,
                         "image": args.image,
                         "securityContext": ray_container_security(),
-                        "env": aws_region_env(args.cfg.region),
+                        "env": gpu_worker_env(args.cfg.region, args.cfg.ray.cold_start),
                         "ports": _ports(RAY_PORTS.worker()),
                         # Equal requests and limits: GPUs can not be overcommitted and
                         # Ray sizes its CPU and memory resources from the limits.
                         "resources": {"requests": dict(limits), "limits": dict(limits)},
-                        "volumeMounts": [
-                            {"name": "dshm", "mountPath": "/dev/shm"},
-                            {"name": "model-cache", "mountPath": MOUNTS.model_cache_dir},
-                            keys_mount,
-                        ],
+                        "volumeMounts": _gpu_mounts([model], keys_mount),
                     }
                 ],
-                "volumes": [*_gpu_volumes(args, shape), keys_volume],
+                "volumes": [*_gpu_volumes(args, shape, [model]), keys_volume],
             },
         },
     }
@@ -435,6 +501,14 @@ def timeout_seconds(models: list[Model]) -> int:
     return TIMEOUT_BIG_SECONDS if biggest >= BIG_MODEL_GIB else TIMEOUT_SMALL_SECONDS
 
 
+def autoscaler_env(timeouts: ColdStartTimeouts) -> list[dict[str, str]]:
+    """The Ray autoscaler's reconcile timeouts, explicit so the cold-start rule can check them."""
+    return [
+        {"name": AUTOSCALER_ALLOCATE_TIMEOUT_ENV, "value": str(timeouts.autoscaler_allocate_seconds)},
+        {"name": AUTOSCALER_RAY_INSTALL_TIMEOUT_ENV, "value": str(timeouts.autoscaler_ray_install_seconds)},
+    ]
+
+
 def ray_service_manifest(args: VllmRayServiceArgs) -> dict[str, Any]:
     """The RayService object."""
     if len(args.name) > RAY_SERVICE_NAME_MAX:
@@ -449,6 +523,7 @@ def ray_service_manifest(args: VllmRayServiceArgs) -> dict[str, Any]:
             # Add all pods a pending demand needs at once: a model replica is
             # useless until every one of its GPU pods is up.
             "upscalingMode": "Default",
+            "env": autoscaler_env(cfg.ray.cold_start),
             **autoscaler_security(),
         },
         "headGroupSpec": _head(args),
@@ -472,7 +547,7 @@ def ray_service_manifest(args: VllmRayServiceArgs) -> dict[str, Any]:
             "labels": {**PART_OF, "app.kubernetes.io/name": args.name},
             "annotations": {
                 "pulumi.com/waitFor": WAIT_FOR,
-                "pulumi.com/timeoutSeconds": str(timeout_seconds(args.models)),
+                "pulumi.com/timeoutSeconds": str(pulumi_wait_seconds(cfg, args.models)),
             },
         },
         "spec": {

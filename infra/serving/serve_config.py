@@ -14,11 +14,13 @@ from typing import Any
 
 import yaml
 
+from infra.capacity import cold_start
 from infra.config import Model, StackConfig
+from infra.instance_types import host_io
 from infra.scheduling import GpuPlacement
 from infra.serving.drain import WAIT_LOOP_SECONDS, drain
 from infra.serving.ports import RAY_PORTS
-from workloads.inference_server.catalog import Catalog, GracefulShutdown, ModelEntry
+from workloads.inference_server.catalog import Catalog, GracefulShutdown, ModelEntry, S3Streamer
 
 # The builder in workloads/ that turns the catalogue into Ray Serve LLM's app.
 IMPORT_PATH = "inference_server.app:build_app"
@@ -31,6 +33,8 @@ class Mounts:
     api_keys_dir: str = "/etc/inference/api-keys"
     api_keys_key: str = "keys"  # the Secret's data key, one API key per line
     model_cache_dir: str = "/models"
+    # vLLM's, Inductor's and Triton's caches (ray_service.engine_cache_env).
+    cache_dir: str = "/var/cache/llm"
 
     @property
     def api_keys_file(self) -> str:
@@ -57,7 +61,23 @@ def catalog_entry(model: Model, placement: GpuPlacement) -> ModelEntry:
     """
     fields = model.model_dump(include=set(ModelEntry.model_fields))
     fields["accelerator_type"] = placement.instance.ray_accelerator_type
+    if model.weights_kind == "s3" and model.streamer is None:
+        fields["streamer"] = streamer_settings(model, placement)
     return ModelEntry(**fields)
+
+
+def streamer_settings(model: Model, placement: GpuPlacement) -> S3Streamer:
+    """runai_streamer sized from the node's network (infra/capacity/cold_start.py), unless the stack sets it.
+
+    The pod's memory share is its GPUs' share of the node, as ray_service sizes it.
+    """
+    instance = placement.instance
+    io = host_io(instance.name)
+    pod_memory_gib = int(instance.memory_gib * min(1.0, model.num_devices / instance.gpus))
+    return S3Streamer(
+        concurrency=cold_start.streamer_concurrency(io),
+        memory_limit=cold_start.streamer_memory_limit(io, pod_memory_gib),
+    )
 
 
 def catalog(cfg: StackConfig, models: list[Model], gpu: Mapping[str, GpuPlacement]) -> Catalog:

@@ -157,6 +157,18 @@ class GracefulShutdown(_Strict):
     wait_loop_s: float = Field(default=2, ge=0, description="Serve's graceful_shutdown_wait_loop_s.")
 
 
+class S3Streamer(_Strict):
+    """How vLLM's runai_streamer reads S3 weights (its `model_loader_extra_config`).
+
+    The platform sizes both from the node's network (infra/serving/serve_config.py):
+    enough parallel S3 reads to fill the line rate, and a CPU staging buffer
+    that holds a couple of seconds of it.
+    """
+
+    concurrency: int = Field(ge=1, le=256, description="Parallel S3 reads (RUNAI_STREAMER_CONCURRENCY).")
+    memory_limit: int = Field(ge=-1, description="CPU buffer in bytes (RUNAI_STREAMER_MEMORY_LIMIT; -1 unlimited).")
+
+
 class ModelEntry(_Strict):
     """One served model."""
 
@@ -177,6 +189,9 @@ class ModelEntry(_Strict):
         default_factory=dict, description="Extra vLLM engine keyword arguments."
     )
     autoscaling: ServeAutoscaling = Field(default_factory=ServeAutoscaling)
+    streamer: S3Streamer | None = Field(
+        default=None, description="runai_streamer settings for s3:// sources; None keeps the streamer's defaults."
+    )
 
     @field_validator("model_id")
     @classmethod

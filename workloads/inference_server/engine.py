@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .catalog import Catalog, GracefulShutdown, ModelEntry, ServeAutoscaling
+from .catalog import Catalog, GracefulShutdown, ModelEntry, S3Streamer, ServeAutoscaling
 
 # vLLM streams safetensors straight from S3 with this loader; nothing is
 # written to local disk and no model hub is asked.
@@ -63,6 +63,11 @@ def ingress_deployment_config(catalog: Catalog) -> dict[str, Any]:
     return config
 
 
+def streamer_config(streamer: S3Streamer) -> dict[str, int]:
+    """vLLM's ``model_loader_extra_config`` for runai_streamer: the two keys it accepts besides ``distributed``."""
+    return {"concurrency": streamer.concurrency, "memory_limit": streamer.memory_limit}
+
+
 def engine_kwargs(entry: ModelEntry, catalog: Catalog) -> dict[str, Any]:
     """vLLM engine arguments for one model."""
     kwargs: dict[str, Any] = {
@@ -79,6 +84,8 @@ def engine_kwargs(entry: ModelEntry, catalog: Catalog) -> dict[str, Any]:
         kwargs["quantization"] = entry.quantization
     if entry.weights_kind == "s3":
         kwargs["load_format"] = S3_LOAD_FORMAT
+        if entry.streamer is not None:
+            kwargs["model_loader_extra_config"] = streamer_config(entry.streamer)
     elif entry.weights_kind == "hub":
         kwargs["download_dir"] = catalog.model_cache_dir
     kwargs.update(entry.engine_overrides)
