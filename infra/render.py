@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,9 @@ class Rendered:
     manifests: list[dict[str, Any]]
     helm: list[dict[str, Any]]
     outputs: dict[str, Any]
+    # What the program logged at info level or above (`pulumi preview` shows
+    # the same lines): the capacity plan and cold-start budget, per model.
+    log: list[str] = field(default_factory=list)
 
 
 def _clean(value: Any) -> Any:
@@ -180,11 +184,34 @@ def _print_config_error(err: Exception) -> None:
     print(str(err), file=sys.stderr)
 
 
+class _Collect(logging.Handler):
+    """Keeps what the program logs, in order."""
+
+    def __init__(self, into: list[str]) -> None:
+        super().__init__(logging.INFO)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record.getMessage())
+
+
+def _program_logger(into: list[str] | None) -> logging.Logger:
+    """The logger the mock engine gives `pulumi.log`: collects into `into`, never reaches the root logger."""
+    logger = logging.getLogger("llm-platform.program")
+    logger.handlers.clear()
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    if into is not None:
+        logger.addHandler(_Collect(into))
+    return logger
+
+
 def run_under_mocks(
     stack: str,
     config: dict[str, str],
     secret_keys: list[str],
     program: Callable[[], Coroutine[Any, Any, None]],
+    log: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Run `program` under the project's mocks; return every resource it declared, in order.
 
@@ -206,7 +233,9 @@ def run_under_mocks(
     loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
     asyncio.set_event_loop(loop)
     settings.set_root_resource(None)  # type: ignore[arg-type]  # a fresh stack for every run
-    pulumi_mocks.set_mocks(mock, project=PROJECT, stack=stack, preview=False, monitor=monitor)
+    pulumi_mocks.set_mocks(
+        mock, project=PROJECT, stack=stack, preview=False, monitor=monitor, logger=_program_logger(log)
+    )
     pulumi.runtime.set_all_config(config, secret_keys)
     declared = _record_declaration_order()
     try:
@@ -262,14 +291,15 @@ def render(stack: str, config_file: Path | None = None) -> Rendered:
             resolved = await out.future()
             outputs[name] = SECRET if await out.is_secret() else _clean(resolved)
 
-    resources = run_under_mocks(stack, config, secret_keys, program)
+    log: list[str] = []
+    resources = run_under_mocks(stack, config, secret_keys, program, log)
     manifests = [
         _manifest(r["inputs"])
         for r in resources
         if r["type"].startswith("kubernetes:") and not r["type"].startswith(_NOT_MANIFESTS)
     ]
     helm = [_helm(r["inputs"]) for r in resources if r["type"] == _HELM_RELEASE]
-    return Rendered(resources=resources, manifests=manifests, helm=helm, outputs=outputs)
+    return Rendered(resources=resources, manifests=manifests, helm=helm, outputs=outputs, log=log)
 
 
 class _Dumper(yaml.SafeDumper):
@@ -313,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out or ROOT / "build" / "render" / args.stack
     write(rendered, out)
+    for line in rendered.log:
+        print(line)
     print(
         f"rendered {args.stack}: {len(rendered.resources)} resources, {len(rendered.manifests)} manifests, "
         f"{len(rendered.helm)} helm releases -> {out}"

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from infra.capacity.report import cold_start_budget, cold_start_line, plan_stack, preview_line
 from infra.render import PLACEHOLDER_API_KEYS, ROOT
-from tests.harness import STACKS, render_stack
+from tests.harness import STACKS, render_cli, render_stack, stack_config
 
 EXPECTED_OUTPUTS = {
     "endpoint",
@@ -137,3 +138,17 @@ def test_ray_services_run_the_workloads_builder_from_the_built_image(stack: str)
         groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
         images = {c["image"] for g in groups for c in g["template"]["spec"]["containers"]}
         assert images == {rendered.outputs["image"]}
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_the_render_prints_each_models_plan_and_cold_start_budget(stack: str, tmp_path: Path) -> None:
+    done = render_cli("--stack", stack, "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    printed = [line for line in done.stdout.splitlines() if line.startswith(("capacity ", "cold start "))]
+    cfg = stack_config(stack)
+    expected = []
+    for plan in plan_stack(cfg):
+        expected += [preview_line(plan), cold_start_line(cold_start_budget(cfg, plan.model))]
+    assert printed == expected
+    assert len(printed) == 2 * len(cfg.models)
+    assert render_stack(stack).log == expected
