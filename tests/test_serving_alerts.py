@@ -261,9 +261,9 @@ def test_the_new_alerts_watch_the_stacks_namespace() -> None:
 
 def test_a_stuck_upgrade_outlasts_the_longest_deploy_wait() -> None:
     """The alert fires only after `pulumi up` would have given up waiting for the upgrade."""
-    from infra.serving.ray_service import timeout_seconds
+    from infra.config import pulumi_wait_seconds
 
-    longest = max(timeout_seconds(config(stack).models) for stack in ("dev", "prod"))
+    longest = max(pulumi_wait_seconds(config(stack), config(stack).models) for stack in ("dev", "prod"))
     assert longest <= alerts.UPGRADE_STUCK_MINUTES * 60
     by_alert = {a.name: a for a in alerts.ALERTS}
     assert by_alert["RayServiceUpgradeStuck"].for_ == f"{alerts.UPGRADE_STUCK_MINUTES}m"

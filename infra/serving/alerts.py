@@ -21,12 +21,11 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.aws.queue import queue_names
-from infra.config import Slo
+from infra.config import PULUMI_WAIT_BIG_SECONDS, Slo
 from infra.serving import kuberay
 from infra.serving.batch import WORKER_NAME as BATCH_SCALED_OBJECT
 from infra.serving.namespace import PART_OF
 from infra.serving.ports import RAY_PORTS
-from infra.serving.ray_service import TIMEOUT_BIG_SECONDS
 
 PROMETHEUS_RULE_TYPE = "kubernetes:monitoring.coreos.com/v1:PrometheusRule"
 POD_MONITOR_TYPE = "kubernetes:monitoring.coreos.com/v1:PodMonitor"
@@ -43,7 +42,7 @@ CRASH_LOOP_RESTARTS = 3
 CRASH_LOOP_WINDOW = "15m"
 # An upgrade still in progress after the longest wait a deploy allows
 # (a big model's RayService timeout) is stuck.
-UPGRADE_STUCK_MINUTES = TIMEOUT_BIG_SECONDS // 60
+UPGRADE_STUCK_MINUTES = PULUMI_WAIT_BIG_SECONDS // 60
 # KEDA names an aws-sqs-queue trigger's metric `s<index>-aws-sqs-<queue name>`;
 # the dead-letter queue's name ends the same way in every cluster.
 DEAD_LETTER_QUEUE_SUFFIX = queue_names("")[1]

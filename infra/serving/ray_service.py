@@ -19,9 +19,6 @@ import pulumi_kubernetes as k8s
 from infra import versions
 from infra.aws.layer import RedisEndpoint
 from infra.config import (
-    PULUMI_WAIT_BIG_MODEL_GIB,
-    PULUMI_WAIT_BIG_SECONDS,
-    PULUMI_WAIT_SMALL_SECONDS,
     RAY_SERVICE_NAME_MAX,
     ColdStartTimeouts,
     Model,
@@ -56,9 +53,6 @@ INGRESS_GROUP = "ingress"
 # of GiB from S3 and compile CUDA graphs.
 WAIT_FOR_CONDITIONS = ("condition=Ready", "condition=UpgradeInProgress=False")
 WAIT_FOR = json.dumps(list(WAIT_FOR_CONDITIONS))
-BIG_MODEL_GIB = PULUMI_WAIT_BIG_MODEL_GIB
-TIMEOUT_SMALL_SECONDS = PULUMI_WAIT_SMALL_SECONDS
-TIMEOUT_BIG_SECONDS = PULUMI_WAIT_BIG_SECONDS
 
 # What a node keeps for itself: kubelet/system reserve and the daemonsets
 # (CNI, kube-proxy, EBS CSI, DCGM exporter, device plugin, node exporter).
@@ -493,12 +487,6 @@ def redis_address(redis: RedisEndpoint) -> pulumi.Output[str]:
     """The GCS's Redis URL; `rediss://` makes Ray speak TLS to ElastiCache."""
     scheme = "rediss" if redis.tls else "redis"
     return redis.address.apply(lambda a: f"{scheme}://{a}")
-
-
-def timeout_seconds(models: list[Model]) -> int:
-    """How long Pulumi waits for Ready: long enough to load the biggest model."""
-    biggest = max(m.weights_gib() for m in models)
-    return TIMEOUT_BIG_SECONDS if biggest >= BIG_MODEL_GIB else TIMEOUT_SMALL_SECONDS
 
 
 def autoscaler_env(timeouts: ColdStartTimeouts) -> list[dict[str, str]]:
