@@ -141,7 +141,7 @@ def test_an_unknown_kv_cache_dtype_is_refused() -> None:
 
 
 def test_max_prompt_tokens_above_max_model_len_is_the_limits_rule() -> None:
-    """The issue's prompt rule already exists (serving.limits); the capacity rules do not repeat it."""
+    """The prompt-length rule already exists (serving.limits); the capacity rules do not repeat it."""
     (line,) = problems("dev", lambda raw: raw["serving"]["limits"].update(max_prompt_tokens=9000))
     assert line.startswith("config error: serving.limits.max_prompt_tokens: 9000 is not below the max_model_len")
 

@@ -162,7 +162,7 @@ def run_service(
 
 
 def run_live_checks(session: Session, report: Report, stack: str | None) -> None:
-    """Checks 5 of the issue, one line each, with the serve Service's endpoints sampled throughout."""
+    """The live checks, one line each, with the serve Service's endpoints sampled throughout."""
     sampler = live.EndpointSampler(session.cluster, session.service.excludes_head)
     running = wait_running(session, report) and wait_serve_endpoint(session, report, sampler)
     sampler.start()

@@ -40,7 +40,7 @@ FIGURES: dict[str, Figure] = {
         300,
         "s",
         "scale-up of a g6/g6e node on this platform, pending pod to node Ready with nvidia.com/gpu: 4-5 min "
-        "reported on KubeRay (the cold-start issue); the upper end",
+        "reported in KubeRay's issue tracker for GPU scale-ups; the upper end",
     ),
     "node_ready_p": Figure(
         420,
@@ -51,7 +51,8 @@ FIGURES: dict[str, Figure] = {
     "image_compressed_gb": Figure(
         10.5,
         "GB",
-        "the serving image (rayproject/ray-llm base + workloads/), compressed in ECR; the issue's '10+ GB'",
+        "the serving image (rayproject/ray-llm base + workloads/), compressed in ECR; "
+        "10+ GB as reported for Ray LLM images on KubeRay",
     ),
     "image_unpacked_ratio": Figure(
         2.0, "x", "estimate: unpacked / compressed size of CUDA and Python layers (gzip of binaries and wheels)"
