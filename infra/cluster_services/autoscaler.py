@@ -51,11 +51,9 @@ def autoscaler_values(
             # this flag; the "GPU pods pending, group at max" alert reads them.
             "emit-per-nodegroup-metrics": True,
         },
-        "nodeSelector": system.node_selector(),
+        **system.pod_scheduling(),
         "serviceMonitor": {"enabled": True, "namespace": identity.namespace},
     }
-    if system.taints:
-        values["tolerations"] = system.tolerations()
     return values
 
 

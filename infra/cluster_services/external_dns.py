@@ -49,11 +49,9 @@ def external_dns_values(
         "policy": "sync",
         "registry": "txt",
         "txtOwnerId": owner,
-        "nodeSelector": system.node_selector(),
+        **system.pod_scheduling(),
         "serviceMonitor": {"enabled": True},
     }
-    if system.taints:
-        values["tolerations"] = system.tolerations()
     return values
 
 

@@ -49,9 +49,7 @@ def gpu_operator_values(
 ) -> dict[str, Any]:
     """The chart values for these GPU groups and this MIG strategy."""
     tolerations = gpu_tolerations(gpu.values())
-    operator: dict[str, Any] = {"nodeSelector": system.node_selector()}
-    if system.taints:
-        operator["tolerations"] = system.tolerations()
+    operator = system.pod_scheduling()
     return {
         "nfd": {"enabled": True},
         "operator": operator,

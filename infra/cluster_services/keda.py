@@ -30,15 +30,13 @@ def keda_values(*, system: Placement, operator: PodIdentity) -> dict[str, Any]:
         "serviceAccount": {"operator": {"create": True, "name": operator.service_account}},
         # The chart-wide selector applies to the operator, the metrics API
         # server and the admission webhooks alike.
-        "nodeSelector": system.node_selector(),
+        **system.pod_scheduling(),
         "prometheus": {
             "operator": {"enabled": True, "serviceMonitor": {"enabled": True}},
             "metricServer": {"enabled": True, "serviceMonitor": {"enabled": True}},
             "webhooks": {"enabled": True, "serviceMonitor": {"enabled": True}},
         },
     }
-    if system.taints:
-        values["tolerations"] = system.tolerations()
     return values
 
 

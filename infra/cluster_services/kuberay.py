@@ -30,14 +30,12 @@ def operator_pods() -> PlatformPods:
 def kuberay_values(*, system: Placement) -> dict[str, Any]:
     """The chart values: on system nodes, control-plane metrics scraped."""
     values: dict[str, Any] = {
-        "nodeSelector": system.node_selector(),
+        **system.pod_scheduling(),
         "metrics": {
             "enabled": True,
             "serviceMonitor": {"enabled": True, "honorLabels": True},
         },
     }
-    if system.taints:
-        values["tolerations"] = system.tolerations()
     return values
 
 

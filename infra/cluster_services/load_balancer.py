@@ -33,15 +33,13 @@ def load_balancer_values(
         "serviceAccount": {"create": True, "name": identity.service_account},
         "ingressClass": INGRESS_CLASS,
         "createIngressClassResource": True,
-        "nodeSelector": system.node_selector(),
+        **system.pod_scheduling(),
         "serviceMonitor": {"enabled": True},
     }
     # Given explicitly the controller needs no instance metadata (IMDS) to
     # find its VPC; on an existing cluster without a known VPC it falls back.
     if vpc_id is not None:
         values["vpcId"] = vpc_id
-    if system.taints:
-        values["tolerations"] = system.tolerations()
     return values
 
 

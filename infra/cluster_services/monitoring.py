@@ -156,9 +156,7 @@ def monitoring_values(
     highly_available: bool,
 ) -> dict[str, Any]:
     """The chart values: retention and storage from config, selectors open."""
-    scheduling: dict[str, Any] = {"nodeSelector": system.node_selector()}
-    if system.taints:
-        scheduling["tolerations"] = system.tolerations()
+    scheduling = system.pod_scheduling()
     return {
         "crds": {"enabled": True},
         "alertmanager": _alertmanager(obs, storage_class, scheduling, highly_available),
