@@ -38,10 +38,6 @@ class ClusterArgs:
     tags: dict[str, str] = field(default_factory=dict)
 
 
-def _aws_managed_policy(partition: str, name: str) -> str:
-    return f"arn:{partition}:iam::aws:policy/{name}"
-
-
 def admin_access_entries(
     principal_arns: Sequence[str], partition: pulumi.Output[str]
 ) -> dict[str, eks.AccessEntryArgs]:
@@ -140,7 +136,7 @@ class EksCluster(pulumi.ComponentResource):
             aws.iam.RolePolicyAttachment(
                 f"{name}-node-{policy}",
                 role=self.node_role.name,
-                policy_arn=partition.apply(functools.partial(_aws_managed_policy, name=policy)),
+                policy_arn=partition.apply(functools.partial(policies.aws_managed_policy_arn, name=policy)),
                 opts=pulumi.ResourceOptions(parent=self),
             )
             for policy in NODE_MANAGED_POLICIES

@@ -68,6 +68,41 @@ def external_dns_identity(role_arn: pulumi.Output[str] | None = None) -> PodIden
     return PodIdentity(namespace=EXTERNAL_DNS_NAMESPACE, service_account=EXTERNAL_DNS_SA, role_arn=role_arn)
 
 
+def pod_identity_role(
+    name: str,
+    identity: PodIdentity,
+    *,
+    account: pulumi.Input[str],
+    cluster_name: pulumi.Input[str],
+    description: str,
+    opts: pulumi.ResourceOptions,
+    tags: dict[str, str] | None = None,
+) -> tuple[aws.iam.Role, aws.eks.PodIdentityAssociation]:
+    """A role only `identity`'s service account on this cluster can assume, and the association that binds it.
+
+    Both are named `name`; the caller attaches the role's permissions.
+    """
+    trust = pulumi.Output.all(account, cluster_name).apply(
+        lambda a: policies.pod_identity_trust(a[0], a[1], identity.namespace, identity.service_account)
+    )
+    role = aws.iam.Role(
+        name,
+        description=description,
+        assume_role_policy=pulumi.Output.json_dumps(trust),
+        tags=tags,
+        opts=opts,
+    )
+    association = aws.eks.PodIdentityAssociation(
+        name,
+        cluster_name=cluster_name,
+        namespace=identity.namespace,
+        service_account=identity.service_account,
+        role_arn=role.arn,
+        opts=opts,
+    )
+    return role, association
+
+
 def external_dns_zone(cfg: StackConfig) -> str | None:
     """The hosted zone external-dns writes the endpoint's records into, or None when it does not run.
 
@@ -263,27 +298,17 @@ class PodIdentities(pulumi.ComponentResource):
         managed: pulumi.Output[str] | None = None,
     ) -> pulumi.Output[str]:
         child = pulumi.ResourceOptions(parent=self)
-        trust = pulumi.Output.all(self._account, self._args.cluster_name).apply(
-            lambda a: policies.pod_identity_trust(a[0], a[1], identity.namespace, identity.service_account)
-        )
-        role = aws.iam.Role(
+        role, association = pod_identity_role(
             name,
+            identity,
+            account=self._account,
+            cluster_name=self._args.cluster_name,
             description=f"{description} ({identity.namespace}/{identity.service_account})",
-            assume_role_policy=pulumi.Output.json_dumps(trust),
             opts=child,
         )
         if inline is not None:
             aws.iam.RolePolicy(name, role=role.id, policy=pulumi.Output.json_dumps(inline), opts=child)
         if managed is not None:
             aws.iam.RolePolicyAttachment(name, role=role.name, policy_arn=managed, opts=child)
-        self.associations.append(
-            aws.eks.PodIdentityAssociation(
-                name,
-                cluster_name=self._args.cluster_name,
-                namespace=identity.namespace,
-                service_account=identity.service_account,
-                role_arn=role.arn,
-                opts=child,
-            )
-        )
+        self.associations.append(association)
         return role.arn

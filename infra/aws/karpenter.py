@@ -37,6 +37,7 @@ import pulumi_aws as aws
 
 from infra.aws import policies
 from infra.aws.cluster import NODE_MANAGED_POLICIES
+from infra.aws.identities import pod_identity_role
 from infra.aws.layer import KarpenterAccess, PodIdentity
 
 # The controller's service account; the chart creates it under this name
@@ -126,7 +127,7 @@ class KarpenterController(pulumi.ComponentResource):
             aws.iam.RolePolicyAttachment(
                 f"{name}-node-{policy}",
                 role=role.name,
-                policy_arn=self._partition.apply(functools.partial(_managed_policy_arn, name=policy)),
+                policy_arn=self._partition.apply(functools.partial(policies.aws_managed_policy_arn, name=policy)),
                 opts=child,
             )
             for policy in NODE_MANAGED_POLICIES
@@ -184,15 +185,14 @@ class KarpenterController(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
         identity = karpenter_identity()
         region = args.region
-        trust = pulumi.Output.all(self._account, args.cluster_name).apply(
-            lambda a: policies.pod_identity_trust(a[0], a[1], identity.namespace, identity.service_account)
-        )
-        role = aws.iam.Role(
+        role, _ = pod_identity_role(
             f"{name}-controller",
+            identity,
+            account=self._account,
+            cluster_name=args.cluster_name,
             description=f"Launches and ends this cluster's Karpenter nodes ({KARPENTER_NAMESPACE}/{KARPENTER_SA})",
-            assume_role_policy=pulumi.Output.json_dumps(trust),
-            tags=args.tags,
             opts=child,
+            tags=args.tags,
         )
         documents = pulumi.Output.all(
             self._partition, self._account, args.cluster_name, queue_arn, node_role_arn
@@ -213,19 +213,7 @@ class KarpenterController(pulumi.ComponentResource):
                 opts=child,
             )
             aws.iam.RolePolicyAttachment(f"{name}-controller-{part}", role=role.name, policy_arn=policy.arn, opts=child)
-        aws.eks.PodIdentityAssociation(
-            f"{name}-controller",
-            cluster_name=args.cluster_name,
-            namespace=identity.namespace,
-            service_account=identity.service_account,
-            role_arn=role.arn,
-            opts=child,
-        )
         return role.arn
-
-
-def _managed_policy_arn(partition: str, name: str) -> str:
-    return f"arn:{partition}:iam::aws:policy/{name}"
 
 
 def _pick(documents: dict[str, policies.Policy], part: str) -> policies.Policy:

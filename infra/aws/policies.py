@@ -66,6 +66,11 @@ def _fill(template: Any, values: Mapping[str, str]) -> Any:
     return template
 
 
+def aws_managed_policy_arn(partition: str, name: str) -> str:
+    """The ARN of an AWS managed policy (`AmazonEKSWorkerNodePolicy`, `service-role/...`)."""
+    return f"arn:{partition}:iam::aws:policy/{name}"
+
+
 def pod_identity_trust(account: str, cluster: str, namespace: str, service_account: str) -> Policy:
     """Lets EKS Pod Identity assume the role for one service account of one cluster.
 
