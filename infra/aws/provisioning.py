@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Self
 
 import pulumi
 
@@ -86,7 +86,21 @@ class NodeProvisioner(Protocol):
 
 
 @dataclass(frozen=True)
-class ManagedNodeGroups:
+class _Placements:
+    """What every provisioner starts from: the node group settings and the placements made from them."""
+
+    settings: NodeGroups
+    system: Placement
+    gpu: dict[str, GpuPlacement]
+
+    @classmethod
+    def from_config(cls, cfg: StackConfig) -> Self:
+        """The node groups and placements of `cfg.node_groups`."""
+        return cls(settings=cfg.node_groups, system=system_placement(cfg), gpu=gpu_placements(cfg))
+
+
+@dataclass(frozen=True)
+class ManagedNodeGroups(_Placements):
     """One EKS managed node group per placement, scaled by cluster-autoscaler.
 
     The system group and every GPU group of `node_groups` becomes a
@@ -94,15 +108,7 @@ class ManagedNodeGroups:
     the labels and taints of the placement handed to the layers below.
     """
 
-    settings: NodeGroups
-    system: Placement
-    gpu: dict[str, GpuPlacement]
     name: str = field(default=MANAGED_NODE_GROUPS, init=False)
-
-    @classmethod
-    def from_config(cls, cfg: StackConfig) -> ManagedNodeGroups:
-        """The node groups and placements of `cfg.node_groups`."""
-        return cls(settings=cfg.node_groups, system=system_placement(cfg), gpu=gpu_placements(cfg))
 
     def provision(self, target: NodeTarget, opts: pulumi.ResourceOptions | None = None) -> ProvisionedNodes:
         """The system group first, then the GPU groups in config order."""
@@ -137,7 +143,7 @@ class ManagedNodeGroups:
 
 
 @dataclass(frozen=True)
-class KarpenterNodePools:
+class KarpenterNodePools(_Placements):
     """The system nodes as a managed node group; GPU nodes launched by Karpenter.
 
     The AWS side is a KarpenterController component (its role, the nodes'
@@ -147,15 +153,7 @@ class KarpenterNodePools:
     Nothing here makes GPU capacity ahead of pods asking for it.
     """
 
-    settings: NodeGroups
-    system: Placement
-    gpu: dict[str, GpuPlacement]
     name: str = field(default=KARPENTER, init=False)
-
-    @classmethod
-    def from_config(cls, cfg: StackConfig) -> KarpenterNodePools:
-        """The system group and the GPU placements of `cfg.node_groups`."""
-        return cls(settings=cfg.node_groups, system=system_placement(cfg), gpu=gpu_placements(cfg))
 
     def provision(self, target: NodeTarget, opts: pulumi.ResourceOptions | None = None) -> ProvisionedNodes:
         """The system group, then Karpenter's controller identity and interruption queue."""
