@@ -19,8 +19,7 @@ from pathlib import Path
 
 from infra.capacity.report import cold_start_budget, cold_start_line, markdown, plan_stack, stack_output, text
 from infra.config import ConfigError, load_stack_file
-
-ROOT = Path(__file__).resolve().parent.parent
+from infra.render import stack_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     form.add_argument("--markdown", action="store_true", help="a Markdown table (the preview comment's)")
     form.add_argument("--json", action="store_true", help="the `capacity` stack output as JSON")
     args = parser.parse_args(argv)
-    path = args.config or ROOT / f"Pulumi.{args.stack}.yaml"
+    path = stack_file(args.stack, args.config)
     if not path.is_file():
         print(f"config error: {path}: no such stack config file", file=sys.stderr)
         return 2

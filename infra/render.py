@@ -31,6 +31,18 @@ from infra.config import PLACEHOLDER_API_KEYS, ConfigError, read_stack_file
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "[secret]"
 PROJECT = "llm-platform"
+
+
+def stack_file(stack: str, override: Path | None = None) -> Path:
+    """The stack's config file: `override` when given, else `Pulumi.<stack>.yaml` in the project."""
+    return override or ROOT / f"Pulumi.{stack}.yaml"
+
+
+def known_stacks() -> list[str]:
+    """Stack names with a `Pulumi.<stack>.yaml` in the project."""
+    return sorted(p.name.removeprefix("Pulumi.").removesuffix(".yaml") for p in ROOT.glob("Pulumi.*.yaml"))
+
+
 _NOT_MANIFESTS = ("kubernetes:helm.sh/", "kubernetes:yaml", "kubernetes:kustomize")
 _HELM_RELEASE = "kubernetes:helm.sh/v3:Release"
 
@@ -271,7 +283,7 @@ def render(stack: str, config_file: Path | None = None) -> Rendered:
     import pulumi
     from pulumi.runtime import settings
 
-    path = config_file or ROOT / f"Pulumi.{stack}.yaml"
+    path = stack_file(stack, config_file)
     config, secret_keys = read_stack_file(path)
     api_keys = "llm-platform:api_keys"
     if api_keys not in config:
@@ -331,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="output folder (default build/render/<stack>)")
     parser.add_argument("--config", type=Path, help="render this stack config file instead")
     args = parser.parse_args(argv)
-    path = args.config or ROOT / f"Pulumi.{args.stack}.yaml"
+    path = stack_file(args.stack, args.config)
     if not path.is_file():
         print(f"config error: {path}: no such stack config file", file=sys.stderr)
         return 2

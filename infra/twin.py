@@ -17,15 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-from infra.render import ROOT
+from infra.render import ROOT, known_stacks, stack_file
 from infra.render import main as render_main
-
-STACK_FILE_PREFIX = "Pulumi."
-
-
-def known_stacks(root: Path = ROOT) -> list[str]:
-    """Stack names with a ``Pulumi.<stack>.yaml`` in the project."""
-    return sorted(p.name[len(STACK_FILE_PREFIX) : -len(".yaml")] for p in root.glob("Pulumi.*.yaml"))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,7 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point; see the module docstring for the exit codes."""
     args = parse_args(argv)
-    config = args.config or ROOT / f"{STACK_FILE_PREFIX}{args.stack}.yaml"
+    config = stack_file(args.stack, args.config)
     if args.config is None and args.stack not in known_stacks():
         print(f"twin: unknown stack '{args.stack}': known stacks are {', '.join(known_stacks())}", file=sys.stderr)
         return 2

@@ -54,12 +54,11 @@ def _model_dir(args: argparse.Namespace) -> Path:
 
 def _render(stack: str) -> Path:
     from infra.config import ConfigError
-    from infra.render import ROOT, render, write
+    from infra.render import ROOT, known_stacks, render, stack_file, write
 
-    path = ROOT / f"Pulumi.{stack}.yaml"
+    path = stack_file(stack)
     if not path.is_file():
-        known = ", ".join(sorted(p.name.split(".")[1] for p in ROOT.glob("Pulumi.*.yaml")))
-        raise TwinInputError(f"unknown stack '{stack}': known stacks are {known}")
+        raise TwinInputError(f"unknown stack '{stack}': known stacks are {', '.join(known_stacks())}")
     try:
         rendered = render(stack, path)
     except ConfigError as err:
