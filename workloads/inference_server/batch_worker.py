@@ -376,15 +376,19 @@ class BatchWorker:
         )
         return outcome
 
-    def _retry(self, receipt: str, receives: int, fields: dict[str, Any]) -> Outcome:
-        delay = retry_delay(self.settings, receives)
+    def _visible_again_in(self, receipt: str, delay: int) -> int:
+        """Make the message visible again after `delay` seconds; -1 when SQS refused the change."""
         try:
             self._sqs.change_message_visibility(
                 QueueUrl=self.settings.queue_url, ReceiptHandle=receipt, VisibilityTimeout=delay
             )
         except Exception:
             # The queue's own visibility timeout then decides when it comes back.
-            delay = -1
+            return -1
+        return delay
+
+    def _retry(self, receipt: str, receives: int, fields: dict[str, Any]) -> Outcome:
+        delay = self._visible_again_in(receipt, retry_delay(self.settings, receives))
         _log(logging.WARNING, "request_retry", **fields, retry_in_seconds=delay)
         return Outcome.RETRY
 
@@ -394,13 +398,7 @@ class BatchWorker:
         No back-off: the message will not get better, so it reaches the
         dead-letter queue after maxReceiveCount receives, in minutes.
         """
-        delay = self.settings.retry_delay_seconds
-        try:
-            self._sqs.change_message_visibility(
-                QueueUrl=self.settings.queue_url, ReceiptHandle=receipt, VisibilityTimeout=delay
-            )
-        except Exception:
-            delay = -1
+        delay = self._visible_again_in(receipt, self.settings.retry_delay_seconds)
         _log(logging.ERROR, "message_rejected", **fields, retry_in_seconds=delay)
         return Outcome.REJECTED
 
