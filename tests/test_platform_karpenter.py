@@ -19,6 +19,7 @@ import jsonschema
 import pytest
 import yaml
 
+from infra import versions
 from infra.aws.node_groups import TAINT_EFFECTS
 from infra.cluster_services import karpenter
 from infra.config import longest_generation_seconds
@@ -272,7 +273,7 @@ def test_bottlerocket_node_classes_get_soci_settings_in_toml() -> None:
     _validate(node_class)
     assert "parallel-pull-unpack" in spec["userData"]
     assert "node.eks.aws" not in spec["userData"]
-    assert spec["amiSelectorTerms"] == [{"alias": "bottlerocket@v1.56.0"}]
+    assert spec["amiSelectorTerms"] == [{"alias": versions.KARPENTER_AMI_ALIASES["bottlerocket_nvidia"]}]
 
 
 def test_reservations_come_first_and_are_selected_by_id() -> None:
