@@ -47,8 +47,13 @@ def build_tiny_model(model_dir: Path, timeout_s: float = 180) -> Path:
     return model_dir
 
 
-def catalog_for(model_dir: Path, keys_file: Path) -> dict[str, object]:
-    return {
+def catalog_for(model_dir: Path, keys_file: Path, layout: str = "serve-ingress") -> dict[str, object]:
+    """The local catalogue for a layout (a catalogue layout or a key of LAYOUTS).
+
+    For "vllm-server" the replica takes free ports and writes them into a
+    folder next to the keys (see replica_addresses).
+    """
+    catalog: dict[str, object] = {
         "models": [
             {
                 "model_id": MODEL_ID,
@@ -72,15 +77,34 @@ def catalog_for(model_dir: Path, keys_file: Path) -> dict[str, object]:
         "api_keys_env": "E2E_UNUSED_KEYS",
         "allow_hub_download": False,
     }
+    if layout == "vllm-server":
+        catalog["layout"] = "vllm-server"
+        catalog["vllm_server"] = {
+            "host": "127.0.0.1",
+            "port": 0,
+            "metrics_port": 0,
+            "address_dir": str(keys_file.parent / "replicas"),
+        }
+    return catalog
 
 
-# The two ingress layouts of Ray Serve LLM that production runs (see
-# infra/serving/ray_service.py): the OpenAiIngress deployment in front of the
-# model server, or the model server itself as the ingress (direct streaming,
-# one model only). Each entry is the extra environment of the server process.
+def replica_addresses(address_dir: Path) -> list[dict[str, object]]:
+    """What every running "vllm-server" replica wrote about itself (url, metrics_url, node_id, pid)."""
+    if not address_dir.is_dir():
+        return []
+    return [json.loads(p.read_text()) for p in sorted(address_dir.glob("*.json"))]
+
+
+# The layouts the server runs: "vllm-server" (the default in production: vLLM's
+# own server, placed by Serve; the catalogue says so, see catalog_for), and the
+# two ingress layouts of Ray Serve LLM: the OpenAiIngress deployment in front
+# of the model server, or the model server itself as the ingress (direct
+# streaming, one model only). Each entry is the extra environment of the
+# server process.
 # Not RAY_SERVE_ENABLE_HA_PROXY: that proxy binds the replicas' ports on all
 # interfaces.
 LAYOUTS: dict[str, dict[str, str]] = {
+    "vllm-server": {},
     "ingress": {},
     "direct-streaming": {
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
@@ -98,6 +122,9 @@ class LocalServer:
     api_key: str
     child: Child
     started: float
+    # "vllm-server": where the replicas write their addresses; base_url and
+    # metrics_url are then the first replica's, known once it is up.
+    address_dir: Path | None = None
 
 
 def write_keys(path: Path) -> str:
@@ -117,12 +144,14 @@ def start(
     argv = [sys.executable, str(SERVE_MAIN), "--catalog", str(catalog_path)]
     argv += ["--http-port", str(http_port), "--metrics-port", str(metrics_port), "--ray-temp-dir", str(ray_dir)]
     child = Child.start("server", argv, child_env(LAYOUTS[layout]), work_dir / "server.log", marker=str(ray_dir))
+    server = dict(catalog.get("vllm_server") or {}) if catalog.get("layout") == "vllm-server" else None
     return LocalServer(
         base_url=f"http://127.0.0.1:{http_port}/v1",
         metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
         api_key=api_key,
         child=child,
         started=time.monotonic(),
+        address_dir=Path(str(server["address_dir"])) if server else None,
     )
 
 
@@ -138,6 +167,11 @@ def wait_ready(server: LocalServer, timeout_s: float) -> float:
         # the engine included, is running; /v1/models alone answers as soon
         # as the ingress is up, before the engine is.
         if "SERVER READY" in child.log_path.read_text(errors="replace"):
+            if server.address_dir is not None:
+                replicas = replica_addresses(server.address_dir)
+                if replicas:
+                    server.base_url = str(replicas[0]["url"])
+                    server.metrics_url = str(replicas[0]["metrics_url"])
             request = urllib.request.Request(f"{server.base_url}/models", headers=headers)
             try:
                 with urllib.request.urlopen(request, timeout=5) as response:

@@ -169,7 +169,7 @@ def server(
     layout_dir = e2e_dir / layout
     layout_dir.mkdir(exist_ok=True)
     api_key = write_keys(layout_dir / "keys")
-    catalog = catalog_for(tiny_model, layout_dir / "keys")
+    catalog = catalog_for(tiny_model, layout_dir / "keys", layout=layout)
     # Short: Ray's unix sockets live under it (see e2e_dir).
     ray_dir = e2e_dir / f"ray{list(LAYOUTS).index(layout)}"
     local = start(layout_dir, catalog, api_key, layout=layout, ray_dir=ray_dir)

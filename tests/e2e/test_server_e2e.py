@@ -32,6 +32,26 @@ def client(server: ServerInfo, api_key: str | None = None) -> openai.OpenAI:
     )
 
 
+# The series the recording rules and alerts read, as each layout's exporter
+# names them: Ray's metrics agent under Serve LLM, vLLM's own registry on the
+# replica's metrics port under vllm-server (the PodMonitor maps its names).
+_RAY_ENGINE_METRICS = (
+    "ray_vllm_num_requests_running",
+    "ray_vllm_num_requests_waiting",
+    "ray_vllm_kv_cache_usage_perc",
+    "ray_vllm_time_to_first_token_seconds_bucket",
+    "ray_vllm_request_success_total",
+    "ray_serve_num_http_requests_total",
+)
+ENGINE_METRICS = {
+    "ingress": _RAY_ENGINE_METRICS,
+    "vllm-server": (
+        *(name.replace("ray_vllm_", "vllm:") for name in _RAY_ENGINE_METRICS[:-1]),
+        "http_requests_total",
+    ),
+}
+
+
 def test_models_lists_the_model(server: ServerInfo) -> None:
     models = client(server).models.list()
     assert [m.id for m in models.data] == [server.model_id]
@@ -126,6 +146,10 @@ def test_bad_key_is_refused_with_openai_error(server: ServerInfo, api_key: str) 
 
 def test_health_routes_stay_open(server: ServerInfo) -> None:
     root = server.base_url.removesuffix("/v1")
+    if server.layout == "vllm-server":
+        # vLLM's own probe route, which the pods' readiness probe reads.
+        assert httpx.get(f"{root}/health", timeout=REQUEST_TIMEOUT_S).status_code == 200
+        return
     assert httpx.get(f"{root}/-/healthz", timeout=REQUEST_TIMEOUT_S).status_code == 200
     assert httpx.get(f"{root}/-/routes", timeout=REQUEST_TIMEOUT_S).status_code == 200
 
@@ -196,14 +220,7 @@ def test_sixteen_concurrent_requests_all_succeed(server: ServerInfo) -> None:
 def test_engine_metrics_are_exported(server: ServerInfo) -> None:
     # Make sure some requests have gone through, then wait for the metrics agent's export.
     client(server).completions.create(model=server.model_id, prompt="metrics", max_tokens=2)
-    wanted = (
-        "ray_vllm_num_requests_running",
-        "ray_vllm_num_requests_waiting",
-        "ray_vllm_kv_cache_usage_perc",
-        "ray_vllm_time_to_first_token_seconds_bucket",
-        "ray_vllm_request_success_total",
-        "ray_serve_num_http_requests_total",
-    )
+    wanted = ENGINE_METRICS[server.layout] if server.layout in ENGINE_METRICS else ENGINE_METRICS["ingress"]
     deadline = time.monotonic() + 90
     text = ""
     while time.monotonic() < deadline:
@@ -217,9 +234,9 @@ def test_engine_metrics_are_exported(server: ServerInfo) -> None:
         time.sleep(3)
     names = {line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines() if not line.startswith("#")}
     missing = [name for name in wanted if name not in names]
-    assert not missing, f"missing {missing}; ray_vllm_* seen: {sorted(n for n in names if n.startswith('ray_vllm_'))}"
-    engine_line = next(line for line in text.splitlines() if line.startswith("ray_vllm_num_requests_running{"))
+    assert not missing, f"missing {missing}; vllm series seen: {sorted(n for n in names if 'vllm' in n)}"
+    engine_line = next(line for line in text.splitlines() if line.startswith(f"{wanted[0]}{{"))
     assert f'model_name="{server.model_id}"' in engine_line, engine_line
     # Names that vLLM removed must not come back into dashboards or alerts.
-    assert "ray_vllm_gpu_cache_usage_perc" not in names
-    assert "ray_vllm_time_per_output_token_seconds_bucket" not in names
+    assert not {"ray_vllm_gpu_cache_usage_perc", "vllm:gpu_cache_usage_perc"} & names
+    assert not {"ray_vllm_time_per_output_token_seconds_bucket", "vllm:time_per_output_token_seconds_bucket"} & names

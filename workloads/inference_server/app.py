@@ -6,7 +6,11 @@ routes, streaming, engine lifecycle, placement groups); this module only maps
 the catalogue onto ``LLMConfig`` and puts :class:`~inference_server.guard.ApiGuard`
 in front of the ingress' routes.
 
-Two ingress layouts, both from Ray Serve LLM's own builder:
+The default layout for a single-model service is "vllm-server"
+(``vllm_server.py``): Serve places and scales vLLM's own OpenAI server and no
+request passes through Serve. The catalogue's ``layout: serve-ingress`` runs
+Ray Serve LLM's request path instead, in one of two ingress layouts, both
+from Ray Serve LLM's own builder:
 
 * default: an ``OpenAiIngress`` deployment routes to one ``LLMServer``
   deployment per model. The guard runs in the ingress replica.
@@ -198,6 +202,11 @@ def llm_configs(catalog: Catalog, *, direct_streaming: bool = False) -> list[LLM
 def build_app(args: dict[str, Any]) -> Application:
     """Ray Serve application builder: ``args`` is the catalogue (serveConfigV2 ``args``)."""
     catalog = Catalog.model_validate(args)
+    if catalog.layout == "vllm-server":
+        from .vllm_server import build_vllm_server_app
+
+        logger.info("Building the vllm-server app for %s", catalog.models[0].model_id)
+        return build_vllm_server_app(catalog)
     direct = direct_streaming_enabled()
     if direct and len(catalog.models) != 1:
         raise ValueError(

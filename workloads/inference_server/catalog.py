@@ -16,6 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 WeightsKind = Literal["s3", "local", "hub"]
 
+# How requests reach the engines (see VllmServerSettings and app.py):
+# * "vllm-server": Ray Serve places, health-checks and autoscales vLLM's own
+#   OpenAI server; clients (the load balancer) talk to it directly, so no
+#   streamed token crosses a Ray process. One model, never at zero.
+# * "serve-ingress": Ray Serve LLM's OpenAI ingress routes every request by its
+#   `model` field through Serve; several models share one address and a model
+#   can scale to zero, at the cost of Serve's hops on every streamed chunk.
+Layout = Literal["vllm-server", "serve-ingress"]
+
 # "org/name" as the model hubs spell repository ids (no scheme, exactly one slash).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _S3_URI = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")
@@ -254,6 +263,30 @@ class ModelEntry(_Strict):
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+class VllmServerSettings(_Strict):
+    """Where a replica's vLLM OpenAI server listens in the "vllm-server" layout.
+
+    The public port answers the OpenAI API behind the API keys (only
+    ``/health`` is open, for the readiness probe). vLLM's Prometheus registry
+    is served on its own port, outside the guard, which only the monitoring
+    stack may reach (a NetworkPolicy matter, not a key).
+    """
+
+    host: str = Field(default="0.0.0.0", min_length=1)
+    port: int = Field(default=8100, ge=0, le=65535, description="0: any free port (local runs).")
+    metrics_port: int = Field(default=8101, ge=0, le=65535, description="0: any free port (local runs).")
+    address_dir: str | None = Field(
+        default=None,
+        description="Local runs: each replica writes <replica>.json with its URLs here, as ports are not fixed.",
+    )
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> VllmServerSettings:
+        if self.port and self.port == self.metrics_port:
+            raise ValueError(f"vllm_server.port and metrics_port must differ (both {self.port})")
+        return self
+
+
 class Catalog(_Strict):
     """Everything the server needs to know to build its application."""
 
@@ -276,6 +309,29 @@ class Catalog(_Strict):
         default=False, description="Production configs leave this False: a hub source is then rejected."
     )
     model_cache_dir: str = "/models"
+    layout: Layout = "serve-ingress"
+    vllm_server: VllmServerSettings = Field(default_factory=VllmServerSettings)
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> Catalog:
+        if self.layout != "vllm-server":
+            return self
+        if len(self.models) != 1:
+            raise ValueError(
+                f"layout vllm-server serves exactly one model (the load balancer can not route by the request's "
+                f"`model` field); the catalogue has {len(self.models)}: use serve-ingress"
+            )
+        entry = self.models[0]
+        if entry.autoscaling.min_replicas < 1:
+            raise ValueError(
+                f"layout vllm-server needs {entry.model_id}'s autoscaling.min_replicas >= 1: nothing in its request "
+                "path can wake a model at zero (serve-ingress can)"
+            )
+        if entry.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"layout vllm-server runs a replica in one pod: {entry.model_id}'s pipeline_parallel_size must be 1"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_models(self) -> Catalog:

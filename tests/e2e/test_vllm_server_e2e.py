@@ -1,0 +1,95 @@
+"""What only the vllm-server layout does, against the real server: vLLM's own OpenAI server placed by Serve.
+
+The shared server and guard tests run on this layout too (the `server`
+fixture is parametrized); these cover its own parts: the routes it does not
+serve, the metrics port outside the guard, and the queue its replicas report
+to Serve's autoscaler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import httpx
+import pytest
+
+from .conftest import ServerInfo
+from .test_guard_e2e import assert_openai_error, headers
+
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture
+def vllm_server(server: ServerInfo) -> ServerInfo:
+    if server.layout != "vllm-server":
+        pytest.skip("vllm-server layout only")
+    return server
+
+
+# Routes vLLM's server has that the platform does not offer: their token
+# counts the limits do not read (Responses, Anthropic Messages, token-level
+# generate) or no client should reach (elastic scaling, profiling, tokenizer).
+UNSERVED = (
+    ("POST", "/v1/responses"),
+    ("POST", "/v1/messages"),
+    ("POST", "/inference/v1/generate"),
+    ("POST", "/scale_elastic_ep"),
+    ("POST", "/tokenize"),
+    ("GET", "/metrics"),
+)
+
+
+@pytest.mark.parametrize(("method", "path"), UNSERVED)
+def test_routes_the_platform_does_not_offer_are_404_even_with_a_key(
+    vllm_server: ServerInfo, method: str, path: str
+) -> None:
+    root = vllm_server.base_url.removesuffix("/v1")
+    body = {
+        "model": vllm_server.model_id,
+        "input": "hi",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    response = httpx.request(method, root + path, json=body, headers=headers(vllm_server), timeout=TIMEOUT_S)
+    assert_openai_error(response, 404)
+
+
+def test_metrics_are_on_their_own_port_without_a_key(vllm_server: ServerInfo) -> None:
+    assert not vllm_server.metrics_url.startswith(vllm_server.base_url.removesuffix("/v1"))
+    with urllib.request.urlopen(vllm_server.metrics_url, timeout=TIMEOUT_S) as response:
+        text = response.read().decode()
+    assert "vllm:num_requests_running{" in text
+
+
+def test_the_queue_a_replica_reports_follows_the_requests_in_flight(vllm_server: ServerInfo) -> None:
+    from workloads.inference_server.vllm_server import queue_length
+
+    def scrape() -> float:
+        with urllib.request.urlopen(vllm_server.metrics_url, timeout=TIMEOUT_S) as response:
+            return queue_length(response.read().decode())
+
+    async def load_and_sample() -> list[float]:
+        body = {
+            "model": vllm_server.model_id,
+            "prompt": "count",
+            "max_tokens": 48,
+            "ignore_eos": True,
+        }
+        async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+            requests = [
+                asyncio.create_task(
+                    client.post(vllm_server.base_url + "/completions", json=body, headers=headers(vllm_server))
+                )
+                for _ in range(6)
+            ]
+            samples = []
+            while not all(r.done() for r in requests):
+                samples.append(await asyncio.to_thread(scrape))
+                await asyncio.sleep(0.05)
+            assert all(r.result().status_code == 200 for r in requests)
+        return samples
+
+    samples = asyncio.run(load_and_sample())
+    assert max(samples) >= 2, samples
+    assert scrape() == 0

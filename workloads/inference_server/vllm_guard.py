@@ -1,0 +1,133 @@
+"""The API-key guard and request limits inside vLLM's own OpenAI server ("vllm-server" layout).
+
+vLLM's ``--middleware`` takes an import path and adds the class with no
+arguments, so the settings come from the environment the replica gives its
+server process (:data:`SETTINGS_ENV`: key locations and limits, never keys).
+Prompts the cheap byte bounds can not decide are counted by vLLM's own
+tokenization handler, with the model's chat template, in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from .catalog import RequestLimits
+from .guard import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    INVALID_REQUEST,
+    MODEL_PATH_PREFIX,
+    OPEN_PATHS,
+    ApiGuard,
+    ApiKeys,
+    error_body,
+    send_json,
+)
+
+SETTINGS_ENV = "INFERENCE_GUARD_SETTINGS"
+# While this file exists the replica is draining: /health answers 503, so the
+# readiness probe takes the pod out of the Service and the load balancer
+# stops sending it new requests while it finishes the ones it holds.
+DRAIN_FILE_ENV = "INFERENCE_DRAIN_FILE"
+HEALTH_PATH = "/health"
+# The routes this layout serves: the ones Serve LLM's OpenAI ingress serves
+# and the guard's limits cover. vLLM's server has many more (the Responses and
+# Anthropic APIs, token-level generate, elastic scaling, profiling), whose
+# token counts the limits do not read or which no client should reach; they
+# answer 404 here, as they do behind the serve-ingress layout.
+SERVED_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH, "/v1/models"})
+
+
+class ServerGuardSettings(BaseModel):
+    """What the guard in the server process needs. Holds key locations, never keys."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_keys_file: str | None
+    api_keys_env: str
+    limits: RequestLimits
+    model_ids: list[str]
+
+
+def _tokenize_requests(path: str, body: dict[str, Any]) -> list[Any]:
+    from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest
+
+    if path == CHAT_PATH:
+        continue_final = bool(body.get("continue_final_message", False))
+        return [
+            TokenizeChatRequest(
+                model=body.get("model"),
+                messages=body["messages"],
+                add_generation_prompt=body.get("add_generation_prompt", not continue_final),
+                continue_final_message=continue_final,
+                tools=body.get("tools"),
+                chat_template_kwargs=body.get("chat_template_kwargs"),
+            )
+        ]
+    prompt = body["prompt"]
+    prompts = prompt if isinstance(prompt, list) else [prompt]
+    return [TokenizeCompletionRequest(model=body.get("model"), prompt=p) for p in prompts]
+
+
+def _served(path: str) -> bool:
+    return path in SERVED_PATHS or path in OPEN_PATHS or path.startswith(MODEL_PATH_PREFIX)
+
+
+class VllmServerGuard(ApiGuard):
+    """:class:`ApiGuard` configured from :data:`SETTINGS_ENV`, counting prompts with vLLM's tokenizer."""
+
+    def __init__(self, app: Any) -> None:
+        raw = os.environ.get(SETTINGS_ENV)
+        if not raw:
+            # Without settings there are no keys: refuse to start rather than serve openly.
+            raise RuntimeError(f"${SETTINGS_ENV} is not set: the server would run without its API keys")
+        settings = ServerGuardSettings.model_validate(json.loads(raw))
+        super().__init__(
+            app,
+            keys=ApiKeys(settings.api_keys_file, settings.api_keys_env),
+            limits=settings.limits,
+            model_ids=settings.model_ids,
+            count_prompt_tokens=self._count_prompt_tokens,
+        )
+        self._state: Any = None
+        self._drain_file = os.environ.get(DRAIN_FILE_ENV) or None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self._state is None and scope.get("app") is not None:
+            # The FastAPI app, whose state holds vLLM's handlers once it started.
+            self._state = scope["app"].state
+        if (
+            self._drain_file is not None
+            and scope.get("type") == "http"
+            and self._path(scope) == HEALTH_PATH
+            and os.path.exists(self._drain_file)
+        ):
+            body = error_body("the replica is draining", type_="unavailable", param=None, code="draining")
+            await send_json(send, 503, body)
+            return
+        if scope.get("type") == "http" and not _served(self._path(scope)):
+            # What the OpenAI API itself answers for a route it does not have.
+            method = str(scope.get("method", "GET")).upper()
+            body = error_body(
+                f"Invalid URL ({method} {self._path(scope)})", type_=INVALID_REQUEST, param=None, code=None
+            )
+            await send_json(send, 404, body)
+            return
+        await super().__call__(scope, receive, send)
+
+    async def _count_prompt_tokens(self, path: str, body: dict[str, Any]) -> int | None:
+        handler = getattr(self._state, "serving_tokenization", None)
+        if handler is None:
+            return None
+        counts = []
+        for request in _tokenize_requests(path, body):
+            response = await handler.create_tokenize(request, None)
+            count = getattr(response, "count", None)
+            if count is None:
+                return None
+            counts.append(count)
+        return max(counts) if counts else None

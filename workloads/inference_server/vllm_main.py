@@ -1,0 +1,72 @@
+"""The process a "vllm-server" replica runs: vLLM's own OpenAI server, guarded, with its metrics on their own port.
+
+Started by :class:`inference_server.vllm_server.VllmServer` with a JSON spec in
+:data:`SPEC_ENV`. The engine arguments are the same keyword arguments Serve
+LLM would pass to ``AsyncEngineArgs`` (``engine.engine_kwargs``); they are set
+on vLLM's parsed CLI namespace by name, so a value never goes through a
+string round trip, and a name vLLM does not know stops the start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+SPEC_ENV = "INFERENCE_VLLM_SERVER_SPEC"
+GUARD_MIDDLEWARE = "inference_server.vllm_guard.VllmServerGuard"
+
+
+def server_args(spec: dict[str, Any]) -> Any:
+    """vLLM's serve arguments for the spec: its own parser, then the engine keyword arguments by name."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI server (vllm-server layout)"))
+    argv = [
+        "--model",
+        spec["model"],
+        "--served-model-name",
+        spec["served_model_name"],
+        "--host",
+        spec["host"],
+        "--port",
+        str(spec["port"]),
+        "--middleware",
+        GUARD_MIDDLEWARE,
+        # One line per request on the hot path buys nothing the metrics do not show.
+        "--disable-uvicorn-access-log",
+    ]
+    args = parser.parse_args(argv)
+    unknown = sorted(k for k in spec["engine_kwargs"] if not hasattr(args, k))
+    if unknown:
+        raise SystemExit(f"vLLM {__import__('vllm').__version__} has no engine arguments {unknown}")
+    for key, value in spec["engine_kwargs"].items():
+        setattr(args, key, value)
+    validate_parsed_serve_args(args)
+    return args
+
+
+def main() -> int:
+    spec = json.loads(os.environ[SPEC_ENV])
+    args = server_args(spec)
+
+    import prometheus_client
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    cli_env_setup()
+    # The registry vLLM's own /metrics serves, on a port outside the API-key
+    # guard: Prometheus has no API key, and the NetworkPolicy lets only it in.
+    prometheus_client.start_http_server(
+        spec["metrics_port"], addr=spec["metrics_host"], registry=get_prometheus_registry()
+    )
+    uvloop.run(run_server(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
