@@ -1,0 +1,261 @@
+"""The vllm-server layout's parts, without a running server: catalogue rules, guard, autoscaling, process spec."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from inference_server.autoscale import ONGOING_METRIC, POLICY_PATH, ongoing_requests_policy
+from inference_server.catalog import Catalog
+from inference_server.vllm_guard import DRAIN_FILE_ENV, SETTINGS_ENV, VllmServerGuard
+from pydantic import ValidationError
+
+
+def catalog(**overrides: Any) -> dict[str, Any]:
+    model: dict[str, Any] = {
+        "model_id": "m",
+        "source": "/models/m",
+        "max_model_len": 4096,
+        "autoscaling": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8},
+    }
+    model.update(overrides.pop("model", {}))
+    doc: dict[str, Any] = {"models": [model], "layout": "vllm-server"}
+    doc.update(overrides)
+    return doc
+
+
+# ---------------------------------------------------------------- catalogue
+
+
+def test_the_layout_defaults_keep_existing_catalogues_on_serve_ingress() -> None:
+    parsed = Catalog.model_validate({"models": [catalog()["models"][0]]})
+    assert parsed.layout == "serve-ingress"
+    assert (parsed.vllm_server.port, parsed.vllm_server.metrics_port) == (8100, 8101)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"models": [catalog()["models"][0], {**catalog()["models"][0], "model_id": "n"}]}, "exactly one model"),
+        ({"model": {"autoscaling": {"min_replicas": 0, "max_replicas": 2}}}, "min_replicas >= 1"),
+        ({"model": {"pipeline_parallel_size": 2}}, "pipeline_parallel_size must be 1"),
+        ({"vllm_server": {"port": 9000, "metrics_port": 9000}}, "must differ"),
+    ],
+)
+def test_what_the_layout_can_not_serve_is_refused(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        Catalog.model_validate(catalog(**overrides))
+
+
+def test_serve_ingress_still_takes_what_vllm_server_refuses() -> None:
+    doc = catalog(model={"autoscaling": {"min_replicas": 0, "max_replicas": 2}})
+    doc["layout"] = "serve-ingress"
+    assert Catalog.model_validate(doc).models[0].autoscaling.min_replicas == 0
+
+
+# ---------------------------------------------------------------- guard in vLLM's server
+
+
+class Downstream:
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.paths.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+
+def guard(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[VllmServerGuard, Downstream, Path]:
+    keys = tmp_path / "keys"
+    keys.write_text("k1\n")
+    settings = {"api_keys_file": str(keys), "api_keys_env": "UNUSED", "limits": {"max_tokens": 64}, "model_ids": ["m"]}
+    monkeypatch.setenv(SETTINGS_ENV, json.dumps(settings))
+    drain = tmp_path / "draining"
+    monkeypatch.setenv(DRAIN_FILE_ENV, str(drain))
+    downstream = Downstream()
+    return VllmServerGuard(downstream), downstream, drain
+
+
+def send_to(app: Any, path: str, *, method: str = "POST", key: str | None = "k1", body: Any = None) -> tuple[int, Any]:
+    raw = json.dumps(body).encode() if body is not None else b""
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    if key:
+        headers.append((b"authorization", f"Bearer {key}".encode()))
+    scope = {"type": "http", "method": method, "path": path, "headers": headers, "root_path": ""}
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    payload = b"".join(m.get("body", b"") for m in sent[1:])
+    return sent[0]["status"], json.loads(payload) if payload else None
+
+
+def test_the_server_guard_refuses_to_start_without_its_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SETTINGS_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=SETTINGS_ENV):
+        VllmServerGuard(Downstream())
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/responses", "/v1/messages", "/inference/v1/generate", "/scale_elastic_ep", "/tokenize", "/metrics"]
+)
+def test_vllm_routes_the_platform_does_not_offer_are_404_with_a_key(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, path: str
+) -> None:
+    app, downstream, _ = guard(monkeypatch, tmp_path)
+    status, doc = send_to(app, path, body={"model": "m", "input": "x"})
+    assert status == 404 and doc["error"]["type"] == "invalid_request_error"
+    assert downstream.paths == []
+
+
+def test_served_routes_keep_keys_and_limits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    app, downstream, _ = guard(monkeypatch, tmp_path)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    assert send_to(app, "/v1/chat/completions", body=chat)[0] == 200
+    assert send_to(app, "/v1/chat/completions", body=chat, key=None)[0] == 401
+    assert send_to(app, "/v1/chat/completions", body={**chat, "max_tokens": 65})[0] == 400
+    assert send_to(app, "/v1/chat/completions", body={**chat, "max_tokens": "8"})[0] == 400
+    assert send_to(app, "/v1/models", method="GET")[0] == 200
+    assert downstream.paths == ["/v1/chat/completions", "/v1/models"]
+
+
+def test_a_draining_replica_fails_its_readiness_but_serves_what_arrives(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    app, downstream, drain = guard(monkeypatch, tmp_path)
+    assert send_to(app, "/health", method="GET", key=None)[0] == 200
+    drain.touch()
+    assert send_to(app, "/health", method="GET", key=None)[0] == 503
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    assert send_to(app, "/v1/chat/completions", body=chat)[0] == 200
+    assert downstream.paths == ["/health", "/v1/chat/completions"]
+
+
+# ---------------------------------------------------------------- autoscaling
+
+
+def context(replicas: int, reported: dict[str, float] | None, target: float = 8) -> Any:
+    config = SimpleNamespace(get_target_ongoing_requests=lambda: target)
+    metrics = None if reported is None else {ONGOING_METRIC: reported}
+    return SimpleNamespace(
+        current_num_replicas=replicas, target_num_replicas=replicas, aggregated_metrics=metrics, config=config
+    )
+
+
+@pytest.mark.parametrize(
+    ("replicas", "reported", "desired"),
+    [
+        (2, {"a": 24.0, "b": 8.0}, 4.0),  # 32 in vLLM's queues at 8 a replica
+        (2, {"a": 0.0, "b": 0.0}, 0.0),  # idle: Serve's bounds keep min_replicas
+        (3, {"a": 16.0}, 6.0),  # one reported: the others count as its mean
+        (2, None, 2),  # nothing reported yet: hold
+        (2, {}, 2),
+        (0, None, 0),
+    ],
+)
+def test_the_policy_sizes_replicas_by_vllms_queue(
+    replicas: int, reported: dict[str, float] | None, desired: float
+) -> None:
+    assert ongoing_requests_policy(context(replicas, reported))[0] == desired
+
+
+def _serve_context(config: Any, reported: dict[str, float]) -> Any:
+    return SimpleNamespace(
+        current_num_replicas=2,
+        target_num_replicas=2,
+        aggregated_metrics={ONGOING_METRIC: reported},
+        config=config,
+        capacity_adjusted_min_replicas=1,
+        capacity_adjusted_max_replicas=4,
+        total_num_requests=0,  # Serve's own count: no request passes through Serve
+        policy_state={},
+        last_scale_up_time=None,
+        last_scale_down_time=None,
+        current_time=0.0,
+    )
+
+
+@pytest.mark.parametrize(("upscale_delay_s", "desired"), [(0, 6), (30, 2)])
+def test_serve_takes_the_policy_by_its_path_with_its_own_delays(upscale_delay_s: float, desired: int) -> None:
+    pytest.importorskip("ray.serve")
+    from ray.serve._private.autoscaling_state import _resolve_policy_callable
+    from ray.serve.autoscaling_policy import _apply_autoscaling_config
+    from ray.serve.config import AutoscalingConfig
+
+    config = AutoscalingConfig(
+        min_replicas=1,
+        max_replicas=8,
+        target_ongoing_requests=8,
+        upscale_delay_s=upscale_delay_s,
+        policy={"policy_function": POLICY_PATH},
+    )
+    # What Serve's controller runs: the policy resolved from its import path, wrapped with the config.
+    policy = _apply_autoscaling_config(_resolve_policy_callable(config.policy))
+    # 48 requests in vLLM's queues at 8 a replica: 6 replicas, once the upscale delay has passed.
+    assert policy(_serve_context(config, {"a": 24.0, "b": 24.0}))[0] == desired
+
+
+def test_queue_length_sums_running_and_waiting_over_label_sets() -> None:
+    pytest.importorskip("prometheus_client")
+    from inference_server.vllm_server import queue_length
+
+    text = "\n".join(
+        [
+            "# TYPE vllm:num_requests_running gauge",
+            'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+            'vllm:num_requests_running{engine="1",model_name="m"} 1.0',
+            "# TYPE vllm:num_requests_waiting gauge",
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 5.0',
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5',
+        ]
+    )
+    assert queue_length(text + "\n") == 9.0
+
+
+# ---------------------------------------------------------------- the replica
+
+
+@pytest.mark.parametrize(
+    ("model", "options"),
+    [
+        (
+            {"accelerator_type": "L40S", "tensor_parallel_size": 4},
+            {"num_cpus": 1, "num_gpus": 4, "accelerator_type": "L40S"},
+        ),
+        ({}, {"num_cpus": 1, "num_gpus": 0}),
+    ],
+)
+def test_a_replica_holds_its_gpus_on_its_accelerator(model: dict[str, Any], options: dict[str, Any]) -> None:
+    pytest.importorskip("ray.serve")
+    from inference_server.vllm_server import replica_actor_options
+
+    entry = Catalog.model_validate(catalog(model=model)).models[0]
+    assert replica_actor_options(entry) == options
+
+
+def test_the_server_process_gets_the_engine_arguments_by_name() -> None:
+    pytest.importorskip("vllm")
+    from inference_server.engine import engine_kwargs
+    from inference_server.vllm_main import GUARD_MIDDLEWARE, server_args
+
+    parsed = Catalog.model_validate(catalog(model={"engine_overrides": {"enforce_eager": True, "max_num_seqs": 7}}))
+    kwargs = engine_kwargs(parsed.models[0], parsed)
+    spec = {"model": "/models/m", "served_model_name": "m", "host": "127.0.0.1", "port": 8100, "engine_kwargs": kwargs}
+    args = server_args(spec)
+    assert (args.max_num_seqs, args.enforce_eager, args.max_model_len) == (7, True, 4096)
+    assert args.override_generation_config == {"max_new_tokens": parsed.limits.max_tokens}
+    assert args.middleware == [GUARD_MIDDLEWARE]
+    assert args.disable_uvicorn_access_log
+    with pytest.raises(SystemExit, match="no_such_argument"):
+        server_args({**spec, "engine_kwargs": {**kwargs, "no_such_argument": 1}})
