@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -64,7 +65,13 @@ def main() -> int:
     prometheus_client.start_http_server(
         spec["metrics_port"], addr=spec["metrics_host"], registry=get_prometheus_registry()
     )
-    uvloop.run(run_server(args))
+    try:
+        uvloop.run(run_server(args))
+    finally:
+        # This process leads its own group (the replica starts it so): take
+        # along any engine process vLLM's shutdown left, this one last.
+        if os.getpgid(0) == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
     return 0
 
 

@@ -258,12 +258,16 @@ class VllmServer:
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the replica's process dies, however it dies (Linux)."""
+    """In the child before exec: SIGTERM when the replica's process dies, however it dies (Linux).
+
+    SIGTERM, not SIGKILL: vLLM's server then stops its engine processes,
+    and ``vllm_main`` ends its process group on the way out.
+    """
     import ctypes
 
     pr_set_pdeathsig = 1
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def build_vllm_server_app(catalog: Catalog) -> Application:
