@@ -144,14 +144,15 @@ def start(
     argv = [sys.executable, str(SERVE_MAIN), "--catalog", str(catalog_path)]
     argv += ["--http-port", str(http_port), "--metrics-port", str(metrics_port), "--ray-temp-dir", str(ray_dir)]
     child = Child.start("server", argv, child_env(LAYOUTS[layout]), work_dir / "server.log", marker=str(ray_dir))
-    server = dict(catalog.get("vllm_server") or {}) if catalog.get("layout") == "vllm-server" else None
+    settings = catalog.get("vllm_server") if catalog.get("layout") == "vllm-server" else None
+    address_dir = settings.get("address_dir") if isinstance(settings, dict) else None
     return LocalServer(
         base_url=f"http://127.0.0.1:{http_port}/v1",
         metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
         api_key=api_key,
         child=child,
         started=time.monotonic(),
-        address_dir=Path(str(server["address_dir"])) if server else None,
+        address_dir=Path(str(address_dir)) if address_dir else None,
     )
 
 
