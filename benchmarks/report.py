@@ -1,6 +1,6 @@
 """Runs every benchmark and writes benchmarks/results/report.md, report.png and the raw JSON.
 
-    python -m benchmarks [--rounds 3] [--repeats 3] [--skip-serving] [--skip-render]
+    python -m benchmarks [--rounds 3] [--mode both] [--repeats 3] [--skip-serving] [--skip-render]
     python -m benchmarks --from-json          # re-render the report from the last raw results
 
 Prints the same tables it writes.
@@ -28,88 +28,199 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # --------------------------------------------------------------------------- serving
 
 
-def _cells(results: ServingResults, variant: str, concurrency: int) -> list[Cell]:
-    return [c for c in results.cells if c.variant == variant and c.concurrency == concurrency]
+def _cells(results: ServingResults, variant: str, concurrency: int, mode: str | None = None) -> list[Cell]:
+    return [
+        c
+        for c in results.cells
+        if c.variant == variant and c.concurrency == concurrency and (mode is None or c.mode == mode)
+    ]
 
 
-def _paired(results: ServingResults, variant: str, concurrency: int, attr: str, how: str) -> list[float]:
-    """Per-round comparison with bare vLLM measured in the same round: a ratio or a difference."""
-    bare = {c.round: getattr(c, attr) for c in _cells(results, "bare", concurrency)}
+def _value(cell: Cell, attr: str) -> float:
+    got = getattr(cell, attr)
+    return float(got() if callable(got) else got)
+
+
+def _paired(
+    results: ServingResults, variant: str, concurrency: int, attr: str, how: str, mode: str | None = None
+) -> list[float]:
+    """Per-round comparison with bare vLLM measured in the same round and mode: a ratio or a difference."""
+    bare = {(c.round, c.mode): _value(c, attr) for c in _cells(results, "bare", concurrency, mode)}
     out = []
-    for cell in _cells(results, variant, concurrency):
-        if cell.round in bare:
-            mine, theirs = getattr(cell, attr), bare[cell.round]
-            out.append(mine / theirs if how == "ratio" else mine - theirs)
+    for cell in _cells(results, variant, concurrency, mode):
+        theirs = bare.get((cell.round, cell.mode))
+        if theirs is not None:
+            mine = _value(cell, attr)
+            out.append((mine / theirs if theirs else math.nan) if how == "ratio" else mine - theirs)
     return [v for v in out if not math.isnan(v)]
+
+
+def _label(variant: str) -> str:
+    return VARIANT_LABELS.get(variant, variant)
+
+
+OUTSIDE = "outside_forward_ms_per_token"
+
+# Targets for the default layout against bare vLLM, pinned (the GPU-like layout).
+RPS_RATIO_TARGET = 0.95
+ADDED_TTFT_TARGET_MS = 15.0
+CPU_RATIO_TARGET = 1.5
+
+
+def headline_variant(results: ServingResults) -> str | None:
+    if "project" in results.variants:
+        return "project"
+    return next((v for v in results.variants if v != "bare"), None)
+
+
+def headline_mode(results: ServingResults) -> str:
+    return "pinned" if "pinned" in results.modes else results.modes[0]
+
+
+def headline_table(results: ServingResults) -> str:
+    variant = headline_variant(results)
+    if variant is None or "bare" not in results.variants:
+        return "No headline: the run needs bare vLLM and a project variant."
+    mode = headline_mode(results)
+    compare = "project-ingress" if variant == "project" and "project-ingress" in results.variants else None
+    rows: list[tuple[str, str, int, str, float, bool]] = []
+    for concurrency in results.concurrency:
+        rows.append(("req/s ratio", "rps", concurrency, "ratio", RPS_RATIO_TARGET, True))
+    if 1 in results.concurrency:
+        rows.append(("added TTFT p50 ms", "ttft_p50_ms", 1, "diff", ADDED_TTFT_TARGET_MS, False))
+    for concurrency in results.concurrency:
+        rows.append(
+            (
+                "CPU/output token outside forward pass, ratio",
+                "outside_forward_ms_per_token",
+                concurrency,
+                "ratio",
+                CPU_RATIO_TARGET,
+                False,
+            )
+        )
+    lines = [
+        f"{_label(variant)} against bare vLLM, **{mode}**, paired within each round: median [min, max] over rounds; "
+        "the verdict is on the median.",
+        "",
+        "| figure | c | measured | target | verdict |" + (f" {_label(compare)} |" if compare else ""),
+        "|---|---|---|---|---|" + ("---|" if compare else ""),
+    ]
+    for name, attr, concurrency, how, target, at_least in rows:
+        values = _paired(results, variant, concurrency, attr, how, mode)
+        fmt = "{:.2f}x" if how == "ratio" else "{:+.1f}"
+        med = median(values)
+        verdict = "n/a" if math.isnan(med) else ("PASS" if (med >= target if at_least else med <= target) else "MISS")
+        bound = (">= " if at_least else "<= ") + (f"{target:.2f}x" if how == "ratio" else f"{target:.0f} ms")
+        line = f"| {name} | {concurrency} | {spread(values, fmt)} | {bound} | **{verdict}** |"
+        if compare:
+            line += f" {spread(_paired(results, compare, concurrency, attr, how, mode), fmt)} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _mode_tables(results: ServingResults, mode: str) -> list[str]:
+    lines = [
+        "| c | server | req/s | TTFT p50 ms | TTFT p99 ms | per-token ms | e2e p50 ms "
+        "| CPU ms/token outside fwd | fwd-pass CPU ms/token | CPU busy core0/core1 | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for concurrency in results.concurrency:
+        for variant in results.variants:
+            cells = _cells(results, variant, concurrency, mode)
+            if not cells:
+                continue
+
+            def col(attr: str, fmt: str, cells: list[Cell] = cells) -> str:
+                return spread([_value(c, attr) for c in cells], fmt)
+
+            busy = "/".join(
+                f"{median([c.cpu_busy[i] for c in cells if len(c.cpu_busy) > i]):.0%}"
+                for i in range(min((len(c.cpu_busy) for c in cells), default=0))
+            )
+            lines.append(
+                f"| {concurrency} | {_label(variant)} | {col('rps', '{:.2f}')} "
+                f"| {col('ttft_p50_ms', '{:.1f}')} | {col('ttft_p99_ms', '{:.1f}')} | {col('tpot_p50_ms', '{:.2f}')} "
+                f"| {col('latency_p50_ms', '{:.0f}')} | {col('outside_forward_ms_per_token', '{:.2f}')} "
+                f"| {col('forward_ms_per_token', '{:.2f}')} | {busy or 'n/a'} | {sum(c.errors for c in cells)} |"
+            )
+    lines += [
+        "",
+        "Against bare vLLM measured in the same round and mode (ratio: variant / bare; added: variant - bare):",
+        "",
+        "| c | server | req/s ratio | added TTFT p50 ms | added per-token ms | CPU/token outside fwd ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for concurrency in results.concurrency:
+        for variant in results.variants:
+            if variant == "bare" or not _cells(results, variant, concurrency, mode):
+                continue
+            lines.append(
+                f"| {concurrency} | {_label(variant)} "
+                f"| {spread(_paired(results, variant, concurrency, 'rps', 'ratio', mode), '{:.2f}x')} "
+                f"| {spread(_paired(results, variant, concurrency, 'ttft_p50_ms', 'diff', mode), '{:+.1f}')} "
+                f"| {spread(_paired(results, variant, concurrency, 'tpot_p50_ms', 'diff', mode), '{:+.2f}')} "
+                f"| {spread(_paired(results, variant, concurrency, OUTSIDE, 'ratio', mode), '{:.2f}x')} |"
+            )
+    mode_cells = [c for c in results.cells if c.mode == mode]
+    roles = sorted({r for c in mode_cells for r in c.role_ms() if r != "gone"})
+    if roles:
+        lines += [
+            "",
+            "CPU ms per output token, by process role, summed over the server's processes (median over rounds). "
+            "*outside fwd* is every role but the forward-pass worker:",
+            "",
+            "| c | server | " + " | ".join(roles) + " | outside fwd | load generator |",
+            "|---|---|" + "---|" * (len(roles) + 2),
+        ]
+        for concurrency in results.concurrency:
+            for variant in results.variants:
+                cells = _cells(results, variant, concurrency, mode)
+                if not cells:
+                    continue
+                per_role = [median([c.cpu_ms_per_token(r) for c in cells]) for r in roles]
+                total = median([c.outside_forward_ms_per_token() for c in cells])
+                loadgen = median([c.loadgen_cpu_ms / max(1, c.tokens()) for c in cells])
+                lines.append(
+                    f"| {concurrency} | {_label(variant)} | "
+                    + " | ".join(f"{v:.2f}" if v else "-" for v in per_role)
+                    + f" | {total:.2f} | {loadgen:.2f} |"
+                )
+    pinned = [c for c in mode_cells if c.pin]
+    if pinned:
+        forward = [int(c.pin.get("forward_pass_threads", 0)) for c in pinned]
+        other = [int(c.pin.get("other_threads", 0)) for c in pinned]
+        bad = sum(int(c.pin.get("mismatched", 0)) + int(c.pin.get("mismatched_after", 0)) for c in pinned)
+        where = (
+            f"forward pass on CPU {pinned[0].pin.get('forward_pass_cpus')}, everything else on CPU "
+            f"{pinned[0].pin.get('serving_cpus')}"
+            if mode == "pinned"
+            else "every thread on the mask it started with"
+        )
+        lines += [
+            "",
+            f"CPU layout ({where}): set before each of {len(pinned)} cells on {min(forward)}-{max(forward)} "
+            f"forward-pass threads and {min(other)}-{max(other)} other threads, read back from "
+            f"/proc/<pid>/task/<tid>/status before and after each cell: {bad} threads off their mask.",
+        ]
+    return lines
 
 
 def serving_tables(results: ServingResults) -> str:
     lines = [
         f"Tiny random-weight Llama on the CPU, streamed chat completions of {results.max_tokens} tokens "
         f"(`ignore_eos`), closed loop of c clients; {results.rounds} rounds, every variant measured in every "
-        "round, alternated. Each figure: **median over rounds [min, max]**.",
+        f"round and mode ({', '.join(results.modes)}), alternated. Each figure: **median over rounds [min, max]**.",
         "",
-        "| c | server | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms "
-        "| per-token ms | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "### Headline",
+        "",
+        headline_table(results),
     ]
-    for concurrency in results.concurrency:
-        for variant in results.variants:
-            cells = _cells(results, variant, concurrency)
-            if not cells:
-                continue
-
-            def col(attr: str, fmt: str, cells: list[Cell] = cells) -> str:
-                return spread([getattr(c, attr) for c in cells], fmt)
-
-            lines.append(
-                f"| {concurrency} | {VARIANT_LABELS.get(variant, variant)} | {col('rps', '{:.2f}')} "
-                f"| {col('output_tok_s', '{:.0f}')} | {col('ttft_p50_ms', '{:.1f}')} | {col('ttft_p99_ms', '{:.1f}')} "
-                f"| {col('latency_p50_ms', '{:.0f}')} | {col('latency_p99_ms', '{:.0f}')} "
-                f"| {col('tpot_p50_ms', '{:.2f}')} | {sum(c.errors for c in cells)} |"
-            )
-    lines += [
-        "",
-        "Against bare vLLM measured in the same round (ratio: project / bare; added: project - bare):",
-        "",
-        "| c | server | req/s ratio | added e2e p50 ms | added TTFT p50 ms | added per-token ms |",
-        "|---|---|---|---|---|---|",
-    ]
-    for concurrency in results.concurrency:
-        for variant in results.variants:
-            if variant == "bare" or not _cells(results, variant, concurrency):
-                continue
-            lines.append(
-                f"| {concurrency} | {VARIANT_LABELS.get(variant, variant)} "
-                f"| {spread(_paired(results, variant, concurrency, 'rps', 'ratio'), '{:.2f}x')} "
-                f"| {spread(_paired(results, variant, concurrency, 'latency_p50_ms', 'diff'), '{:+.1f}')} "
-                f"| {spread(_paired(results, variant, concurrency, 'ttft_p50_ms', 'diff'), '{:+.1f}')} "
-                f"| {spread(_paired(results, variant, concurrency, 'tpot_p50_ms', 'diff'), '{:+.2f}')} |"
-            )
-    top = max(results.concurrency)
-    roles = sorted({r for c in results.cells for r in c.cpu_ms_per_request if r != "gone"})
-    if roles:
-        lines += [
-            "",
-            f"Where the CPU goes at c={top}: CPU ms per request, by process, summed over the server's processes "
-            "(median over rounds; on 2 cores every ms here is a ms the engine does not get):",
-            "",
-            "| server | " + " | ".join(roles) + " | total |",
-            "|---|" + "---|" * (len(roles) + 1),
-        ]
-        for variant in results.variants:
-            cells = _cells(results, variant, top)
-            if not cells:
-                continue
-            per_role = [median([c.cpu_ms_per_request.get(r, 0.0) for c in cells]) for r in roles]
-            total = median([sum(v for k, v in c.cpu_ms_per_request.items() if k != "gone") for c in cells])
-            lines.append(
-                f"| {VARIANT_LABELS.get(variant, variant)} | "
-                + " | ".join(f"{v:.1f}" if v else "-" for v in per_role)
-                + f" | {total:.1f} |"
-            )
-    idle = ", ".join(f"{VARIANT_LABELS.get(v, v)} {s:.0%}" for v, s in results.idle_cpu_share.items())
-    starts = ", ".join(f"{VARIANT_LABELS.get(v, v)} {s:.0f} s" for v, s in results.start_seconds.items())
+    for mode in results.modes:
+        lines += ["", f"### {mode}", "", *_mode_tables(results, mode)]
+    idle = ", ".join(f"{_label(v)} {s:.0%}" for v, s in results.idle_cpu_share.items())
+    starts = ", ".join(f"{_label(v)} {s:.0f} s" for v, s in results.start_seconds.items())
+    spin = ", ".join(f"{_label(v)} {s:.0%}" for v, s in results.spin_after_load.items())
     waited = sum(c.waited_for_other_server_s for c in results.cells)
     lines += [
         "",
@@ -119,6 +230,7 @@ def serving_tables(results: ServingResults) -> str:
             if results.reniced_idle
             else "idle servers kept running at their own priority while another was measured. "
         )
+        + (f"Forward-pass worker in the second after its load stopped (its queue spin): {spin}. " if spin else "")
         + "Requests per cell: "
         + ", ".join(f"c={c}: {n}" for c, n in results.requests.items())
         + f". Serving run: {results.seconds / 60:.1f} min"
@@ -209,7 +321,12 @@ def guard_table(cases: list[guard_overhead.GuardCase]) -> str:
 
 
 def chart(serving: ServingResults | None, scale: ScaleResults | None, path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        # The tables are the report; the chart is only a picture of them.
+        print("matplotlib is not installed (pip install -r benchmarks/requirements.txt): no report.png")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -221,21 +338,22 @@ def chart(serving: ServingResults | None, scale: ScaleResults | None, path: Path
     axes = list(axes) if panels > 1 else [axes]
     i = 0
     if serving:
+        mode = headline_mode(serving)
         width = 0.8 / max(1, len(serving.variants))
         for attr, title, ax in (
-            ("rps", "requests/s (median, min, max)", axes[0]),
-            ("latency_p50_ms", "end-to-end latency p50, ms", axes[1]),
+            ("rps", f"requests/s, {mode} (median, min, max)", axes[0]),
+            ("ttft_p50_ms", f"TTFT p50 ms, {mode}", axes[1]),
         ):
             for j, variant in enumerate(serving.variants):
                 meds, lows, highs = [], [], []
                 for concurrency in serving.concurrency:
-                    values = [getattr(c, attr) for c in _cells(serving, variant, concurrency)]
+                    values = [getattr(c, attr) for c in _cells(serving, variant, concurrency, mode)]
                     m = median(values)
                     meds.append(m)
                     lows.append(m - min(values) if values else 0)
                     highs.append(max(values) - m if values else 0)
                 xs = [k + (j - (len(serving.variants) - 1) / 2) * width for k in range(len(serving.concurrency))]
-                ax.bar(xs, meds, width, yerr=[lows, highs], capsize=3, label=VARIANT_LABELS.get(variant, variant))
+                ax.bar(xs, meds, width, yerr=[lows, highs], capsize=3, label=_label(variant))
             ax.set_xticks(range(len(serving.concurrency)), [f"c={c}" for c in serving.concurrency])
             ax.set_title(title)
         axes[0].legend(fontsize=8)
@@ -303,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description="Run the benchmarks, write the report.")
     parser.add_argument("--rounds", type=int, default=3, help="serving rounds (every variant each round)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the requests per serving cell")
-    parser.add_argument("--variants", default="project,stock,bare,project-tp,project-direct")
+    parser.add_argument("--variants", default=",".join(serving_overhead.DEFAULT_VARIANTS))
+    parser.add_argument("--mode", choices=("pinned", "unpinned", "both"), default="both")
     parser.add_argument("--repeats", type=int, default=3, help="renders of each stack size")
     parser.add_argument("--sizes", default="1,4,16,64")
     parser.add_argument("--no-renice", action="store_true", help="leave idle servers at their own priority")
@@ -334,7 +453,13 @@ def main(argv: list[str] | None = None) -> int:
             (out / "render.json").write_text(json.dumps(scale.to_json(), indent=2) + "\n")
         if not args.skip_serving:
             variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-            serving = serving_overhead.run(variants, args.rounds, args.scale, renice_idle=not args.no_renice)
+            serving = serving_overhead.run(
+                variants,
+                args.rounds,
+                args.scale,
+                renice_idle=not args.no_renice,
+                modes=serving_overhead.parse_modes(args.mode),
+            )
             (out / "serving.json").write_text(json.dumps(serving.to_json(), indent=2) + "\n")
     seconds = time.monotonic() - began
     if args.from_json:

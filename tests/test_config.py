@@ -74,6 +74,16 @@ def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
     return change
 
 
+def _both(*changes: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    """Several changes, in order."""
+
+    def change(raw: dict[str, Any]) -> None:
+        for one in changes:
+            one(raw)
+
+    return change
+
+
 CASES: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
     (
         "unknown GPU group",
@@ -276,16 +286,40 @@ CASES: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
     (
         "prod with one ingress replica",
         "prod",
-        _set("serving.ingress.min_replicas", 1),
+        _both(_set("serving.layout", "serve-ingress"), _set("serving.ingress.min_replicas", 1)),
         "config error: serving.ingress.min_replicas: prod keeps at least 2 ingress replicas "
         "(one would be a single point of failure)",
     ),
     (
         "prod ingress replicas sharing a node",
         "prod",
-        _set("serving.ingress.max_replicas_per_node", 2),
+        _both(_set("serving.layout", "serve-ingress"), _set("serving.ingress.max_replicas_per_node", 2)),
         "config error: serving.ingress.max_replicas_per_node: prod spreads ingress replicas one per node "
         "(more would share a node's fate)",
+    ),
+    (
+        "vllm-server for a model that scales to zero",
+        "dev",
+        _set("serving.layout", "vllm-server"),
+        "config error: serving.layout: vllm-server: model 'llama-31-8b' needs autoscaling.min_replicas >= 1 "
+        "(nothing in its path wakes it from zero); use auto or serve-ingress",
+    ),
+    (
+        "vllm-server for a service of two models",
+        "prod",
+        _both(
+            _set("serving.layout", "vllm-server"),
+            _set("models.0.service", "shared"),
+            _set("models.1.service", "shared"),
+        ),
+        "config error: serving.layout: vllm-server: it serves exactly one model per service "
+        "(service 'shared' has 2); use auto or serve-ingress",
+    ),
+    (
+        "a layout that does not exist",
+        "dev",
+        _set("serving.layout", "direct"),
+        "config error: serving.layout: Input should be 'auto', 'vllm-server' or 'serve-ingress' (got \"direct\")",
     ),
     (
         "an ingress that scales to zero",

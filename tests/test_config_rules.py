@@ -30,6 +30,7 @@ from infra.config import (
     quantity_value,
     read_stack_file,
     timezone_problem,
+    vllm_server_problem,
 )
 from infra.render import ROOT
 from infra.serving import batch as serving_batch
@@ -453,3 +454,80 @@ def test_a_zone_without_a_domain_is_refused() -> None:
     assert problems("dev", lambda raw: raw["endpoint"].update(hosted_zone_id="Z0123456789EXAMPLEZONE")) == [
         "config error: endpoint.hosted_zone_id: set endpoint.domain too: the zone holds that domain's records"
     ]
+
+
+# ---------------------------------------------------------------- serving layout
+
+
+def _serving(raw: dict[str, Any], **values: Any) -> None:
+    raw["serving"] = {**raw.get("serving", {}), **values}
+
+
+def test_auto_picks_vllm_server_wherever_a_service_can_use_it() -> None:
+    """One model, never at zero, one pod per replica: vllm-server; anything else: serve-ingress."""
+    assert accepted("prod", lambda raw: None).layouts() == {"llama-31-8b": "vllm-server", "llama-33-70b": "vllm-server"}
+    assert accepted("dev", lambda raw: None).layouts() == {"llama-31-8b": "serve-ingress"}
+
+    def share(raw: dict[str, Any]) -> None:
+        for model in raw["models"]:
+            model["service"] = "shared"
+
+    assert accepted("prod", share).layouts() == {"shared": "serve-ingress"}
+    cfg = accepted("prod", lambda raw: None)
+    big = next(m for m in cfg.models if m.tensor_parallel_size == 4)
+    assert cfg.layout_for([big]) == "vllm-server"
+    assert cfg.layout_for([big.model_copy(update={"pipeline_parallel_size": 2})]) == "serve-ingress"
+    # Dev's model scales to zero; held at one replica it could go direct.
+    assert accepted("dev", lambda raw: raw["models"][0]["autoscaling"].update(min_replicas=1)).layouts() == {
+        "llama-31-8b": "vllm-server"
+    }
+
+
+def test_an_explicit_layout_applies_to_every_service() -> None:
+    cfg = accepted("prod", lambda raw: _serving(raw, layout="serve-ingress"))
+    assert set(cfg.layouts().values()) == {"serve-ingress"} and cfg.uses_serve_ingress()
+    cfg = accepted("prod", lambda raw: _serving(raw, layout="vllm-server"))
+    assert set(cfg.layouts().values()) == {"vllm-server"} and not cfg.uses_serve_ingress()
+
+
+def test_the_ingress_rules_hold_only_where_an_ingress_runs() -> None:
+    """Prod's ingress settings are read by nothing once every service is vllm-server."""
+    single = {"min_replicas": 1, "max_replicas": 2, "max_replicas_per_node": 2}
+    assert not accepted("prod", lambda raw: _serving(raw, ingress=single)).uses_serve_ingress()
+    found = problems("prod", lambda raw: _serving(raw, ingress=single, layout="serve-ingress"))
+    assert [p.split(":")[1].strip() for p in found] == [
+        "serving.ingress.min_replicas",
+        "serving.ingress.max_replicas_per_node",
+    ]
+
+
+def test_the_layout_rules_are_the_servers_own() -> None:
+    """What config refuses for vllm-server, the server's catalogue refuses too (and accepts the rest)."""
+    from workloads.inference_server.catalog import Catalog
+
+    cfg = accepted("prod", lambda raw: None)
+    model = cfg.models[0]
+    entry = {k: v for k, v in model.model_dump().items() if k in {"model_id", "source", "max_model_len"}}
+    variants = {
+        "fine": [model],
+        "two": [model, cfg.models[1]],
+        "at zero": [model.model_copy(update={"autoscaling": model.autoscaling.model_copy(update={"min_replicas": 0})})],
+        "pipeline": [model.model_copy(update={"pipeline_parallel_size": 2})],
+    }
+    for name, models in variants.items():
+        entries = [
+            {
+                **entry,
+                "model_id": m.model_id,
+                "pipeline_parallel_size": m.pipeline_parallel_size,
+                "autoscaling": m.autoscaling.model_dump(),
+            }
+            for m in models
+        ]
+        refused = vllm_server_problem(models) is not None
+        try:
+            Catalog.model_validate({"models": entries, "layout": "vllm-server"})
+        except ValueError:
+            assert refused, name
+        else:
+            assert not refused, name

@@ -39,6 +39,7 @@ from infra.cluster_services import monitoring
 from infra.config import StackConfig
 from infra.render import Rendered
 from infra.serving.batch import WORKER_NAME, worker_labels
+from infra.serving.build import batch_service
 from infra.serving.network import POD_IDENTITY_AGENT, ClusterPeers, ray_service_policies
 from infra.serving.ports import RAY_PORTS
 from infra.serving.ray_service import SERVICE_LABEL, pod_labels
@@ -47,9 +48,11 @@ from tests.harness import manifests_of, ray_service_pods, render_stack, stack_co
 STACKS = ["dev", "prod"]
 NAMESPACE_LABEL = "kubernetes.io/metadata.name"
 # Ports Ray listens on that no container port names: the dashboard agent
-# (its job agent runs code too) and a worker process's port.
+# (its job agent runs code too) and a worker process's port; on a head, Serve's
+# proxy, which a vllm-server head runs without declaring it.
 DASHBOARD_AGENT = 52365
 RAY_WORKER_PORT = 10002
+HEAD_PROXY = RAY_PORTS.serve.number
 PROBE_PORT = 8080  # for pods that listen on nothing: any connection must fail
 OTHER_SERVICE = "other-model"
 
@@ -242,6 +245,8 @@ class Addresses:
 
 def _ray_ports(pod: dict[str, Any]) -> tuple[int, ...]:
     declared = {p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    if pod["metadata"]["labels"].get("ray.io/node-type") == "head":
+        declared.add(HEAD_PROXY)
     return tuple(sorted(declared | {DASHBOARD_AGENT, RAY_WORKER_PORT}))
 
 
@@ -258,7 +263,11 @@ def _pod_endpoint(pod: dict[str, Any], ip: str) -> Endpoint:
 
 
 def _other_service_pods(cfg: StackConfig, rendered: Rendered) -> list[dict[str, Any]]:
-    """A RayService the stack does not have, built like its first one (dev has only one)."""
+    """A RayService the stack does not have, built like its first one (dev has only one).
+
+    Its ingress pods, or under vllm-server (no ingress) its GPU workers: the pods another
+    RayService's traffic lands on.
+    """
     rs = manifests_of(rendered, "RayService")[0]
     first = rs["metadata"]["name"]
     pods = ray_service_pods(rs)
@@ -268,7 +277,19 @@ def _other_service_pods(cfg: StackConfig, rendered: Rendered) -> list[dict[str, 
         labels["ray.io/originated-from-cr-name"] = OTHER_SERVICE
         labels["ray.io/cluster"] = labels["ray.io/cluster"].replace(first, OTHER_SERVICE)
         pod["metadata"]["name"] = pod["metadata"]["name"].replace(first, OTHER_SERVICE)
-    return [p for p in pods if p["metadata"]["labels"]["ray.io/group"] == "ingress"]
+    ingress = [p for p in pods if p["metadata"]["labels"]["ray.io/group"] == "ingress"]
+    return ingress or [p for p in pods if p["metadata"]["labels"]["ray.io/node-type"] == "worker"]
+
+
+def _layout(cfg: StackConfig, service: str | None) -> str:
+    """A RayService's layout; the made-up other one is built like the stack's first."""
+    services = cfg.services()
+    return cfg.layout_of(service if service in services else next(iter(services)))
+
+
+def _public_port(cfg: StackConfig, service: str | None) -> int:
+    """The port a RayService's serve Service targets: Serve's proxy, or the replicas' vLLM servers."""
+    return RAY_PORTS.openai.number if _layout(cfg, service) == "vllm-server" else RAY_PORTS.serve.number
 
 
 def _sources_only(cfg: StackConfig, ips: Addresses) -> list[Endpoint]:
@@ -350,7 +371,13 @@ def _policies_for(cfg: StackConfig, service: str) -> list[dict[str, Any]]:
         grafana=monitoring.grafana_pods(),
         vpc_cidr=str(cfg.network.vpc_cidr),
     )
-    return ray_service_policies(cfg.serving.namespace, service, peers, gcs_redis=cfg.ray.gcs_fault_tolerance.enabled)
+    return ray_service_policies(
+        cfg.serving.namespace,
+        service,
+        peers,
+        gcs_redis=cfg.ray.gcs_fault_tolerance.enabled,
+        layout=_layout(cfg, service),
+    )
 
 
 # --- what the matrix must be ---------------------------------------------------------------------
@@ -359,7 +386,6 @@ RAY_ROLES = {"head", "ingress", "gpu"}
 IN_VPC_WITHOUT_EGRESS_POLICY = {"operator", "attacker", "prometheus", "grafana", "lb"}
 HEAD_METRICS = {p.number for p in RAY_PORTS.scraped_on_head()}
 OPERATOR_ON_HEAD = {RAY_PORTS.dashboard.number, RAY_PORTS.serve.number}
-SERVE = RAY_PORTS.serve.number
 
 
 def _to_ray_pod(cfg: StackConfig, src: Endpoint, dst: Endpoint) -> set[int]:
@@ -372,18 +398,23 @@ def _to_ray_pod(cfg: StackConfig, src: Endpoint, dst: Endpoint) -> set[int]:
         # The operator (its namespace AND labels) on the dashboard and the
         # Serve health; Prometheus on the metrics ports; nobody else.
         return {"operator": OPERATOR_ON_HEAD, "prometheus": HEAD_METRICS}.get(src.role, set())
-    # Workers: the serve port for the load balancer, i.e. any VPC address
+    # Workers: the public port (Serve's proxy; under vllm-server the
+    # replica's own vLLM server) for the load balancer, i.e. any VPC address
     # whose own egress allows it, and the batch workers of this RayService;
-    # Prometheus scrapes the metrics port.
+    # Prometheus scrapes the metrics port, and under vllm-server the GPU
+    # workers' vLLM registry (no API key guards it: nobody else).
     allowed: set[int] = set()
+    public = _public_port(cfg, dst.service)
     if src.role in IN_VPC_WITHOUT_EGRESS_POLICY:
-        allowed.add(SERVE)
-    if src.role == "batch" and cfg.batch.enabled:
-        # Their model's serve Service; the serve port of the other
-        # RayServices too (see test_egress_rules_to_services_match_the_services_selectors).
-        allowed.add(SERVE)
+        allowed.add(public)
+    # Batch workers: their model's public port, on any RayService's workers
+    # that use the same one (see test_egress_rules_to_services_match_the_services_selectors).
+    if src.role == "batch" and cfg.batch.enabled and public == _public_port(cfg, batch_service(cfg)):
+        allowed.add(public)
     if src.role == "prometheus":
         allowed.add(RAY_PORTS.metrics.number)
+        if _layout(cfg, dst.service) == "vllm-server" and dst.role == "gpu":
+            allowed.add(RAY_PORTS.vllm_metrics.number)
     return allowed
 
 
@@ -432,9 +463,32 @@ def test_the_whole_matrix(stack: str) -> None:
 def test_the_matrix_covers_every_role(stack: str) -> None:
     m = matrix(stack)
     roles = {e.role for e in m.sources}
-    assert {"head", "ingress", "gpu", "batch", "headroom", "operator", "attacker", "prometheus", "lb"} <= roles
-    assert {e.service for e in m.sources if e.role == "ingress"} >= {*stack_config(stack).services(), OTHER_SERVICE}
+    cfg = stack_config(stack)
+    assert {"head", "gpu", "batch", "headroom", "operator", "attacker", "prometheus", "lb"} <= roles
+    # Every RayService's traffic-taking pods: its ingress pods, or under vllm-server its GPU workers.
+    serving = {"vllm-server": "gpu", "serve-ingress": "ingress"}
+    for service in [*cfg.services(), OTHER_SERVICE]:
+        role = serving[_layout(cfg, service)]
+        assert any(e.role == role and e.service == service for e in m.sources), (service, role)
     assert len(m.ports) > 100
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_vllms_own_registry_answers_prometheus_and_its_own_ray_service_only(stack: str) -> None:
+    """vLLM's metrics port has no API key in front of it; the OpenAI port takes the load balancer's traffic."""
+    m = matrix(stack)
+    by_name = {e.name: e for e in m.sources + m.targets}
+    vllm_metrics, openai = RAY_PORTS.vllm_metrics.number, RAY_PORTS.openai.number
+    seen = 0
+    for (src, dst), ports in m.ports.items():
+        s, t = by_name[src], by_name[dst]
+        if vllm_metrics in ports and s.service != t.service:
+            assert s.role == "prometheus", (src, dst)
+            seen += 1
+        if openai in t.ports and s.service != t.service and s.role == "lb":
+            assert openai in ports, (src, dst)
+    # Prod serves in the vllm-server layout, so its GPU workers were tried.
+    assert (seen > 0) is ("vllm-server" in stack_config(stack).layouts().values())
 
 
 @pytest.mark.parametrize("stack", STACKS)

@@ -4,6 +4,8 @@ alert has `promtool test rules` cases and a row in the README's alert table."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import re
@@ -341,6 +343,83 @@ def test_rule_and_monitors_carry_the_prometheus_selector_labels() -> None:
     workers = monitors["ray-workers"]["spec"]
     assert [e["port"] for e in workers["podMetricsEndpoints"]] == [RAY_PORTS.metrics.name]
     assert workers["selector"]["matchLabels"]["ray.io/node-type"] == "worker"
+
+
+# --- the vllm-server layout: vLLM's own registry, read by the same rules. ---
+
+
+def _relabel(rule: dict[str, Any], labels: dict[str, str]) -> dict[str, str]:
+    """One Prometheus `replace` relabeling (anchored regex, `${n}` groups, `;`-joined sources)."""
+    assert rule["action"] == "replace"
+    value = ";".join(labels.get(name, "") for name in rule["sourceLabels"])
+    match = re.fullmatch(rule.get("regex", "(.*)"), value)
+    if match is None:
+        return labels
+    replacement = re.sub(r"\$\{(\d+)\}", r"\\\1", rule.get("replacement", "$1").replace("$1", "${1}"))
+    return {**labels, rule["targetLabel"]: match.expand(replacement)}
+
+
+@pytest.mark.parametrize("stack", ["dev", "prod"])
+def test_vllm_server_pods_are_scraped_on_their_vllm_registry(stack: str) -> None:
+    cfg = config(stack)
+    direct = sorted(name for name, layout in cfg.layouts().items() if layout == "vllm-server")
+    monitors = {m["metadata"]["name"]: m for m in manifests_of(render_stack(stack), "PodMonitor")}
+    if not direct:
+        assert alerts.VLLM_SERVER_MONITOR not in monitors
+        return
+    spec = monitors[alerts.VLLM_SERVER_MONITOR]["spec"]
+    assert spec["namespaceSelector"] == {"matchNames": [cfg.serving.namespace]}
+    assert spec["selector"]["matchLabels"]["ray.io/node-type"] == "worker"
+    assert spec["selector"]["matchExpressions"] == [
+        {"key": "llm-platform/ray-service", "operator": "In", "values": direct}
+    ]
+    (endpoint,) = spec["podMetricsEndpoints"]
+    assert endpoint["port"] == RAY_PORTS.vllm_metrics.name
+    # The RayService's name is the application, as Serve names its own (serve_config: one app per RayService).
+    (relabel,) = endpoint["relabelings"]
+    pod = {"__meta_kubernetes_pod_label_llm_platform_ray_service": direct[0]}
+    assert _relabel(relabel, pod)["application"] == direct[0]
+    for rs in manifests_of(render_stack(stack), "RayService"):
+        app = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["name"]
+        assert app == rs["metadata"]["name"]
+
+
+def test_vllms_own_names_become_the_names_the_rules_read() -> None:
+    """Every `ray_vllm_` series the rules read is a `vllm:` series vLLM's own registry exports."""
+    (rename,) = alerts.vllm_server_pod_monitor("llm", {}, ["m"])["spec"]["podMetricsEndpoints"][0]["metricRelabelings"]
+    assert rename == alerts.VLLM_RENAME
+    (family,) = [f for f in alerts.METRIC_INVENTORY if f.prefix == "ray_vllm_"]
+    for name in family.names:
+        own = "vllm:" + name.removeprefix("ray_vllm_")
+        assert _relabel(rename, {"__name__": own})["__name__"] == name
+    # Other series keep their names (vLLM's HTTP counter among them).
+    assert _relabel(rename, {"__name__": "http_requests_total"})["__name__"] == "http_requests_total"
+    assert _relabel(rename, {"__name__": "xvllm:a"})["__name__"] == "xvllm:a"
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.skip("vllm is not installed: its metric names were not read")
+    loggers = (Path(spec.origin).parent / "v1" / "metrics" / "loggers.py").read_text()
+    for name in family.names:
+        base = re.sub(r"_(bucket|total)$", "", name.removeprefix("ray_vllm_"))
+        assert f'"vllm:{base}"' in loggers, f"vLLM {spec.origin} has no vllm:{base}"
+    # The label the rules group by is vLLM's own.
+    assert 'labelnames = ["model_name", "engine"]' in loggers
+
+
+def test_vllms_http_counter_has_the_labels_the_rules_read() -> None:
+    """prometheus-fastapi-instrumentator, as vLLM attaches it: handler, method, status grouped as "5xx"."""
+    instrumentator = pytest.importorskip("prometheus_fastapi_instrumentator")
+    import inspect
+
+    params = inspect.signature(instrumentator.Instrumentator.__init__).parameters
+    assert params["should_group_status_codes"].default is True
+    source = inspect.getsource(importlib.import_module("prometheus_fastapi_instrumentator.metrics"))
+    # The counter `.add()` registers (the instrumentator's `default` metrics).
+    assert 'name="http_requests_total"' in source
+    for label in ("handler", "method", "status"):
+        assert f'label_names.append("{label}")' in source
+    (rule,) = [r for r in alerts.RECORDING_RULES if r.record == alerts.HTTP_5XX_RATIO]
+    assert 'status="5xx"' in rule.expr
 
 
 # --- promtool: every rule checked, every alert fired and kept quiet by a case. ---

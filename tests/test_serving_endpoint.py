@@ -48,8 +48,19 @@ def test_prod_endpoint_is_an_internet_facing_tls_nlb_limited_to_the_allowed_cidr
         assert svc["spec"]["type"] == "LoadBalancer"
         assert svc["spec"]["loadBalancerSourceRanges"] == [str(c) for c in cfg.endpoint.allowed_cidrs]
         (port,) = svc["spec"]["ports"]
-        assert (port["port"], port["targetPort"]) == (HTTPS_PORT, RAY_PORTS.serve.name)
+        # Prod serves in the vllm-server layout: straight to each replica's vLLM server.
+        assert (port["port"], port["targetPort"]) == (HTTPS_PORT, RAY_PORTS.openai.name)
         assert annotations[f"{LB_ANNOTATION}-ssl-ports"] == port["name"]
+
+
+def test_a_tls_listener_keeps_its_port_under_either_layout() -> None:
+    """KubeRay keeps a user port only under a name the head's serve ports use, if it has any (see
+    test_serving_ray_service: test_kuberay_keeps_the_serve_service_ports_and_they_reach_the_serving_pods)."""
+    endpoint = config("prod").endpoint
+    ingress = serve_service_spec("a", "llm", endpoint, "serve-ingress")["spec"]["ports"]
+    assert ingress == [{"name": "serve", "port": HTTPS_PORT, "targetPort": "serve", "protocol": "TCP"}]
+    direct = serve_service_spec("a", "llm", endpoint, "vllm-server")["spec"]["ports"]
+    assert direct == [{"name": "https", "port": HTTPS_PORT, "targetPort": "openai", "protocol": "TCP"}]
 
 
 def test_dev_endpoint_is_internal_plain_http_on_the_serve_port() -> None:
@@ -75,7 +86,12 @@ def test_each_service_gets_its_own_name_under_the_domain() -> None:
 
 def test_base_url_scheme_follows_the_certificate() -> None:
     assert base_url("lb.example", config("prod").endpoint) == "https://lb.example/v1"
+    assert base_url("lb.example", config("prod").endpoint, "vllm-server") == "https://lb.example/v1"
     assert base_url("lb.example", config("dev").endpoint) == "http://lb.example:8000/v1"
+    # Without a certificate the load balancer listens on the port it targets.
+    assert base_url("lb.example", config("dev").endpoint, "vllm-server") == "http://lb.example:8100/v1"
+    (port,) = serve_service_spec("a", "llm", config("dev").endpoint, "vllm-server")["spec"]["ports"]
+    assert (port["name"], port["port"], port["targetPort"]) == ("openai", 8100, "openai")
     assert serve_service_spec("a", "llm", config("dev").endpoint)["metadata"]["namespace"] == "llm"
 
 
@@ -129,10 +145,15 @@ def test_ray_policies_select_by_ray_service_and_name_peers_by_namespace_and_labe
         (operator,) = head["ingress"]
         assert operator["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "kuberay"}
         assert {p["port"] for p in operator["ports"]} == {RAY_PORTS.dashboard.number, RAY_PORTS.serve.number}
-        # The serve port, and only it, for the load balancer's addresses in the VPC.
+        # The port the serve Service targets, and only it, for the load balancer's addresses in the VPC.
+        public = RAY_PORTS.public(cfg.layout_of(name))
         (lb,) = serve["ingress"]
         assert {"ipBlock": {"cidr": str(cfg.network.vpc_cidr)}} in lb["from"]
-        assert lb["ports"] == [{"protocol": "TCP", "port": RAY_PORTS.serve.number}]
+        assert lb["ports"] == [{"protocol": "TCP", "port": public.number}]
+        (svc_port,) = _serve_service(next(rs for rs in ray_services(stack) if rs["metadata"]["name"] == name))["spec"][
+            "ports"
+        ]
+        assert svc_port["targetPort"] == public.name
         redis = [r for r in head["egress"] if r["ports"] == [{"protocol": "TCP", "port": 6379}]]
         assert len(redis) == (1 if cfg.ray.gcs_fault_tolerance.enabled else 0)
 

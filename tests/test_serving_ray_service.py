@@ -49,6 +49,36 @@ from tests.harness import stack_config as config
 from twin.checks import no_local_ray_instance
 
 STACKS = ["dev", "prod"]
+# Prod as it would render with every RayService on Serve LLM's OpenAI ingress.
+PROD_SERVE_INGRESS = "prod-serve-ingress"
+
+
+def _prod_serve_ingress_config() -> Any:
+    def edit(doc: dict[str, Any]) -> None:
+        doc["llm-platform:serving"] = {**doc["llm-platform:serving"], "layout": "serve-ingress"}
+
+    return config("prod", edit)
+
+
+def ray_services_of(stack: str) -> list[dict[str, Any]]:
+    """The rendered RayServices of a stack, or of prod under serve-ingress (built from hand-made args)."""
+    if stack != PROD_SERVE_INGRESS:
+        return ray_services(stack)
+    cfg = _prod_serve_ingress_config()
+    return [ray_service_manifest(ray_service_args(cfg, name)) for name in cfg.services()]
+
+
+def _layout(rs: dict[str, Any]) -> str:
+    args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+    return str(args.get("layout", "serve-ingress"))
+
+
+def serve_ingress_services(stack: str) -> list[dict[str, Any]]:
+    return [rs for rs in ray_services_of(stack) if _layout(rs) == "serve-ingress"]
+
+
+# Every stack and layout that has an OpenAI ingress to check.
+INGRESS_STACKS = ["dev", PROD_SERVE_INGRESS]
 
 
 def _container(pod_template: dict[str, Any]) -> dict[str, Any]:
@@ -141,24 +171,29 @@ def test_head_holds_no_replicas_and_runs_on_system_nodes(stack: str) -> None:
         assert head["rayStartParams"]["metrics-export-port"] == str(RAY_PORTS.metrics.number)
         assert head["template"]["spec"]["nodeSelector"] == system.node_selector()
         container = _container(head["template"])
-        assert {(p["name"], p["containerPort"]) for p in container["ports"]} == {
+        ports = {
             ("gcs-server", 6379),
             ("dashboard", 8265),
             ("client", 10001),
-            ("serve", 8000),
             ("metrics", 8080),
             ("as-metrics", 44217),
             ("dash-metrics", 44227),
         }
+        # A vllm-server head names no `serve` port: KubeRay would swap the
+        # serve Service's ports for it (see test_kuberay_keeps_the_serve_service_ports).
+        if _layout(rs) == "serve-ingress":
+            ports.add(("serve", 8000))
+        assert {(p["name"], p["containerPort"]) for p in container["ports"]} == ports
         env = {e["name"]: e["value"] for e in container["env"]}
         assert env["RAY_PROMETHEUS_HOST"].startswith("http://")
         assert env["RAY_GRAFANA_HOST"].startswith("http://")
         assert spec["excludeHeadPodFromServeSvc"] is True
         assert cluster["rayVersion"] == versions.RAY_VERSION
         assert container["image"].partition("@")[2].startswith("sha256:")
-        ingress = group(rs, INGRESS_GROUP)
-        assert "nvidia.com/gpu" not in _container(ingress["template"])["resources"]["limits"]
-        assert ingress["template"]["spec"]["nodeSelector"] == system.node_selector()
+        if _layout(rs) == "serve-ingress":
+            ingress = group(rs, INGRESS_GROUP)
+            assert "nvidia.com/gpu" not in _container(ingress["template"])["resources"]["limits"]
+            assert ingress["template"]["spec"]["nodeSelector"] == system.node_selector()
 
 
 @pytest.mark.parametrize("stack", STACKS)
@@ -246,12 +281,13 @@ def test_serve_config_comes_from_the_catalogue(stack: str) -> None:
         assert app["args"]["limits"] == cfg.serving.limits.model_dump()
 
 
-@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("stack", [*STACKS, PROD_SERVE_INGRESS])
 def test_serve_config_is_valid_for_ray_serve_and_serve_llm(stack: str) -> None:
+    """Ray's own schema reads the serveConfigV2 of either layout (proxy_location HeadOnly included)."""
     schema = pytest.importorskip("ray.serve.schema", reason="ray[serve]==2.60.0 is not installed")
     from workloads.inference_server.catalog import Catalog
 
-    for rs in ray_services(stack):
+    for rs in ray_services_of(stack):
         doc = yaml.safe_load(rs["spec"]["serveConfigV2"])
         schema.ServeDeploySchema.model_validate(doc)
         catalog = Catalog.model_validate(doc["applications"][0]["args"])
@@ -333,12 +369,14 @@ def test_ray_start_params_survive_the_shell(stack: str) -> None:
                 assert not clash, f"{name}: group resources and rayStartParams {sorted(clash)}"
 
 
-@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("stack", INGRESS_STACKS)
 def test_ingress_keeps_serving_at_every_scale(stack: str) -> None:
     """The OpenAI ingress never follows the models to zero, and its pods all hold a replica."""
-    cfg = config(stack)
+    cfg = _prod_serve_ingress_config() if stack == PROD_SERVE_INGRESS else config(stack)
     ingress = cfg.serving.ingress
-    for rs in ray_services(stack):
+    services = serve_ingress_services(stack)
+    assert services
+    for rs in services:
         args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
         assert args["ingress"]["min_replicas"] >= 1
         assert args["ingress"] == ingress.model_dump(mode="json")
@@ -359,20 +397,20 @@ def test_ingress_keeps_serving_at_every_scale(stack: str) -> None:
 
 
 def test_prod_runs_two_ingress_replicas_on_two_nodes() -> None:
-    for rs in ray_services("prod"):
+    for rs in ray_services_of(PROD_SERVE_INGRESS):
         args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
         assert args["ingress"]["min_replicas"] >= 2
         assert args["ingress"]["max_replicas_per_node"] == 1
         assert group(rs, INGRESS_GROUP)["minReplicas"] >= 2
 
 
-@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("stack", INGRESS_STACKS)
 def test_serve_llm_builds_the_ingress_with_the_rendered_bounds(stack: str) -> None:
     """Serve LLM's own builder, on the rendered args: the ingress is never at zero."""
     pytest.importorskip("ray.serve.llm", reason="ray[serve]==2.60.0 is not installed")
     from workloads.inference_server.app import build_app
 
-    for rs in ray_services(stack):
+    for rs in serve_ingress_services(stack):
         args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
         with no_local_ray_instance():
             ingress = build_app(args)._bound_deployment
@@ -502,6 +540,9 @@ def test_serve_stops_replicas_gracefully_for_the_whole_budget(stack: str) -> Non
     for rs in ray_services(stack):
         args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
         catalog = Catalog.model_validate(args)
+        if catalog.layout == "vllm-server":
+            # One deployment, built by the server's own builder (test_vllm_server_replicas_fill_one_gpu_pod_each).
+            continue
         configs = [engine.llm_config_kwargs(e, catalog)["deployment_config"] for e in catalog.models]
         configs.append(engine.ingress_deployment_config(catalog))
         for deployment in configs:
@@ -575,8 +616,9 @@ def _zone_spread(template: dict[str, Any]) -> list[dict[str, Any]]:
     return [c for c in template["spec"].get("topologySpreadConstraints", []) if c["topologyKey"] == ZONE_LABEL]
 
 
-def test_prod_spreads_ingress_and_model_replicas_over_zones() -> None:
-    for rs in ray_services("prod"):
+@pytest.mark.parametrize("stack", ["prod", PROD_SERVE_INGRESS])
+def test_prod_spreads_ingress_and_model_replicas_over_zones(stack: str) -> None:
+    for rs in ray_services_of(stack):
         name = rs["metadata"]["name"]
         for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
             (spread,) = _zone_spread(g["template"])
@@ -629,13 +671,13 @@ def test_every_model_names_its_load_balancer_beside_its_url(stack: str) -> None:
             )
 
 
-@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("stack", INGRESS_STACKS)
 def test_only_the_ingress_group_advertises_what_an_ingress_replica_asks_for(stack: str) -> None:
     """Serve's own builder: an ingress replica needs the resource only ingress nodes have, one per replica slot."""
     pytest.importorskip("ray.serve.llm", reason="ray[serve]==2.60.0 is not installed")
     from workloads.inference_server.app import build_app
 
-    for rs in ray_services(stack):
+    for rs in serve_ingress_services(stack):
         args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
         with no_local_ray_instance():
             need = build_app(args)._bound_deployment._replica_config.resource_dict
@@ -647,3 +689,144 @@ def test_only_the_ingress_group_advertises_what_an_ingress_replica_asks_for(stac
         head = cluster["headGroupSpec"]
         assert INGRESS_RESOURCE not in head.get("resources", {})
         assert INGRESS_RESOURCE not in head["rayStartParams"].get("resources", "")
+
+
+# --- the vllm-server layout: Serve places the replicas, Kubernetes routes to them ---
+
+
+def test_prod_serves_in_the_vllm_server_layout_and_dev_stays_on_serve_ingress() -> None:
+    """`auto`: one model, never at zero, one pod per replica -> vllm-server; dev scales to zero."""
+    assert set(config("prod").layouts().values()) == {"vllm-server"}
+    assert set(config("dev").layouts().values()) == {"serve-ingress"}
+    for rs in ray_services("prod"):
+        doc = yaml.safe_load(rs["spec"]["serveConfigV2"])
+        # Nothing routes through Serve's proxies: one on the head, none on the GPU workers.
+        assert doc["proxy_location"] == "HeadOnly"
+        args = doc["applications"][0]["args"]
+        assert args["layout"] == "vllm-server"
+        assert args["vllm_server"] == {
+            "host": "0.0.0.0",
+            "port": RAY_PORTS.openai.number,
+            "metrics_port": RAY_PORTS.vllm_metrics.number,
+            "address_dir": None,
+        }
+        # No OpenAI ingress, so no ingress group, resource or settings.
+        assert "ingress" not in args and "ingress_resource" not in args
+        groups = [g["groupName"] for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]]
+        assert INGRESS_GROUP not in groups and all(g.startswith("gpu-") for g in groups)
+    for rs in ray_services("dev"):
+        doc = yaml.safe_load(rs["spec"]["serveConfigV2"])
+        assert doc["proxy_location"] == "EveryNode"
+        # Written as before layouts existed: the server's default is serve-ingress.
+        assert "layout" not in doc["applications"][0]["args"]
+        assert "vllm_server" not in doc["applications"][0]["args"]
+
+
+def _declared(template: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in _container(template).get("ports", [])}
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_vllm_server_gpu_workers_declare_their_server_and_are_ready_when_it_is_healthy(stack: str) -> None:
+    for rs in ray_services(stack):
+        vllm_server = _layout(rs) == "vllm-server"
+        for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+            if not g["groupName"].startswith("gpu-"):
+                continue
+            ports = _declared(g["template"])
+            container = _container(g["template"])
+            skips = g["template"]["metadata"]["annotations"].values()
+            if not vllm_server:
+                assert "openai" not in ports and "readinessProbe" not in container
+                continue
+            assert ports[RAY_PORTS.openai.name] == 8100 and ports[RAY_PORTS.vllm_metrics.name] == 8101
+            # No Serve proxy runs on a GPU worker here (proxy_location HeadOnly): no `serve` port to open.
+            assert RAY_PORTS.metrics.name in ports and RAY_PORTS.serve.name not in ports
+            probe = container["readinessProbe"]
+            # KubeRay keeps a probe it is given; this one asks the replica's own server (no API key on /health).
+            assert probe["httpGet"] == {"path": "/health", "port": RAY_PORTS.openai.name, "scheme": "HTTP"}
+            assert probe["httpGet"]["port"] in ports
+            assert probe["failureThreshold"] == 1 and probe["periodSeconds"] <= 10
+            assert not any(v.startswith("CKV_K8S_9=") for v in skips)
+            assert "livenessProbe" not in container  # KubeRay's own (dashboard agent) stays
+
+
+def _kuberay_serve_service_ports(rs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ports KubeRay 1.7 gives the serve Service of a RayService with a custom `serveService`.
+
+    ray-operator/controllers/ray/common/service.go BuildServeService: the head
+    container's ports named `serve` or `serve-*`, each replaced by the user's
+    port of the same name; the user's ports unchanged only when the head has none.
+    """
+    head = _container(rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"])
+    auto = [p for p in head.get("ports", []) if p["name"] == "serve" or p["name"].startswith("serve-")]
+    user = rs["spec"]["serveService"]["spec"]["ports"]
+    if not auto:
+        return list(user)
+    by_name = {p["name"]: p for p in user}
+    return [by_name.get(p["name"], {"name": p["name"], "port": p["containerPort"]}) for p in auto]
+
+
+@pytest.mark.parametrize("stack", [*STACKS, PROD_SERVE_INGRESS])
+def test_kuberay_keeps_the_serve_service_ports_and_they_reach_the_serving_pods(stack: str) -> None:
+    """The load balancer listens where the program says and targets a port only the serving pods declare."""
+    for rs in ray_services_of(stack):
+        svc = rs["spec"]["serveService"]
+        assert _kuberay_serve_service_ports(rs) == svc["spec"]["ports"]
+        (port,) = svc["spec"]["ports"]
+        wanted = RAY_PORTS.openai if _layout(rs) == "vllm-server" else RAY_PORTS.serve
+        assert port["targetPort"] == wanted.name
+        serving = [
+            g
+            for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+            if port["targetPort"] in _declared(g["template"])
+        ]
+        assert serving, "no worker declares the port the serve Service targets"
+        if _layout(rs) == "vllm-server":
+            # Only the GPU workers, each a replica's server.
+            assert {g["groupName"] for g in serving} == {
+                worker_group_name(m) for m in config("prod").services()[rs["metadata"]["name"]]
+            }
+        assert rs["spec"]["excludeHeadPodFromServeSvc"] is True
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_vllm_server_replicas_fill_one_gpu_pod_each(stack: str) -> None:
+    """The server's own builder: a replica asks for its group's GPUs and accelerator, and stops gracefully."""
+    pytest.importorskip("ray.serve", reason="ray[serve]==2.60.0 is not installed")
+    from workloads.inference_server.app import build_app
+
+    timings = drain(config(stack))
+    checked = 0
+    for rs in ray_services(stack):
+        if _layout(rs) != "vllm-server":
+            continue
+        args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+        with no_local_ray_instance():
+            deployment = build_app(args)._bound_deployment
+        need = deployment._replica_config.resource_dict
+        (g,) = [g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"].startswith("gpu-")]
+        limits = _container(g["template"])["resources"]["limits"]
+        assert need["GPU"] == int(limits["nvidia.com/gpu"]) * g.get("numOfHosts", 1)
+        assert need["CPU"] <= int(limits["cpu"])
+        (accelerator,) = g["resources"]
+        assert need[accelerator] > 0
+        config_ = deployment._deployment_config
+        assert config_.graceful_shutdown_timeout_s == timings.serve_timeout_seconds
+        assert config_.autoscaling_config.min_replicas == args["models"][0]["autoscaling"]["min_replicas"] >= 1
+        checked += 1
+    assert checked == (2 if stack == "prod" else 0)
+
+
+def test_vllm_server_replicas_get_the_engine_start_timeout() -> None:
+    from infra.serving.ray_service import VLLM_SERVER_START_TIMEOUT_ENV
+
+    cfg = config("prod")
+    for rs in ray_services("prod"):
+        for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+            assert _env(g["template"])[VLLM_SERVER_START_TIMEOUT_ENV] == str(cfg.ray.cold_start.engine_start_seconds)
+    for rs in ray_services("dev"):
+        for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+            assert VLLM_SERVER_START_TIMEOUT_ENV not in _env(g["template"])
+    # The replica reads that name (workloads/inference_server/vllm_server.py).
+    assert VLLM_SERVER_START_TIMEOUT_ENV in (ROOT / "workloads/inference_server/vllm_server.py").read_text()

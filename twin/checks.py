@@ -16,6 +16,17 @@
    the rendered catalogue, must fit a CPU group and no GPU group (nor the
    head when the serve Service leaves it out): an ingress replica on a GPU
    worker leaves an ingress pod with no proxy, never Ready.
+
+A catalogue in the "vllm-server" layout has neither a placement group nor an
+ingress: Serve places one actor per replica, which runs vLLM's own server,
+and the load balancer reaches that server in the pod. For it, 3 and 4 become:
+
+3. The replica actor's resources, from the workload's own builder on the
+   rendered catalogue, must fit one node of the model's group, no other
+   group, and never twice in one node (two servers in one pod would race
+   for its port).
+4. The model's GPU pods must declare the server's port, probe its /health
+   for readiness on it, and the serve Service must send traffic to it.
 """
 
 from __future__ import annotations
@@ -326,6 +337,14 @@ def check_placements(
     specs = {str(g.get("groupName")): g for g in service.worker_groups()}
     serve_config = service.serve_config()
     for app in serve_config.get("applications") or []:
+        if catalog_layout(app.get("args") or {}) == "vllm-server":
+            try:
+                replica = vllm_server_replica(app)
+            except Exception as err:
+                report.fail(service.name, f"replica placement ({app.get('name')}): the builder refuses it: {err}")
+                continue
+            check_replica_placement(service, report, replica, node_types, specs, model_groups)
+            continue
         try:
             placements = serve_llm_placements(app.get("args") or {})
         except Exception as err:
@@ -379,6 +398,207 @@ def _check_placement(
     )
 
 
+def catalog_layout(catalog_args: Mapping[str, Any]) -> str:
+    """The catalogue's layout ("serve-ingress" when it names none, as the catalogue's own default)."""
+    return str(catalog_args.get("layout") or "serve-ingress")
+
+
+def parse_catalog(catalog_args: Mapping[str, Any]) -> Any:
+    """The workload's own ``Catalog`` of ``catalog_args`` (untyped here: the workload is not on mypy's path)."""
+    return importlib.import_module("inference_server.catalog").Catalog.model_validate(dict(catalog_args))
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    """What one replica of a "vllm-server" deployment asks Ray for, as the workload's builder sets it."""
+
+    model_id: str
+    deployment: str
+    actor_options: dict[str, Any]
+    resources: dict[str, float]
+    placement_group_bundles: list[dict[str, float]] | None
+    max_replicas_per_node: int | None
+    min_replicas: int
+
+
+# The actor options that decide where a replica lands (the rest, such as runtime_env, do not).
+PLACEMENT_OPTIONS = ("num_cpus", "num_gpus", "memory", "accelerator_type", "resources")
+
+
+def _config_overrides(app: Mapping[str, Any], deployment: str) -> dict[str, Any]:
+    """The serveConfigV2 ``deployments`` entry for ``deployment``: Serve applies it over the builder's options."""
+    for entry in app.get("deployments") or []:
+        if isinstance(entry, dict) and entry.get("name") == deployment:
+            return dict(entry)
+    return {}
+
+
+def vllm_server_replica(app: Mapping[str, Any]) -> ReplicaOptions:
+    """The replica actor of a "vllm-server" application, from the workload's ``build_app`` on its catalogue."""
+    from ray.serve._private.config import ReplicaConfig
+
+    catalog_args = dict(app.get("args") or {})
+    server: Any = importlib.import_module("inference_server.app")
+    with no_local_ray_instance(), _quiet("ray.serve"), _quiet("inference_server"):
+        deployment = server.build_app(catalog_args)._bound_deployment
+    replica = deployment._replica_config
+    overrides = _config_overrides(app, deployment.name)
+    if overrides:
+        # As Serve applies a config entry: its ray_actor_options replace the code's, the rest override one by one.
+        replica = ReplicaConfig.create(
+            replica.deployment_def,
+            ray_actor_options=dict(overrides.get("ray_actor_options", replica.ray_actor_options) or {}),
+            placement_group_bundles=overrides.get("placement_group_bundles", replica.placement_group_bundles),
+            max_replicas_per_node=overrides.get("max_replicas_per_node", replica.max_replicas_per_node),
+        )
+    options = dict(replica.ray_actor_options or {})
+    entry = parse_catalog(catalog_args).models[0]
+    bundles = replica.placement_group_bundles
+    return ReplicaOptions(
+        model_id=str(entry.model_id),
+        deployment=str(deployment.name),
+        actor_options={k: v for k, v in options.items() if k in PLACEMENT_OPTIONS},
+        resources={str(k): float(v) for k, v in replica.resource_dict.items() if v},
+        placement_group_bundles=None
+        if bundles is None
+        else [{str(k): float(v) for k, v in b.items()} for b in bundles],
+        max_replicas_per_node=replica.max_replicas_per_node,
+        min_replicas=int(entry.autoscaling.min_replicas),
+    )
+
+
+def scaled(resources: Mapping[str, float], times: int) -> dict[str, float]:
+    """``times`` replicas' worth of ``resources``."""
+    return {key: value * times for key, value in resources.items()}
+
+
+def check_replica_placement(
+    service: RayServiceSpec,
+    report: Report,
+    replica: ReplicaOptions,
+    node_types: Mapping[str, dict[str, float]],
+    specs: Mapping[str, Mapping[str, Any]],
+    model_groups: Mapping[str, str],
+) -> None:
+    """Check 3 for "vllm-server": the replica actor fits one node of the model's group, once, and no other group."""
+    label = f"replica placement ({replica.model_id})"
+    need = replica.resources
+    group = model_groups.get(replica.model_id)
+    if group is None or group not in node_types:
+        report.fail(service.name, f"{label}: no worker group {group or '?'} for the model in the RayCluster")
+        return
+    own = node_types[group]
+    problems = []
+    if replica.placement_group_bundles:
+        problems.append(
+            f"the replica asks for a placement group {replica.placement_group_bundles}: the layout runs one actor"
+        )
+    short = shortfall(need, own)
+    if short:
+        problems.append(f"a replica {_fmt(need)} does not fit a node of {group} {_fmt(own)} ({'; '.join(short)})")
+    elif not shortfall(scaled(need, 2), own) and replica.max_replicas_per_node != 1:
+        problems.append(
+            f"two replicas {_fmt(need)} fit one node of {group} {_fmt(own)}: their servers would share the pod's port"
+        )
+    if own.get("GPU", 0) > 0 and need.get("GPU", 0) < own["GPU"]:
+        problems.append(
+            f"the replica asks for {_num(need.get('GPU', 0))} GPUs but a node of {group} has {_num(own['GPU'])}"
+            + (": vLLM would run on the CPU" if need.get("GPU", 0) <= 0 else ": the rest would sit idle")
+        )
+    shared = _node_group(specs.get(group) or {})
+    for other, resources in sorted(node_types.items()):
+        if other == group or (other in specs and _node_group(specs[other]) == shared):
+            continue
+        if not shortfall(need, resources):
+            problems.append(f"it also fits group {other} {_fmt(resources)}: the replica could land there")
+    report.check(
+        service.name,
+        not problems,
+        f"{label}: "
+        + (
+            "; ".join(problems)
+            if problems
+            else f"the {replica.deployment} replica {_fmt(need)} fits one node of {group}, once, and no other group"
+        ),
+    )
+
+
+def _container(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The Ray container of a group (KubeRay's is the first)."""
+    containers = ((spec.get("template") or {}).get("spec") or {}).get("containers") or [{}]
+    return dict(containers[0])
+
+
+def resolve_port(port: Any, declared: Mapping[str, int]) -> int | None:
+    """A probe's or a Service's port (a name or a number) as the container port it means, or None."""
+    if isinstance(port, str) and not port.isdigit():
+        return declared.get(port)
+    try:
+        number = int(port)
+    except (TypeError, ValueError):
+        return None
+    return number if number in declared.values() else None
+
+
+def check_server_pods(service: RayServiceSpec, report: Report, catalog: Any, group: str | None, model_id: str) -> None:
+    """Check 4 for "vllm-server": the GPU pods declare and probe the server's port; the serve Service targets it."""
+    label = f"server port ({model_id})"
+    specs = {str(g.get("groupName")): g for g in service.worker_groups()}
+    if group is None or group not in specs:
+        report.fail(service.name, f"{label}: no worker group {group or '?'} for the model in the RayCluster")
+        return
+    container = _container(specs[group])
+    declared = {str(p.get("name")): int(p.get("containerPort", 0)) for p in container.get("ports") or []}
+    want, metrics = int(catalog.vllm_server.port), int(catalog.vllm_server.metrics_port)
+    problems = []
+    probe = container.get("readinessProbe") or {}
+    http = probe.get("httpGet") or {}
+    probed = resolve_port(http.get("port"), declared)
+    if not http:
+        problems.append(
+            f"the {group} pods have no HTTP readiness probe: KubeRay then injects Serve's proxy check, "
+            "which says nothing of the vLLM server"
+        )
+    elif probed is None:
+        problems.append(
+            f"the readiness probe's port {http.get('port')!r} is not among the container's ports "
+            f"{sorted(declared.items())}"
+        )
+    elif probed != want:
+        problems.append(f"the readiness probe checks port {probed} but the server listens on {want}")
+    if http and http.get("path") != "/health":
+        problems.append(f"the readiness probe asks {http.get('path')!r}, not the server's open /health")
+    if want not in declared.values():
+        problems.append(f"the container declares no port {want} (vllm_server.port)")
+    if metrics not in declared.values():
+        problems.append(f"the container declares no port {metrics} (vllm_server.metrics_port): nothing scrapes it")
+    head_ports = {str(p.get("name")) for p in _container(service.cluster.get("headGroupSpec") or {}).get("ports") or []}
+    hijack = sorted(n for n in head_ports if n == "serve" or n.startswith("serve-"))
+    if hijack:
+        problems.append(
+            f"the head declares {hijack}: KubeRay then gives the serve Service those ports instead of its own"
+        )
+    targets = [
+        p.get("targetPort") for p in ((service.spec.get("serveService") or {}).get("spec") or {}).get("ports") or []
+    ]
+    if not targets:
+        problems.append("the serve Service declares no ports: KubeRay's default targets Serve's proxy (serve, 8000)")
+    for target in targets:
+        if resolve_port(target, declared) != want:
+            problems.append(f"the serve Service's targetPort {target!r} is not the server's port {want}")
+    served = next((n for n, number in declared.items() if number == want), str(want))
+    report.check(
+        service.name,
+        not problems,
+        f"{label}: "
+        + (
+            "; ".join(problems)
+            if problems
+            else f"the {group} pods probe GET /health on {served} ({want}) and the serve Service targets it"
+        ),
+    )
+
+
 def serve_llm_ingress_resources(catalog_args: Mapping[str, Any]) -> dict[str, float]:
     """The resources one OpenAI ingress replica asks for, from the workload's builder (Serve LLM's own options)."""
     server: Any = importlib.import_module("inference_server.app")
@@ -393,6 +613,8 @@ def check_ingress_placement(service: RayServiceSpec, report: Report, config: Map
     fits: list[str] = []
     wrong: list[str] = []
     for app in service.serve_config().get("applications") or []:
+        if catalog_layout(app.get("args") or {}) == "vllm-server":
+            continue  # no ingress: the load balancer reaches the replicas' servers
         try:
             need = serve_llm_ingress_resources(app.get("args") or {})
         except Exception as err:
@@ -440,6 +662,23 @@ def run_static_checks(
     config = derive_autoscaling_config(service, report, started)
     if config is None or len(started) != len(kuberay.groups(service.cluster)):
         return None
-    check_placements(service, report, config, model_groups_for(service, model_names))
+    groups = model_groups_for(service, model_names)
+    check_placements(service, report, config, groups)
     check_ingress_placement(service, report, config)
+    check_server_ports(service, report, groups)
     return config, started
+
+
+def check_server_ports(service: RayServiceSpec, report: Report, model_groups: Mapping[str, str]) -> None:
+    """Check 4 of every "vllm-server" application."""
+    for app in service.serve_config().get("applications") or []:
+        args = app.get("args") or {}
+        if catalog_layout(args) != "vllm-server":
+            continue
+        try:
+            catalog = parse_catalog(args)
+        except Exception as err:
+            report.fail(service.name, f"server port ({app.get('name')}): the catalogue does not parse: {err}")
+            continue
+        model_id = str(catalog.models[0].model_id)
+        check_server_pods(service, report, catalog, model_groups.get(model_id), model_id)

@@ -13,6 +13,16 @@ Each change is returned as one printable line. What changes, and why:
 * Serve's HTTP proxy on 127.0.0.1 and a free port;
 * scale-down delays of models that scale to zero, shortened so the twin
   sees them go within its run.
+
+A "vllm-server" catalogue (Serve places vLLM's own server, no Serve LLM) changes too:
+
+* the replica's server on 127.0.0.1 and free ports, each replica writing its
+  address to a file in the twin's directory: every local node shares
+  127.0.0.1, where a fixed port would be taken by the first replica;
+* the replica actor keeps the options the rendered catalogue gives it (its
+  GPUs as the node's logical GPUs, and ``accelerator_type``), computed by the
+  workload's own builder, while vLLM runs on the CPU: so the autoscaler
+  must start a node of the model's group for each replica, as in production.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from typing import Any
 
 from localserve.server import KV_CACHE_BYTES, MAX_MODEL_LEN
 from twin import serve_app
+from twin.checks import catalog_layout, vllm_server_replica
 from twin.cluster import LOOPBACK
 
 # Eager mode: no graph capture at start-up, which costs minutes on two cores.
@@ -43,6 +54,10 @@ class ModelInfo:
     model_id: str
     min_replicas: int
     accelerator_type: str | None
+    layout: str = "serve-ingress"
+    # vllm-server: the replica actor's options as rendered, and where its replicas write their addresses.
+    actor_options: dict[str, Any] = field(default_factory=dict)
+    address_dir: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -66,14 +81,20 @@ class TwinServeConfig:
     substitutions: list[str] = field(default_factory=list)
 
 
-def _model(entry: dict[str, Any], model_dir: Path, fitting: Fitting, subs: list[str]) -> dict[str, Any] | None:
+def _model(
+    entry: dict[str, Any], model_dir: Path, fitting: Fitting, subs: list[str], layout: str = "serve-ingress"
+) -> dict[str, Any] | None:
     """Substitutes one catalogue entry in place; returns its placement group config (or None)."""
     model_id = entry.get("model_id")
     changes = [f"source {entry.get('source')} -> {model_dir}"]
     entry["source"] = str(model_dir)
     accelerator = entry.get("accelerator_type")
     placement = None
-    if accelerator:
+    if accelerator and layout == "vllm-server":
+        changes.append(
+            f"accelerator {accelerator} -> CPU (the replica actor still asks for accelerator_type {accelerator})"
+        )
+    elif accelerator:
         key = f"accelerator_type:{accelerator}"
         placement = {"bundles": [{"CPU": 1, key: ACCELERATOR_SLIVER}]}
         changes.append(f"accelerator {accelerator} -> CPU, bundle {{CPU: 1, {key}: {ACCELERATOR_SLIVER}}}")
@@ -108,6 +129,31 @@ def _model(entry: dict[str, Any], model_dir: Path, fitting: Fitting, subs: list[
     return placement
 
 
+def _vllm_server(app: Mapping[str, Any], catalog: dict[str, Any], address_dir: Path, subs: list[str]) -> dict[str, Any]:
+    """Puts the replicas' servers on loopback and free ports; returns the rendered replica's actor options."""
+    name = app.get("name")
+    rendered = dict(catalog.get("vllm_server") or {})
+    address_dir.mkdir(parents=True, exist_ok=True)
+    subs.append(
+        f"app {name}: vllm_server {rendered.get('host', '0.0.0.0')}:{rendered.get('port', 8100)} "
+        f"(metrics {rendered.get('metrics_port', 8101)}) -> {LOOPBACK}, free ports, addresses in {address_dir}: "
+        "every local node shares one address, where a fixed port is the first replica's"
+    )
+    catalog["vllm_server"] = {
+        **rendered,
+        "host": LOOPBACK,
+        "port": 0,
+        "metrics_port": 0,
+        "address_dir": str(address_dir),
+    }
+    options = vllm_server_replica(app).actor_options
+    subs.append(
+        f"app {name}: the replica actor keeps the rendered options {options} (the node's GPUs are logical ones; "
+        "vLLM runs on the CPU)"
+    )
+    return options
+
+
 def twin_serve_config(
     serve_config: Mapping[str, Any],
     *,
@@ -116,8 +162,13 @@ def twin_serve_config(
     http_port: int,
     api_key: str | None = None,
     fitting: Fitting | None = None,
+    address_root: Path | None = None,
 ) -> TwinServeConfig:
-    """The twin's serve config for one RayService's ``serveConfigV2``."""
+    """The twin's serve config for one RayService's ``serveConfigV2``.
+
+    ``address_root``: where each "vllm-server" application's replicas write
+    their addresses (one folder per application; default: next to the secrets).
+    """
     config = copy.deepcopy(dict(serve_config))
     fitting = fitting or Fitting()
     subs: list[str] = []
@@ -134,6 +185,12 @@ def twin_serve_config(
     for app in config.get("applications") or []:
         name = str(app.get("name"))
         catalog = copy.deepcopy(app.get("args") or {})
+        layout = catalog_layout(catalog)
+        address_dir = None
+        actor_options: dict[str, Any] = {}
+        if layout == "vllm-server":
+            address_dir = (address_root or secrets_dir.parent / "addresses") / name
+            actor_options = _vllm_server(app, catalog, address_dir, subs)
         placements = {}
         for entry in catalog.get("models") or []:
             scaling = entry.get("autoscaling") or {}
@@ -143,9 +200,12 @@ def twin_serve_config(
                     model_id=str(entry.get("model_id")),
                     min_replicas=int(scaling.get("min_replicas", 1)),
                     accelerator_type=entry.get("accelerator_type"),
+                    layout=layout,
+                    actor_options=actor_options,
+                    address_dir=address_dir,
                 )
             )
-            placement = _model(entry, model_dir, fitting, subs)
+            placement = _model(entry, model_dir, fitting, subs, layout)
             if placement is not None:
                 placements[str(entry.get("model_id"))] = placement
         subs.append(
@@ -153,16 +213,19 @@ def twin_serve_config(
         )
         catalog["api_keys_file"] = str(keys_file)
         catalog["model_cache_dir"] = str(secrets_dir / "models")
-        ingress = catalog.get("ingress")
-        ingress_min[name] = (
-            int(ingress["min_replicas"]) if isinstance(ingress, dict) and "min_replicas" in ingress else None
-        )
+        if layout != "vllm-server":
+            ingress = catalog.get("ingress")
+            ingress_min[name] = (
+                int(ingress["min_replicas"]) if isinstance(ingress, dict) and "min_replicas" in ingress else None
+            )
         subs.append(f"app {name}: import_path {app.get('import_path')} -> {serve_app.IMPORT_PATH}, which calls it")
         app["args"] = {
             "import_path": app.get("import_path"),
             "args": catalog,
             "placement_group_configs": placements,
         }
+        if actor_options:
+            app["args"]["ray_actor_options"] = actor_options
         app["import_path"] = serve_app.IMPORT_PATH
     return TwinServeConfig(
         config=config, api_key=key, models=models, ingress_min_replicas=ingress_min, substitutions=subs

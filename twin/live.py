@@ -9,16 +9,25 @@ Every local worker node's Serve proxy has a port of its own
 probes that node and nothing else; the head's proxy keeps the configured
 port. The sampler probes every node the Service could select, every second,
 for the whole run, including while models are at zero.
+
+In the "vllm-server" layout the serve Service targets the replicas' own vLLM
+servers, and a GPU pod is Ready when its server answers ``GET /health``
+(the rendered readiness probe). Each local replica writes where its server
+listens to a file (ports are free ones, as all nodes share 127.0.0.1), with
+its Ray node: the :class:`ServerSampler` probes, for each node the Service
+could select, the servers of the replicas on it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from twin.cluster import FAKE_HEAD_NODE_ID, LOOPBACK, LocalCluster
@@ -60,7 +69,7 @@ class EndpointSampler:
     samples: int = 0
     empty: list[Sample] = field(default_factory=list)
     latest: Sample | None = None
-    _ready_ports: list[int] = field(default_factory=list)
+    _ready_ports: list[Any] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -74,11 +83,18 @@ class EndpointSampler:
             found[f"head#{FAKE_HEAD_NODE_ID[-2:]}"] = self.cluster.head_proxy_port
         return found
 
+    # What a Ready pod answers, for the report's lines.
+    probe_name = "/-/healthz"
+
+    def probe(self) -> tuple[list[str], dict[str, Any]]:
+        """Every candidate's name, and the Ready ones with where a request to them goes."""
+        candidates = self.candidates()
+        return sorted(candidates), {name: port for name, port in candidates.items() if healthz(port)}
+
     def sample(self) -> Sample:
         """Probes once; remembers the Ready ones."""
-        candidates = self.candidates()
-        ready = {name: port for name, port in candidates.items() if healthz(port)}
-        result = Sample(at=time.monotonic() - self.started, candidates=sorted(candidates), ready=sorted(ready))
+        candidates, ready = self.probe()
+        result = Sample(at=time.monotonic() - self.started, candidates=candidates, ready=sorted(ready))
         self.samples += 1
         self.latest = result
         self._ready_ports = list(ready.values())
@@ -119,15 +135,99 @@ class EndpointSampler:
         if not self.empty:
             return (
                 True,
-                f"a node the serve Service selects answered /-/healthz in all {self.samples} samples over {span:.0f}s",
+                f"a node the serve Service selects answered {self.probe_name} in all {self.samples} samples "
+                f"over {span:.0f}s",
             )
         first = self.empty[0]
         return (
             False,
-            f"no node the serve Service selects answered /-/healthz in {len(self.empty)} of {self.samples} samples "
+            f"no node the serve Service selects answered {self.probe_name} in {len(self.empty)} of {self.samples} "
+            "samples "
             f"(first at {first.at:.0f}s; candidates then: {', '.join(first.candidates) or 'none'}): "
             "the Service has no endpoint, the RayService is not Ready and no request can reach Serve",
         )
+
+
+def server_health(base_url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """The rendered readiness probe of a vllm-server pod: its server answers ``GET /health`` with 200, no key."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=timeout_s) as response:
+            return int(response.status) == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+# A gauge every vLLM server exports on its metrics port (the replicas' autoscaling reads it).
+QUEUE_GAUGE = "vllm:num_requests_running"
+
+
+def metrics_answer(url: str, timeout_s: float = 10.0) -> str:
+    """What a replica's metrics port says without an API key: "ok" when it serves vLLM's gauges."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            body = response.read().decode(errors="replace")
+    except urllib.error.HTTPError as err:
+        return f"HTTP {err.code}"
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError) as err:
+        return type(err).__name__
+    return "ok" if QUEUE_GAUGE in body else f"no {QUEUE_GAUGE}"
+
+
+def server_root(url: str) -> str:
+    """A replica's server root from the OpenAI base URL it published (``http://host:port/v1``)."""
+    return url[: -len("/v1")] if url.endswith("/v1") else url.rstrip("/")
+
+
+def replica_addresses(address_dirs: list[Path]) -> list[dict[str, Any]]:
+    """What every running vllm-server replica wrote about itself, with the workload's own reader."""
+    from localserve.server import replica_addresses as read
+
+    found: list[dict[str, Any]] = []
+    for folder in address_dirs:
+        for _ in range(3):
+            try:
+                found += [dict(r) for r in read(folder)]
+                break
+            except (OSError, ValueError):
+                continue  # a stopping replica removed its file between the listing and the read
+    return found
+
+
+@dataclass
+class ServerSampler(EndpointSampler):
+    """The serve Service's endpoints in the vllm-server layout: nodes whose replicas' servers answer /health."""
+
+    address_dirs: list[Path] = field(default_factory=list)
+    probe_name = "/health"
+
+    def servers(self) -> dict[str, list[str]]:
+        """Node label -> the server roots of the replicas on it, for every node the Service could select."""
+        labels = {
+            node_id: f"{info.get('node_type', '?')}#{node_id[-2:]}"
+            for node_id, info in self.cluster.proxy_ports().items()
+        }
+        if not self.excludes_head:
+            labels[FAKE_HEAD_NODE_ID] = f"head#{FAKE_HEAD_NODE_ID[-2:]}"
+        found: dict[str, list[str]] = {label: [] for label in labels.values()}
+        for replica in replica_addresses(self.address_dirs):
+            label = labels.get(str(replica.get("node_id")))
+            if label is not None:
+                found[label].append(server_root(str(replica.get("url", ""))))
+        return found
+
+    def probe(self) -> tuple[list[str], dict[str, Any]]:
+        ready: dict[str, Any] = {}
+        servers = self.servers()
+        for name, roots in servers.items():
+            answering = [root for root in roots if server_health(root)]
+            if answering:
+                ready[name] = answering[0]
+        return sorted(servers), ready
+
+    def ready_root(self) -> str | None:
+        """A server the serve Service could send a request to now."""
+        roots = [str(r) for r in self._ready_ports]
+        return roots[0] if roots else None
 
 
 def serve_details() -> dict[str, Any]:
@@ -209,9 +309,16 @@ def wait_for(
 
 def chat(port: int, api_key: str, model_id: str, timeout_s: float = REQUEST_TIMEOUT_S) -> str:
     """One chat completion through the official OpenAI client; returns the answer's text."""
+    return chat_at(f"http://{LOOPBACK}:{port}/v1", api_key, model_id, timeout_s)
+
+
+def chat_at(base_url: str, api_key: str, model_id: str, timeout_s: float = REQUEST_TIMEOUT_S) -> str:
+    """:func:`chat` against an OpenAI base URL."""
     import openai
 
-    client = openai.OpenAI(base_url=f"http://{LOOPBACK}:{port}/v1", api_key=api_key, timeout=timeout_s, max_retries=0)
+    # The client logs each request at INFO, which the twin's report already states.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0)
     result = client.chat.completions.create(
         model=model_id,
         messages=[{"role": "user", "content": "Say hello."}],
@@ -227,7 +334,12 @@ def chat(port: int, api_key: str, model_id: str, timeout_s: float = REQUEST_TIME
 
 def status_without_key(port: int) -> int:
     """The HTTP status of ``/v1/models`` asked without an API key."""
-    request = urllib.request.Request(f"http://{LOOPBACK}:{port}/v1/models")
+    return status_of(f"http://{LOOPBACK}:{port}/v1/models")
+
+
+def status_of(url: str) -> int:
+    """The HTTP status of ``GET url`` without an API key."""
+    request = urllib.request.Request(url)
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return int(response.status)

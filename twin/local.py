@@ -7,7 +7,9 @@ serves the OpenAI API at ``http://127.0.0.1:8000/v1`` with an API key
 generated for this run (the render's keys are placeholders), prints both,
 and stops everything on Ctrl-C. The rendered scale-down delays are kept, so
 a model at ``min_replicas: 0`` goes to zero after its idle time, and the next
-request wakes it (a new worker node and engine start: about a minute).
+request wakes it (a new worker node and engine start: about a minute). A
+service in the vllm-server layout is served by each replica's own vLLM
+server, on a free port each: the run prints their base URLs instead.
 
 ``--model-dir`` serves a local model directory (Hugging Face layout: config,
 safetensors weights, tokenizer) instead of the tiny random-weight model.

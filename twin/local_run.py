@@ -13,7 +13,7 @@ from localserve.server import KV_CACHE_BYTES
 from twin import live
 from twin.checks import model_groups_for, run_static_checks
 from twin.cluster import LOOPBACK, REPO
-from twin.deploy import Fitting
+from twin.deploy import Fitting, ModelInfo
 from twin.render import RayServiceSpec, model_names
 from twin.report import Report
 from twin.run import Session, prepare, start_and_deploy, wait_running
@@ -98,6 +98,12 @@ class LocalRun:
             return False
         return self._load_models()
 
+    def base_urls(self, model: ModelInfo) -> list[str]:
+        """Where a client reaches ``model``: Serve's proxy, or in the vllm-server layout each replica's own server."""
+        if model.layout != "vllm-server" or model.address_dir is None:
+            return [f"http://{LOOPBACK}:{self.port}/v1"]
+        return sorted(str(r["url"]) for r in live.replica_addresses([model.address_dir]) if r.get("url"))
+
     def _load_models(self) -> bool:
         assert self.session is not None
         for model in self.session.serve.models:
@@ -105,7 +111,11 @@ class LocalRun:
             self.report.step(self.name, f"model load: {model.model_id} (a {group} node and its engine start)")
             began = time.monotonic()
             try:
-                live.chat(self.port, self.session.serve.api_key, model.model_id, timeout_s=LOAD_TIMEOUT_S)
+                urls = self.base_urls(model)
+                if not urls:
+                    raise RuntimeError("no replica published its server's address")
+                for url in urls:
+                    live.chat_at(url, self.session.serve.api_key, model.model_id, timeout_s=LOAD_TIMEOUT_S)
             except Exception as err:
                 self.report.fail(self.name, f"model load: {model.model_id} did not answer: {err}")
                 return False
@@ -116,11 +126,14 @@ class LocalRun:
     def announce(self) -> None:
         """What a person needs to use it."""
         assert self.session is not None
-        base = f"http://{LOOPBACK}:{self.port}/v1"
-        models = [m.model_id for m in self.session.serve.models]
+        served = self.session.serve.models
+        urls = [url for m in served for url in self.base_urls(m)]
+        base = urls[0]
+        models = [m.model_id for m in served]
         lines = [
             "",
             f"  OpenAI base URL: {base}",
+            *(f"                   {url} (another replica's server)" for url in urls[1:]),
             f"  API key:         {self.session.serve.api_key}",
             f"  models:          {', '.join(models)}",
             "",

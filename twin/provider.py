@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,38 @@ PROXY_PORT_ENV = "RAY_SERVE_WORKER_PROXY_HTTP_PORT"
 RESOURCES_ENV = "RAY_OVERRIDE_RESOURCES"
 
 
+# A node's proxy binds its port only once the node is up and Serve starts the proxy, many seconds
+# after the port is picked. A port the kernel hands out for `bind(0)` may be taken by then by any
+# process on the machine (each Ray node and vLLM server binds several); below that range only a
+# process that names the port can take it.
+PORT_FLOOR = 20000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def _free_port() -> int:
+    """A free port on 127.0.0.1, outside the range the kernel gives to ``bind(0)`` where it can."""
+    low = _ephemeral_low()
+    if low > PORT_FLOOR:
+        for _ in range(100):
+            port = random.randrange(PORT_FLOOR, low)
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

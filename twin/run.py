@@ -11,9 +11,9 @@ from typing import Any
 
 from localserve.processes import child_env, free_port
 from twin import live
-from twin.checks import ParsedStart, model_groups_for, run_static_checks
+from twin.checks import ParsedStart, model_groups_for, run_static_checks, scaled, shortfall
 from twin.cluster import REPO, LocalCluster
-from twin.deploy import Fitting, TwinServeConfig, deploy, twin_serve_config
+from twin.deploy import Fitting, ModelInfo, TwinServeConfig, deploy, twin_serve_config
 from twin.render import RayServiceSpec
 from twin.report import Report
 from twin.shape import TWIN_IDLE_TIMEOUT_S, fit_shape, pod_env
@@ -25,6 +25,8 @@ SCALE_TO_ZERO_TIMEOUT_S = 180.0
 PROGRESS_EVERY_S = 15.0
 # Prod keeps at least this many OpenAI ingress replicas (issue: no single point of failure).
 PROD_MIN_INGRESS = 2
+# A replica's address file is written once its server is healthy, which RUNNING already waited for.
+ADDRESS_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -163,6 +165,9 @@ def run_service(
 
 def run_live_checks(session: Session, report: Report, stack: str | None) -> None:
     """The live checks, one line each, with the serve Service's endpoints sampled throughout."""
+    if server_models(session):
+        run_server_checks(session, report)
+        return
     sampler = live.EndpointSampler(session.cluster, session.service.excludes_head)
     running = wait_running(session, report) and wait_serve_endpoint(session, report, sampler)
     sampler.start()
@@ -196,7 +201,8 @@ def wait_serve_endpoint(
         found,
         f"ready: the serve Service has an endpoint ({ready}) {took:.0f}s after RUNNING"
         if found
-        else f"ready: no node the serve Service selects answered /-/healthz within {timeout_s:.0f}s of RUNNING",
+        else f"ready: no node the serve Service selects answered {sampler.probe_name} within {timeout_s:.0f}s "
+        "of RUNNING",
     )
 
 
@@ -330,4 +336,155 @@ def _check_wake(session: Session, report: Report, sampler: live.EndpointSampler,
         woke,
         f"wake ({model_id}): the request at zero was answered in {time.monotonic() - started:.0f}s "
         + (f"on a new {group} node" if woke else f"but no {group} node is up"),
+    )
+
+
+def server_models(session: Session) -> list[ModelInfo]:
+    """The models served in the vllm-server layout (vLLM's own server in each replica, no Serve ingress)."""
+    return [m for m in session.serve.models if m.layout == "vllm-server"]
+
+
+def run_server_checks(session: Session, report: Report) -> None:
+    """The live checks of the vllm-server layout: the replicas' servers are what the serve Service reaches.
+
+    No ingress replicas and no scale to zero here: requests never pass
+    through Serve, and the layout keeps every model at min_replicas >= 1.
+    """
+    models = server_models(session)
+    folders = [m.address_dir for m in models if m.address_dir is not None]
+    sampler = live.ServerSampler(session.cluster, session.service.excludes_head, address_dirs=folders)
+    running = wait_running(session, report)
+    replicas: dict[str, list[dict[str, Any]]] = {}
+    if running:
+        for model in models:
+            replicas[model.model_id] = check_server_replicas(session, report, model)
+        running = wait_serve_endpoint(session, report, sampler)
+    sampler.start()
+    try:
+        check_loopback(session, report)
+        if running:
+            for model in models:
+                check_server_requests(session, report, model, replicas.get(model.model_id) or [])
+            check_every_server_ready(session, report, sampler)
+    finally:
+        sampler.stop()
+        report.check(session.name, *sampler.summary())
+
+
+def _replicas_of(model: ModelInfo) -> list[dict[str, Any]]:
+    folders = [model.address_dir] if model.address_dir is not None else []
+    return [r for r in live.replica_addresses(folders) if r.get("model_id") == model.model_id]
+
+
+def _node_label(session: Session, node_id: str) -> str:
+    for node in session.cluster.nodes():
+        if node.node_id == node_id:
+            return f"{node.node_type}#{node_id[-2:]}"
+    return f"node {node_id[:8]} (gone)"
+
+
+def one_replica_per_node(session: Session, model: ModelInfo) -> bool:
+    """Whether a node of the model's group holds one replica only (then the replicas must be on distinct nodes)."""
+    group = session.model_groups.get(model.model_id)
+    node = next((t.resources for t in session.cluster.shape.worker_types if t.name == group), None)
+    if node is None or not model.actor_options:
+        return False
+    return holds_one(model.actor_options, node)
+
+
+def holds_one(actor_options: Mapping[str, Any], node: Mapping[str, float]) -> bool:
+    """Whether a node with ``node``'s resources has room for one actor with ``actor_options``, not two."""
+    from ray._common.utils import resources_from_ray_options
+
+    need = {str(k): float(v) for k, v in resources_from_ray_options(dict(actor_options)).items() if v}
+    return not shortfall(need, node) and bool(shortfall(scaled(need, 2), node))
+
+
+def check_server_replicas(session: Session, report: Report, model: ModelInfo) -> list[dict[str, Any]]:
+    """The model runs min_replicas servers, one address file each; on distinct nodes where a node holds one."""
+    found: list[dict[str, Any]] = []
+
+    def counted() -> bool:
+        found[:] = _replicas_of(model)
+        return len(found) == model.min_replicas
+
+    live.wait_for(counted, ADDRESS_TIMEOUT_S)
+    nodes = {str(r.get("node_id")) for r in found}
+    spread = one_replica_per_node(session, model)
+    ok = len(found) == model.min_replicas and (not spread or len(nodes) == len(found))
+    where = ", ".join(sorted(_node_label(session, n) for n in nodes)) or "no node"
+    report.check(
+        session.name,
+        ok,
+        f"replicas ({model.model_id}): {len(found)} servers (want min_replicas {model.min_replicas}) on "
+        f"{len(nodes)} nodes ({where})" + (", one per node as a node of its group holds one replica" if spread else ""),
+    )
+    return found
+
+
+def check_server_requests(session: Session, report: Report, model: ModelInfo, replicas: list[dict[str, Any]]) -> None:
+    """Through each replica's own server: a chat with the key answers, no key gets 401, /health is open."""
+    if not replicas:
+        report.fail(session.name, f"chat ({model.model_id}): no replica published a server address")
+        return
+    refused: list[int] = []
+    health: list[int] = []
+    metrics: list[str] = []
+    for replica in replicas:
+        url = str(replica.get("url", ""))
+        root = live.server_root(url)
+        node = _node_label(session, str(replica.get("node_id")))
+        started = time.monotonic()
+        try:
+            text = live.chat_at(url, session.serve.api_key, model.model_id)
+        except Exception as err:
+            report.fail(session.name, f"chat ({model.model_id}): the server on {node} at {url} failed: {err}")
+        else:
+            report.ok(
+                session.name,
+                f"chat ({model.model_id}): the server on {node} answered {text!r} with the API key "
+                f"in {time.monotonic() - started:.0f}s",
+            )
+        refused.append(live.status_of(f"{root}/v1/models"))
+        health.append(live.status_of(f"{root}/health"))
+        metrics.append(live.metrics_answer(str(replica.get("metrics_url", ""))))
+    report.check(
+        session.name,
+        all(code == 401 for code in refused),
+        f"auth ({model.model_id}): without an API key each server's /v1/models gets {refused} (want 401)",
+    )
+    report.check(
+        session.name,
+        all(code == 200 for code in health),
+        f"health ({model.model_id}): without a key each server's /health gets {health} (want 200: the readiness "
+        "probe carries no key)",
+    )
+    report.check(
+        session.name,
+        all(answer == "ok" for answer in metrics),
+        f"metrics ({model.model_id}): each server's metrics port, asked without a key: {metrics} "
+        f"(want ok: vLLM's {live.QUEUE_GAUGE} for the monitoring stack)",
+    )
+
+
+def check_every_server_ready(
+    session: Session, report: Report, sampler: live.ServerSampler, settle_s: float = 30.0
+) -> None:
+    """Every worker pod passes the rendered readiness probe: its replica's server answers /health."""
+    not_ready: list[str] = []
+
+    def all_ready() -> bool:
+        not_ready[:] = [
+            name for name, roots in sampler.servers().items() if not any(live.server_health(r) for r in roots)
+        ]
+        return not not_ready
+
+    ok = live.wait_for(all_ready, settle_s)
+    report.check(
+        session.name,
+        ok,
+        "readiness: every worker node's vLLM server answers /health"
+        if ok
+        else f"readiness: {', '.join(not_ready)} never answer /health: those pods stay NotReady "
+        "(a worker pod without a replica has no server)",
     )

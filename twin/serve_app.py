@@ -8,6 +8,12 @@ CPU bundle that also asks for a sliver of its GPU group's
 node of that group, as it must in production. The catalogue has no field
 for a placement on purpose (production takes Serve LLM's own bundles), so
 the builder's ``LLMConfig`` is wrapped while the rendered builder runs.
+
+A "vllm-server" application has no ``LLMConfig``: its one deployment's actor
+options are the workload's, which on the CPU ask for no GPU and no
+accelerator. ``ray_actor_options`` puts back the ones the rendered
+catalogue gives (:mod:`twin.deploy`), so the replica lands where it would
+in production: on its own node of the model's group.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ def build_app(args: dict[str, Any]) -> Any:
     module_name, _, attribute = str(args["import_path"]).partition(":")
     module = importlib.import_module(module_name)
     builder = getattr(module, attribute)
+    actor_options: dict[str, Any] = dict(args.get("ray_actor_options") or {})
+    if actor_options:
+        return with_actor_options(builder(args["args"]), actor_options)
     placements: dict[str, Any] = dict(args.get("placement_group_configs") or {})
     original = getattr(module, "LLMConfig", None)
     if original is None or not placements:
@@ -37,3 +46,11 @@ def build_app(args: dict[str, Any]) -> Any:
 
     with mock.patch.object(module, "LLMConfig", with_placement):
         return builder(args["args"])
+
+
+def with_actor_options(app: Any, actor_options: dict[str, Any]) -> Any:
+    """``app`` with its ingress deployment's actor options updated by ``actor_options``."""
+    deployment = app._bound_deployment
+    merged = {**(deployment.ray_actor_options or {}), **actor_options}
+    app._bound_deployment = deployment.options(ray_actor_options=merged)
+    return app

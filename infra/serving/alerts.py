@@ -5,6 +5,10 @@ Three tables, and everything else derives from them:
   the exporter that emits it;
 - `RECORDING_RULES`: the series the dashboards plot and the alerts compare;
 - `ALERTS`: the alerts, one `AlertSpec` each.
+One set of rules reads both serving layouts: under vllm-server each
+replica's vLLM registry is scraped directly (`vllm_server_pod_monitor`), and
+that PodMonitor renames vLLM's `vllm:` series to the `ray_vllm_` names Ray's
+metrics agent gives them under serve-ingress.
 The PrometheusRule is rendered from the last two; the tests hold every
 expression to the inventory, every alert to a `promtool test rules` case that
 fires it, and the README's alert table to `ALERTS`. Adding an alert is one
@@ -14,7 +18,7 @@ fires it, and the README's alert table to `ALERTS`. Adding an alert is one
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pulumi
@@ -26,6 +30,7 @@ from infra.serving import kuberay
 from infra.serving.batch import WORKER_NAME as BATCH_SCALED_OBJECT
 from infra.serving.namespace import PART_OF
 from infra.serving.ports import RAY_PORTS
+from infra.serving.ray_service import SERVICE_LABEL
 
 PROMETHEUS_RULE_TYPE = "kubernetes:monitoring.coreos.com/v1:PrometheusRule"
 POD_MONITOR_TYPE = "kubernetes:monitoring.coreos.com/v1:PodMonitor"
@@ -63,7 +68,10 @@ class MetricFamily:
 METRIC_INVENTORY: tuple[MetricFamily, ...] = (
     # vLLM's engine metrics under Ray Serve LLM: Ray's metrics agent (port
     # `metrics` on every Ray pod) exports vLLM's `vllm:` series as `ray_vllm_`.
-    # Labels: model_name, ReplicaId, engine.
+    # Labels: model_name, ReplicaId, engine. Under vllm-server the same
+    # series come from vLLM's own registry (port `vllm-metrics`), renamed to
+    # these names at scrape (VLLM_RENAME); labels model_name, engine, and
+    # `application` (the RayService) from the PodMonitor.
     MetricFamily(
         exporter="vLLM through Ray's metrics agent",
         prefix="ray_vllm_",
@@ -89,6 +97,16 @@ METRIC_INVENTORY: tuple[MetricFamily, ...] = (
             "ray_serve_num_http_error_requests_total",
             "ray_serve_deployment_replica_healthy",
         ),
+    ),
+    # vLLM's OpenAI server's HTTP metrics (prometheus-fastapi-instrumentator,
+    # on the `vllm-metrics` port under vllm-server, where no Serve proxy
+    # counts requests). Labels: handler, method, status ("2xx", "4xx",
+    # "5xx"); the PodMonitor adds namespace and application. /health and
+    # /metrics are not counted.
+    MetricFamily(
+        exporter="vLLM's OpenAI server (vllm-server layout)",
+        prefix="http_",
+        names=("http_requests_total",),
     ),
     # The KubeRay operator's metrics endpoint (chart `metrics.enabled`, its
     # ServiceMonitor with honorLabels): RayService conditions. Labels: name,
@@ -207,16 +225,24 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
         expr="max by (model_name) (ray_vllm_kv_cache_usage_perc)",
         metrics=("ray_vllm_kv_cache_usage_perc",),
     ),
+    # Per application: Serve's proxies count a serve-ingress RayService's
+    # requests, vLLM's own server a vllm-server one's (no proxy is in its
+    # path); the two never name the same application at once, so `or` joins
+    # them. `application!=""` keeps to the series the vllm-server PodMonitor
+    # labelled: `http_requests_total` is a common name.
     RecordingRule(
         record=HTTP_REQUESTS_RATE,
-        expr="sum by (namespace, application) (rate(ray_serve_num_http_requests_total[5m]))",
-        metrics=("ray_serve_num_http_requests_total",),
+        expr="sum by (namespace, application) (rate(ray_serve_num_http_requests_total[5m]))"
+        ' or sum by (namespace, application) (rate(http_requests_total{application!=""}[5m]))',
+        metrics=("ray_serve_num_http_requests_total", "http_requests_total"),
     ),
     RecordingRule(
         record=HTTP_5XX_RATIO,
-        expr='sum by (namespace, application) (rate(ray_serve_num_http_requests_total{status_code=~"5.."}[5m]))'
-        " / sum by (namespace, application) (rate(ray_serve_num_http_requests_total[5m]))",
-        metrics=("ray_serve_num_http_requests_total",),
+        expr='(sum by (namespace, application) (rate(ray_serve_num_http_requests_total{status_code=~"5.."}[5m]))'
+        " / sum by (namespace, application) (rate(ray_serve_num_http_requests_total[5m])))"
+        ' or (sum by (namespace, application) (rate(http_requests_total{application!="", status="5xx"}[5m]))'
+        ' / sum by (namespace, application) (rate(http_requests_total{application!=""}[5m])))',
+        metrics=("ray_serve_num_http_requests_total", "http_requests_total"),
     ),
     # The DCGM exporter labels a GPU held by a pod with that pod. Whether the
     # label arrives as `pod` or, under a ServiceMonitor without honorLabels,
@@ -478,9 +504,66 @@ def prometheus_rule(slo: Slo, namespace: str, labels: dict[str, str]) -> dict[st
     }
 
 
-def pod_monitors(namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
-    """Ray heads (metrics agent, autoscaler, dashboard) and workers (metrics agent)."""
-    target_labels = [kuberay.CLUSTER, kuberay.ORIGINATED_FROM_NAME, kuberay.GROUP]
+# The pod labels every Ray PodMonitor copies onto its series.
+RAY_TARGET_LABELS = [kuberay.CLUSTER, kuberay.ORIGINATED_FROM_NAME, kuberay.GROUP]
+VLLM_SERVER_MONITOR = "vllm-servers"
+# One set of rules reads both layouts: vLLM's own `vllm:<name>` series get
+# the `ray_vllm_<name>` names Ray's metrics agent gives them under
+# serve-ingress (Prometheus anchors the regex; `${1}` is the rest).
+VLLM_RENAME = {
+    "sourceLabels": ["__name__"],
+    "regex": "vllm:(.*)",
+    "targetLabel": "__name__",
+    "replacement": "ray_vllm_${1}",
+    "action": "replace",
+}
+
+
+def _pod_label_meta(label: str) -> str:
+    """Prometheus' Kubernetes discovery label for a pod label (`.`, `/`, `-` become `_`)."""
+    return "__meta_kubernetes_pod_label_" + "".join(c if c.isalnum() else "_" for c in label)
+
+
+def vllm_server_pod_monitor(namespace: str, labels: dict[str, str], services: list[str]) -> dict[str, Any]:
+    """vLLM's own registry on the GPU workers of the vllm-server RayServices.
+
+    The RayService's name becomes `application`, as Serve labels its own
+    series, so the per-application HTTP rules read both layouts alike. Only
+    pods that declare the `vllm-metrics` port are scraped.
+    """
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": {"name": VLLM_SERVER_MONITOR, "namespace": namespace, "labels": {**PART_OF, **labels}},
+        "spec": {
+            "namespaceSelector": {"matchNames": [namespace]},
+            "selector": {
+                "matchLabels": {kuberay.ORIGINATED_FROM_CRD: kuberay.RAY_SERVICE_CRD, kuberay.NODE_TYPE: "worker"},
+                "matchExpressions": [{"key": SERVICE_LABEL, "operator": "In", "values": sorted(services)}],
+            },
+            "podTargetLabels": RAY_TARGET_LABELS,
+            "podMetricsEndpoints": [
+                {
+                    "port": RAY_PORTS.vllm_metrics.name,
+                    "interval": "15s",
+                    "relabelings": [
+                        {
+                            "sourceLabels": [_pod_label_meta(SERVICE_LABEL)],
+                            "targetLabel": "application",
+                            "action": "replace",
+                        }
+                    ],
+                    "metricRelabelings": [VLLM_RENAME],
+                }
+            ],
+        },
+    }
+
+
+def pod_monitors(namespace: str, labels: dict[str, str], vllm_servers: list[str] | None = None) -> list[dict[str, Any]]:
+    """Ray heads (metrics agent, autoscaler, dashboard) and workers (metrics agent); vLLM's own registry
+    on the GPU workers of `vllm_servers` (the RayServices in the vllm-server layout)."""
+    target_labels = RAY_TARGET_LABELS
     out = []
     for node_type, ports in (("head", RAY_PORTS.scraped_on_head()), ("worker", [RAY_PORTS.metrics])):
         out.append(
@@ -501,6 +584,8 @@ def pod_monitors(namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]
                 },
             }
         )
+    if vllm_servers:
+        out.append(vllm_server_pod_monitor(namespace, labels, vllm_servers))
     return out
 
 
@@ -511,6 +596,8 @@ class ServingAlertsArgs:
     namespace: str
     slo: Slo
     prometheus_selector_labels: dict[str, str]
+    # The RayServices in the vllm-server layout (their vLLM registries are scraped directly).
+    vllm_servers: list[str] = field(default_factory=list)
 
 
 class ServingAlerts(pulumi.ComponentResource):
@@ -520,7 +607,7 @@ class ServingAlerts(pulumi.ComponentResource):
         super().__init__("llm-platform:serving:Alerts", name, None, opts)
         k8s_opts = pulumi.ResourceOptions(parent=self)
         objects = [prometheus_rule(args.slo, args.namespace, args.prometheus_selector_labels)]
-        objects += pod_monitors(args.namespace, args.prometheus_selector_labels)
+        objects += pod_monitors(args.namespace, args.prometheus_selector_labels, args.vllm_servers)
         for obj in objects:
             k8s.apiextensions.CustomResource(
                 f"{name}-{obj['metadata']['name']}",

@@ -17,7 +17,7 @@ here (or anywhere) targets one. The Ray autoscaler owns worker counts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pulumi
@@ -30,6 +30,7 @@ from infra.serving import kuberay
 from infra.serving.namespace import PART_OF
 from infra.serving.pod_security import PAUSE_UID, checkov_skips, container_security_context, pod_security_context
 from infra.serving.ray_service import INGRESS_GROUP, worker_group_name
+from workloads.inference_server.catalog import Layout
 
 SCALED_OBJECT_TYPE = "kubernetes:keda.sh/v1alpha1:ScaledObject"
 HEADROOM_CLASS = "gpu-headroom"
@@ -158,8 +159,9 @@ def disruption_budgets(
     *,
     ingress_min_replicas: int = 1,
     gcs_fault_tolerant: bool = False,
+    layout: Layout = "serve-ingress",
 ) -> list[dict[str, Any]]:
-    """Budgets for a RayService's head, its ingress group and each GPU group (see `budget`).
+    """Budgets for a RayService's head, its ingress group (serve-ingress only) and each GPU group (see `budget`).
 
     The head is one pod: it must stay unless the GCS keeps its state in
     Redis, where a restarted head picks up again and the workers keep
@@ -168,8 +170,9 @@ def disruption_budgets(
     """
     groups: list[tuple[str, dict[str, str], dict[str, Any]]] = [
         ("head", {kuberay.NODE_TYPE: "head"}, {"maxUnavailable": 1} if gcs_fault_tolerant else {"minAvailable": 1}),
-        (INGRESS_GROUP, {kuberay.GROUP: INGRESS_GROUP}, budget(ingress_min_replicas)),
     ]
+    if layout == "serve-ingress":
+        groups.append((INGRESS_GROUP, {kuberay.GROUP: INGRESS_GROUP}, budget(ingress_min_replicas)))
     groups += [
         (worker_group_name(m), {kuberay.GROUP: worker_group_name(m)}, budget(m.autoscaling.min_replicas))
         for m in models
@@ -194,6 +197,8 @@ class ServingAutoscalingArgs:
     # The OpenAI ingress' minimum replicas, and whether the GCS survives a head restart.
     ingress_min_replicas: int = 1
     gcs_fault_tolerant: bool = False
+    # RayService name -> its layout (serve-ingress where missing).
+    layouts: dict[str, Layout] = field(default_factory=dict)
 
 
 class ServingAutoscaling(pulumi.ComponentResource):
@@ -248,6 +253,7 @@ class ServingAutoscaling(pulumi.ComponentResource):
                 args.namespace,
                 ingress_min_replicas=args.ingress_min_replicas,
                 gcs_fault_tolerant=args.gcs_fault_tolerant,
+                layout=args.layouts.get(service, "serve-ingress"),
             ):
                 k8s.policy.v1.PodDisruptionBudget(
                     f"{name}-{pdb['metadata']['name']}", metadata=pdb["metadata"], spec=pdb["spec"], opts=k8s_opts

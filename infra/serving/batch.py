@@ -34,6 +34,7 @@ from infra.serving.pod_security import (
     container_security_context,
     pod_security_context,
 )
+from infra.serving.ports import RAY_PORTS, Port
 from infra.serving.serve_config import MOUNTS
 from workloads.inference_server.batch_settings import env_names
 
@@ -254,9 +255,9 @@ def scaled_object(settings: Batch, queue: BatchQueue, namespace: str) -> dict[st
     }
 
 
-def network_policy(namespace: str, vpc_cidr: str) -> dict[str, Any]:
-    """The workers listen on nothing; they reach the serve port, DNS and AWS APIs."""
-    return batch_worker_policy(WORKER_NAME, namespace, worker_labels(), vpc_cidr)
+def network_policy(namespace: str, vpc_cidr: str, serve_port: Port = RAY_PORTS.serve) -> dict[str, Any]:
+    """The workers listen on nothing; they reach their model's public port, DNS and AWS APIs."""
+    return batch_worker_policy(WORKER_NAME, namespace, worker_labels(), vpc_cidr, serve_port)
 
 
 @dataclass(frozen=True)
@@ -274,6 +275,8 @@ class BatchWorkersArgs:
     serve_service: dict[str, Any]
     # The cluster's VPC: the workers reach AWS APIs outside it only.
     vpc_cidr: str
+    # The port that serve Service targets on the RayService's pods (ports.RayPorts.public).
+    serve_port: Port = RAY_PORTS.serve
 
 
 class BatchWorkers(pulumi.ComponentResource):
@@ -314,7 +317,7 @@ class BatchWorkers(pulumi.ComponentResource):
                 pulumi.ResourceOptions(depends_on=[sa], ignore_changes=["spec.replicas"]),
             ),
         )
-        policy = network_policy(args.namespace, args.vpc_cidr)
+        policy = network_policy(args.namespace, args.vpc_cidr, args.serve_port)
         k8s.networking.v1.NetworkPolicy(
             f"{name}-netpol", metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts
         )

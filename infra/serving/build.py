@@ -78,7 +78,7 @@ def _ray_services(
                 prometheus_url=platform.prometheus_url,
                 grafana_url=platform.grafana_url,
                 serving_priority_class=autoscaling.serving_priority_class,
-                serve_service=serve_service_spec(name, namespace, cfg.endpoint),
+                serve_service=serve_service_spec(name, namespace, cfg.endpoint, cfg.layout_of(name)),
                 redis=aws.redis,
                 redis_secret=ns.redis_secret,
             ),
@@ -106,8 +106,9 @@ def _batch_workers(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer, ns:
             image=aws.image,
             system=aws.system,
             api_keys_secret=ns.api_keys_secret,
-            serve_service=serve_service_spec(service, namespace, cfg.endpoint),
+            serve_service=serve_service_spec(service, namespace, cfg.endpoint, cfg.layout_of(service)),
             vpc_cidr=str(cfg.network.vpc_cidr),
+            serve_port=RAY_PORTS.public(cfg.layout_of(service)),
         ),
         _after(aws, *ns.ready, platform.keda_crds),
     )
@@ -121,6 +122,7 @@ def _observability(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer, ns:
             namespace=cfg.serving.namespace,
             slo=cfg.observability.slo,
             prometheus_selector_labels=dict(platform.prometheus_selector_labels),
+            vllm_servers=[name for name, layout in cfg.layouts().items() if layout == "vllm-server"],
         ),
         _after(aws, *ns.ready, platform.monitoring_crds),
     )
@@ -153,6 +155,7 @@ def build_serving(
             services=services,
             ingress_min_replicas=cfg.serving.ingress.min_replicas,
             gcs_fault_tolerant=aws.redis is not None,
+            layouts=cfg.layouts(),
         ),
         _after(aws, *ns.ready, platform.keda_crds),
     )
@@ -169,6 +172,7 @@ def build_serving(
             peers=cluster_peers(cfg, platform),
             gcs_redis=aws.redis is not None,
             batch_service=batch_service(cfg),
+            layouts=cfg.layouts(),
         ),
         _after(aws, *ns.ready),
     )

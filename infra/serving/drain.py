@@ -18,6 +18,9 @@ off is given at least that long:
   load balancer stops sending), then waits until no Serve replica or proxy
   is left on the node, for at most the budget plus Serve's proxy draining
   period;
+- under the vllm-server layout no proxy is in the path: a stopping replica's
+  vLLM server answers 503 on /health, its pod's readiness probe fails and
+  the serve Service (the load balancer) drops it, within the same bound;
 - the pod's `terminationGracePeriodSeconds` covers the preStop hook plus the
   time Ray takes to stop after SIGTERM;
 - after a NewCluster upgrade switches traffic, KubeRay keeps the old

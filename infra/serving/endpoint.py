@@ -15,7 +15,7 @@ Models that must share an address share a `service` in the config.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pulumi
@@ -27,6 +27,7 @@ from infra.serving.batch import worker_labels as batch_worker_labels
 from infra.serving.namespace import PART_OF
 from infra.serving.network import ClusterPeers, ray_service_policies
 from infra.serving.ports import HTTPS_PORT, RAY_PORTS
+from workloads.inference_server.catalog import Layout
 
 LB_ANNOTATION = "service.beta.kubernetes.io/aws-load-balancer"
 EXTERNAL_DNS_ANNOTATION = "external-dns.alpha.kubernetes.io/hostname"
@@ -34,8 +35,23 @@ EXTERNAL_DNS_ANNOTATION = "external-dns.alpha.kubernetes.io/hostname"
 PENDING_HOSTNAME = "pending-load-balancer"
 
 
-def serve_service_spec(name: str, namespace: str, endpoint: Endpoint) -> dict[str, Any]:
-    """`spec.serveService`: the serve Service as a network load balancer with IP targets."""
+def serve_service_spec(
+    name: str, namespace: str, endpoint: Endpoint, layout: Layout = "serve-ingress"
+) -> dict[str, Any]:
+    """`spec.serveService`: the serve Service as a network load balancer with IP targets.
+
+    It targets the pods' port by name (Serve's proxy, or under vllm-server
+    each replica's own vLLM server), so a pod that does not declare that
+    port is never an endpoint.
+
+    KubeRay 1.7 swaps the ports of a given serveService for the head's ports
+    named `serve`/`serve-*` whenever the head declares any, keeping a user
+    port only under the same name (common/service.go BuildServeService). A
+    serve-ingress head declares `serve`, so its listener is named `serve`
+    too, whatever port it listens on; a vllm-server head declares none
+    (ports.RayPorts.head), so the ports here are kept as written.
+    """
+    target = RAY_PORTS.public(layout)
     annotations = {
         f"{LB_ANNOTATION}-type": "external",
         f"{LB_ANNOTATION}-nlb-target-type": "ip",
@@ -44,11 +60,12 @@ def serve_service_spec(name: str, namespace: str, endpoint: Endpoint) -> dict[st
         f"{LB_ANNOTATION}-attributes": "load_balancing.cross_zone.enabled=true",
     }
     if endpoint.certificate_arn:
-        port: dict[str, Any] = {"name": "https", "port": HTTPS_PORT, "targetPort": RAY_PORTS.serve.name}
+        listener = RAY_PORTS.serve.name if layout == "serve-ingress" else "https"
+        port: dict[str, Any] = {"name": listener, "port": HTTPS_PORT, "targetPort": target.name}
         annotations[f"{LB_ANNOTATION}-ssl-cert"] = endpoint.certificate_arn
         annotations[f"{LB_ANNOTATION}-ssl-ports"] = port["name"]
     else:
-        port = {"name": RAY_PORTS.serve.name, "port": RAY_PORTS.serve.number, "targetPort": RAY_PORTS.serve.name}
+        port = {"name": target.name, "port": target.number, "targetPort": target.name}
     host = endpoint.service_host(name)
     if host:
         annotations[EXTERNAL_DNS_ANNOTATION] = host
@@ -66,11 +83,11 @@ def serve_service_spec(name: str, namespace: str, endpoint: Endpoint) -> dict[st
     }
 
 
-def base_url(hostname: str, endpoint: Endpoint) -> str:
+def base_url(hostname: str, endpoint: Endpoint, layout: Layout = "serve-ingress") -> str:
     """The OpenAI base URL clients use (`https` on 443 when the LB holds a certificate)."""
     if endpoint.certificate_arn:
         return f"https://{hostname}/v1"
-    return f"http://{hostname}:{RAY_PORTS.serve.number}/v1"
+    return f"http://{hostname}:{RAY_PORTS.public(layout).number}/v1"
 
 
 @dataclass(frozen=True)
@@ -85,6 +102,12 @@ class ServingEndpointArgs:
     gcs_redis: bool = False
     # The RayService the batch workers send their requests to, if any.
     batch_service: str | None = None
+    # RayService name -> its layout (serve-ingress where missing).
+    layouts: Mapping[str, Layout] = field(default_factory=dict)
+
+    def layout(self, service: str) -> Layout:
+        """The layout of one of the RayServices."""
+        return self.layouts.get(service, "serve-ingress")
 
 
 class ServingEndpoint(pulumi.ComponentResource):
@@ -101,7 +124,12 @@ class ServingEndpoint(pulumi.ComponentResource):
         for service in args.ray_services:
             batch = batch_worker_labels() if service == args.batch_service else None
             for policy in ray_service_policies(
-                args.namespace, service, args.peers, gcs_redis=args.gcs_redis, batch_labels=batch
+                args.namespace,
+                service,
+                args.peers,
+                gcs_redis=args.gcs_redis,
+                batch_labels=batch,
+                layout=args.layout(service),
             ):
                 k8s.networking.v1.NetworkPolicy(
                     policy["metadata"]["name"], metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts
@@ -121,13 +149,21 @@ class ServingEndpoint(pulumi.ComponentResource):
             hostname = svc.status.apply(lambda s: _ingress_hostname(s) or PENDING_HOSTNAME)
             self.hostnames[service] = hostname
             host = args.endpoint.service_host(service)
+            layout = args.layout(service)
             # Clients use the name the certificate covers, not the LB's.
             self.urls[service] = (
-                pulumi.Output.from_input(base_url(host, args.endpoint))
+                pulumi.Output.from_input(base_url(host, args.endpoint, layout))
                 if host
-                else hostname.apply(lambda h: base_url(h, args.endpoint))
+                else hostname.apply(_base_url_of(args.endpoint, layout))
             )
         self.register_outputs({"urls": self.urls, "hostnames": self.hostnames})
+
+
+def _base_url_of(endpoint: Endpoint, layout: Layout) -> Callable[[str], str]:
+    def make(hostname: str) -> str:
+        return base_url(hostname, endpoint, layout)
+
+    return make
 
 
 def _serve_service_id(namespace: str, svc_name: str) -> Callable[[str], str]:

@@ -11,14 +11,17 @@ Who may reach what (the README's "Security model" has the matrix in words):
   a head's dashboard (deploys and Serve status) and its Serve proxy
   (`/-/healthz`, which sets the head's `ray.io/serve` label). A pod that
   copies the operator's labels in any other namespace matches nothing.
-- Prometheus, matched the same way, scrapes the metrics ports.
-- The serve port of the worker pods (the serve Service's endpoints) is open
-  to the load balancer: a network load balancer with IP targets connects
-  from its own addresses inside the VPC (it does not keep the client's),
-  and `loadBalancerSourceRanges` limits the clients at the load balancer.
-  The VPC CNI gives pods VPC addresses too, so this rule admits in-VPC
-  sources to that one port, which the API keys guard.
-- Batch workers reach the serve port of the RayServices' workers (their
+- Prometheus, matched the same way, scrapes the metrics ports; under the
+  vllm-server layout that includes vLLM's own registry (`vllm-metrics`),
+  which answers without an API key and so is open to Prometheus alone.
+- The public port of the worker pods (the serve Service's endpoints: Serve's
+  proxy on `serve`, or under vllm-server each replica's vLLM server on
+  `openai`) is open to the load balancer: a network load balancer with IP
+  targets connects from its own addresses inside the VPC (it does not keep
+  the client's), and `loadBalancerSourceRanges` limits the clients at the
+  load balancer. The VPC CNI gives pods VPC addresses too, so this rule
+  admits in-VPC sources to that one port, which the API keys guard.
+- Batch workers reach that public port of the RayServices' workers (their
   model's serve Service), AWS APIs outside the VPC over 443 and the EKS Pod
   Identity agent, nothing else.
 - Ray pods reach their own RayService, HTTPS (S3 for weights, the Kubernetes
@@ -38,8 +41,9 @@ from typing import Any
 from infra.cluster_services.layer import PlatformPods
 from infra.serving import kuberay
 from infra.serving.namespace import peer, policy_metadata
-from infra.serving.ports import RAY_PORTS
+from infra.serving.ports import RAY_PORTS, Port
 from infra.serving.ray_service import SERVICE_LABEL
+from workloads.inference_server.catalog import Layout
 
 HTTPS = 443
 REDIS_PORT = 6379
@@ -91,7 +95,13 @@ def worker_pods(service: str) -> dict[str, str]:
     return {**service_pods(service), kuberay.NODE_TYPE: "worker"}
 
 
-def _ray_pods_policy(namespace: str, service: str, peers: ClusterPeers) -> dict[str, Any]:
+def scraped_ports(layout: Layout) -> list[Port]:
+    """The ports Prometheus may reach on a RayService's pods."""
+    ports = RAY_PORTS.scraped_on_head()
+    return [*ports, RAY_PORTS.vllm_metrics] if layout == "vllm-server" else ports
+
+
+def _ray_pods_policy(namespace: str, service: str, peers: ClusterPeers, layout: Layout) -> dict[str, Any]:
     """Every pod of a RayService: its own RayService in and out, metrics to Prometheus, HTTPS out."""
     own = {"podSelector": {"matchLabels": service_pods(service)}}
     return {
@@ -103,7 +113,7 @@ def _ray_pods_policy(namespace: str, service: str, peers: ClusterPeers) -> dict[
                 # Ray nodes talk to each other on many ports (GCS, raylets,
                 # object managers, workers, NCCL): only within the RayService.
                 {"from": [own]},
-                {"from": [peer(peers.prometheus)], "ports": _tcp(*(p.number for p in RAY_PORTS.scraped_on_head()))},
+                {"from": [peer(peers.prometheus)], "ports": _tcp(*(p.number for p in scraped_ports(layout)))},
             ],
             "egress": [
                 {"to": [own]},
@@ -141,9 +151,9 @@ def _head_policy(namespace: str, service: str, peers: ClusterPeers, gcs_redis: b
 
 
 def _serve_policy(
-    namespace: str, service: str, peers: ClusterPeers, batch_labels: Mapping[str, str] | None
+    namespace: str, service: str, peers: ClusterPeers, batch_labels: Mapping[str, str] | None, layout: Layout
 ) -> dict[str, Any]:
-    """A RayService's workers: the serve port to the load balancer (and to the batch workers)."""
+    """A RayService's workers: the public port to the load balancer (and to the batch workers)."""
     sources: list[dict[str, Any]] = [_ip(peers.vpc_cidr)]
     if batch_labels:
         sources.append({"podSelector": {"matchLabels": dict(batch_labels)}})
@@ -152,7 +162,7 @@ def _serve_policy(
         "spec": {
             "podSelector": {"matchLabels": worker_pods(service)},
             "policyTypes": ["Ingress"],
-            "ingress": [{"from": sources, "ports": _tcp(RAY_PORTS.serve.number)}],
+            "ingress": [{"from": sources, "ports": _tcp(RAY_PORTS.public(layout).number)}],
         },
     }
 
@@ -164,6 +174,7 @@ def ray_service_policies(
     *,
     gcs_redis: bool,
     batch_labels: Mapping[str, str] | None = None,
+    layout: Layout = "serve-ingress",
 ) -> list[dict[str, Any]]:
     """The three policies of one RayService (all pods, heads, workers).
 
@@ -171,9 +182,9 @@ def ray_service_policies(
     requests to this RayService.
     """
     return [
-        _ray_pods_policy(namespace, service, peers),
+        _ray_pods_policy(namespace, service, peers, layout),
         _head_policy(namespace, service, peers, gcs_redis),
-        _serve_policy(namespace, service, peers, batch_labels),
+        _serve_policy(namespace, service, peers, batch_labels, layout),
     ]
 
 
@@ -192,8 +203,13 @@ def serving_pods() -> dict[str, str]:
     return {kuberay.SERVE: "true"}
 
 
-def batch_worker_policy(name: str, namespace: str, labels: Mapping[str, str], vpc_cidr: str) -> dict[str, Any]:
-    """Batch workers: nothing in; the RayServices' serve port, AWS APIs and their credentials out."""
+def batch_worker_policy(
+    name: str, namespace: str, labels: Mapping[str, str], vpc_cidr: str, serve_port: Port = RAY_PORTS.serve
+) -> dict[str, Any]:
+    """Batch workers: nothing in; the public port of their RayService's kind, AWS APIs and credentials out.
+
+    `serve_port`: the port their model's serve Service targets (ports.RayPorts.public).
+    """
     return {
         "metadata": policy_metadata(name, namespace),
         "spec": {
@@ -201,7 +217,7 @@ def batch_worker_policy(name: str, namespace: str, labels: Mapping[str, str], vp
             "policyTypes": ["Ingress", "Egress"],
             "ingress": [],
             "egress": [
-                {"to": [{"podSelector": {"matchLabels": serving_pods()}}], "ports": _tcp(RAY_PORTS.serve.number)},
+                {"to": [{"podSelector": {"matchLabels": serving_pods()}}], "ports": _tcp(serve_port.number)},
                 # SQS and S3 on their public endpoints (through the NAT), not
                 # anything inside the VPC.
                 {"to": [_ip(ANYWHERE, exclude=(vpc_cidr,))], "ports": _tcp(HTTPS)},

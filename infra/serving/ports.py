@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workloads.inference_server.catalog import Layout
+
 
 @dataclass(frozen=True)
 class Port:
@@ -36,22 +38,45 @@ class RayPorts:
     # The autoscaler's and the dashboard's own Prometheus endpoints (head only).
     autoscaler_metrics: Port = Port("as-metrics", 44217)
     dashboard_metrics: Port = Port("dash-metrics", 44227)
+    # vllm-server layout: the replica's own vLLM OpenAI server (the serve
+    # Service's target) and vLLM's Prometheus registry, which answers without
+    # an API key and so is for the monitoring stack alone.
+    openai: Port = Port("openai", 8100)
+    vllm_metrics: Port = Port("vllm-metrics", 8101)
 
-    def head(self) -> list[Port]:
-        """Ports of the head container."""
-        return [
-            self.gcs,
-            self.dashboard,
-            self.client,
-            self.serve,
-            self.metrics,
-            self.autoscaler_metrics,
-            self.dashboard_metrics,
-        ]
+    def head(self, layout: Layout = "serve-ingress") -> list[Port]:
+        """Ports of the head container.
+
+        Under vllm-server the head declares no `serve` port: KubeRay 1.7
+        replaces a user serveService's ports with the head's ports named
+        `serve`/`serve-*` when it finds any (common/service.go
+        BuildServeService), which would point the load balancer at Serve's
+        proxy instead of the replicas' `openai` port. The head's proxy still
+        listens; nothing routes to it.
+        """
+        ports = [self.gcs, self.dashboard, self.client, self.serve, self.metrics]
+        if layout == "vllm-server":
+            ports.remove(self.serve)
+        return [*ports, self.autoscaler_metrics, self.dashboard_metrics]
 
     def worker(self) -> list[Port]:
         """Ports of a worker container (each runs a Serve proxy and a metrics agent)."""
         return [self.serve, self.metrics]
+
+    def gpu_worker(self, layout: Layout) -> list[Port]:
+        """Ports of a GPU worker container.
+
+        Under vllm-server Serve runs its proxy on the head only, so a GPU
+        worker listens on its vLLM server's two ports and Ray's metrics agent,
+        not on `serve`.
+        """
+        if layout == "vllm-server":
+            return [self.metrics, self.openai, self.vllm_metrics]
+        return self.worker()
+
+    def public(self, layout: Layout) -> Port:
+        """The port the serve Service (the load balancer) and the batch workers send requests to."""
+        return self.openai if layout == "vllm-server" else self.serve
 
     def internal(self) -> list[Port]:
         """Ports only the namespace itself and the monitoring stack may reach."""

@@ -39,6 +39,7 @@ from infra.serving.pod_security import (
 )
 from infra.serving.ports import RAY_PORTS, Port
 from infra.serving.serve_config import INGRESS_RESOURCE, MOUNTS, serve_config_yaml
+from workloads.inference_server.catalog import Layout
 
 RAY_SERVICE_TYPE = "kubernetes:ray.io/v1:RayService"
 RAY_CONTAINER = "ray"
@@ -80,6 +81,10 @@ SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 REDIS_CA_CERT_ENV = "RAY_REDIS_CA_CERT"
 # Serve LLM's engine start timeout (ray/llm/_internal/serve/constants.py).
 ENGINE_START_TIMEOUT_ENV = "RAYLLM_ENGINE_START_TIMEOUT_S"
+# A vllm-server replica's wait for its vLLM server's first /health
+# (workloads/inference_server/vllm_server.py): the same engine start, so
+# the same timeout.
+VLLM_SERVER_START_TIMEOUT_ENV = "INFERENCE_VLLM_START_TIMEOUT_S"
 # The Ray autoscaler v2's reconciler gives up on an instance stuck in
 # ALLOCATED (pod created, Ray not yet up: node, image pull) or RAY_INSTALLING
 # after these (ray/autoscaler/v2/instance_manager/config.py; 3600 s and
@@ -88,6 +93,9 @@ ENGINE_START_TIMEOUT_ENV = "RAYLLM_ENGINE_START_TIMEOUT_S"
 AUTOSCALER_ALLOCATE_TIMEOUT_ENV = "RAY_AUTOSCALER_RECONCILE_ALLOCATE_STATUS_TIMEOUT_S"
 AUTOSCALER_RAY_INSTALL_TIMEOUT_ENV = "RAY_AUTOSCALER_RECONCILE_RAY_INSTALL_STATUS_TIMEOUT_S"
 ENGINE_CACHE_VOLUME = "engine-cache"
+# vLLM's OpenAI server answers its health route without an API key
+# (workloads' guard); a stopping replica answers 503 there before it drains.
+VLLM_HEALTH_PATH = "/health"
 # torch.compile, CUDA graph and Triton artefacts of one engine: a few GiB.
 ENGINE_CACHE_GIB = 20
 
@@ -122,9 +130,13 @@ def ray_container_security() -> dict[str, Any]:
     return container_security_context(read_only_root=False)
 
 
-def ray_pod_metadata(service: str) -> dict[str, Any]:
+# A vllm-server GPU worker declares its own readiness probe (vllm_readiness_probe).
+VLLM_SERVER_CHECKOV_SKIPS = {k: v for k, v in RAY_CHECKOV_SKIPS.items() if k != "CKV_K8S_9"}
+
+
+def ray_pod_metadata(service: str, skips: dict[str, str] = RAY_CHECKOV_SKIPS) -> dict[str, Any]:
     """A Ray pod template's labels and its checkov skips."""
-    return {"labels": pod_labels(service), "annotations": checkov_skips(RAY_CHECKOV_SKIPS)}
+    return {"labels": pod_labels(service), "annotations": checkov_skips(skips)}
 
 
 def autoscaler_security() -> dict[str, Any]:
@@ -230,6 +242,11 @@ class VllmRayServiceArgs:
     redis: RedisEndpoint | None = None
     redis_secret: str | None = None
 
+    @property
+    def layout(self) -> Layout:
+        """How requests reach this RayService's engines (from its models, as the config resolves it)."""
+        return self.cfg.layout_for(self.models)
+
 
 def _ports(ports: list[Port]) -> list[dict[str, object]]:
     return [p.container_port() for p in ports]
@@ -296,7 +313,7 @@ def _head(args: VllmRayServiceArgs) -> dict[str, Any]:
                         "name": RAY_CONTAINER,
                         "image": args.image,
                         "securityContext": ray_container_security(),
-                        "ports": _ports(RAY_PORTS.head()),
+                        "ports": _ports(RAY_PORTS.head(args.layout)),
                         "env": head_env(args),
                         "resources": {"requests": resources, "limits": resources},
                         "volumeMounts": [keys_mount],
@@ -368,15 +385,15 @@ def engine_cache_env(cache_root: str = MOUNTS.cache_dir) -> list[dict[str, str]]
 
 
 def gpu_worker_env(
-    region: str, timeouts: ColdStartTimeouts, cache_root: str = MOUNTS.cache_dir
+    region: str, timeouts: ColdStartTimeouts, cache_root: str = MOUNTS.cache_dir, layout: Layout = "serve-ingress"
 ) -> list[dict[str, str]]:
-    """The GPU worker container's environment: region, engine caches, Serve LLM's engine start timeout.
+    """The GPU worker container's environment: region, engine caches, the engine start timeout.
 
     EKS Pod Identity adds the credential variables itself
     (infra/aws/identities.POD_IDENTITY_ENV); the S3 endpoint is the SDK's
     default regional one, reached through the VPC's S3 gateway endpoint.
     """
-    return [
+    env = [
         *aws_region_env(region),
         *engine_cache_env(cache_root),
         # Serve LLM cancels an engine that has not started by then (ray.llm's
@@ -384,6 +401,9 @@ def gpu_worker_env(
         # above the budget (infra/capacity/cold_start.py).
         {"name": ENGINE_START_TIMEOUT_ENV, "value": str(timeouts.engine_start_seconds)},
     ]
+    if layout == "vllm-server":
+        env.append({"name": VLLM_SERVER_START_TIMEOUT_ENV, "value": str(timeouts.engine_start_seconds)})
+    return env
 
 
 def uses_hub(models: list[Model]) -> bool:
@@ -416,6 +436,43 @@ def _gpu_mounts(models: list[Model], keys_mount: dict[str, Any]) -> list[dict[st
     return [*mounts, keys_mount]
 
 
+def vllm_readiness_probe() -> dict[str, Any]:
+    """A vllm-server replica's pod takes traffic while its vLLM server says it is healthy.
+
+    Given here, KubeRay 1.7 adds no readiness probe of its own
+    (pod.go initLivenessAndReadinessProbe only fills a missing one): its
+    RayService worker probe asks Serve's proxy on the `serve` port, which
+    this layout does not run on workers. One failure takes the pod out of
+    the serve Service (as KubeRay's own Serve probe does), so a replica that
+    starts to drain stops getting new requests within a period.
+    """
+    return {
+        "httpGet": {"path": VLLM_HEALTH_PATH, "port": RAY_PORTS.openai.name, "scheme": "HTTP"},
+        "initialDelaySeconds": 10,
+        "periodSeconds": 5,
+        "timeoutSeconds": 2,
+        "successThreshold": 1,
+        "failureThreshold": 1,
+    }
+
+
+def _gpu_container(args: VllmRayServiceArgs, limits: dict[str, str], mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": RAY_CONTAINER,
+        "image": args.image,
+        "securityContext": ray_container_security(),
+        "env": gpu_worker_env(args.cfg.region, args.cfg.ray.cold_start, layout=args.layout),
+        "ports": _ports(RAY_PORTS.gpu_worker(args.layout)),
+        # Equal requests and limits: GPUs can not be overcommitted and
+        # Ray sizes its CPU and memory resources from the limits.
+        "resources": {"requests": dict(limits), "limits": dict(limits)},
+        "volumeMounts": mounts,
+    }
+    if args.layout == "vllm-server":
+        container["readinessProbe"] = vllm_readiness_probe()
+    return container
+
+
 def _gpu_group(args: VllmRayServiceArgs, model: Model) -> dict[str, Any]:
     placement = args.gpu[model.gpu_group]
     shape = gpu_shape(model, placement)
@@ -442,26 +499,16 @@ def _gpu_group(args: VllmRayServiceArgs, model: Model) -> dict[str, Any]:
         "resources": accelerator_resources(placement),
         "rayStartParams": {"metrics-export-port": str(RAY_PORTS.metrics.number)},
         "template": {
-            "metadata": ray_pod_metadata(args.name),
+            "metadata": ray_pod_metadata(
+                args.name, VLLM_SERVER_CHECKOV_SKIPS if args.layout == "vllm-server" else RAY_CHECKOV_SKIPS
+            ),
             "spec": {
                 **placement.pod_scheduling(),
                 **ray_pod_security(),
                 # EKS Pod Identity binds the model bucket role to this account.
                 "serviceAccountName": args.model_reader_service_account,
                 "priorityClassName": args.serving_priority_class,
-                "containers": [
-                    {
-                        "name": RAY_CONTAINER,
-                        "image": args.image,
-                        "securityContext": ray_container_security(),
-                        "env": gpu_worker_env(args.cfg.region, args.cfg.ray.cold_start),
-                        "ports": _ports(RAY_PORTS.worker()),
-                        # Equal requests and limits: GPUs can not be overcommitted and
-                        # Ray sizes its CPU and memory resources from the limits.
-                        "resources": {"requests": dict(limits), "limits": dict(limits)},
-                        "volumeMounts": _gpu_mounts([model], keys_mount),
-                    }
-                ],
+                "containers": [_gpu_container(args, limits, _gpu_mounts([model], keys_mount))],
                 "volumes": [*_gpu_volumes(args, shape, [model]), keys_volume],
             },
         },
@@ -469,6 +516,12 @@ def _gpu_group(args: VllmRayServiceArgs, model: Model) -> dict[str, Any]:
     if shape.hosts > 1:
         group["numOfHosts"] = shape.hosts
     return group
+
+
+def worker_groups(args: VllmRayServiceArgs) -> list[dict[str, Any]]:
+    """The ingress group (serve-ingress only: vllm-server runs no OpenAI ingress) and one GPU group per model."""
+    gpu = [_gpu_group(args, m) for m in args.models]
+    return [_ingress_group(args), *gpu] if args.layout == "serve-ingress" else gpu
 
 
 def upgrade_strategy(cfg: StackConfig) -> dict[str, Any]:
@@ -515,9 +568,7 @@ def ray_service_manifest(args: VllmRayServiceArgs) -> dict[str, Any]:
             **autoscaler_security(),
         },
         "headGroupSpec": _head(args),
-        "workerGroupSpecs": [
-            drain_and_spread(args, g) for g in [_ingress_group(args), *(_gpu_group(args, m) for m in args.models)]
-        ],
+        "workerGroupSpecs": [drain_and_spread(args, g) for g in worker_groups(args)],
     }
     if args.redis is not None:
         if args.redis_secret is None:
@@ -539,8 +590,9 @@ def ray_service_manifest(args: VllmRayServiceArgs) -> dict[str, Any]:
             },
         },
         "spec": {
-            # Serve's proxies on the workers take traffic; the head (no CPUs
-            # for replicas) stays out of the serve Service.
+            # The workers take traffic (Serve's proxies, or under vllm-server
+            # the replicas' own vLLM servers); the head (no CPUs for
+            # replicas) stays out of the serve Service.
             "excludeHeadPodFromServeSvc": True,
             "upgradeStrategy": upgrade_strategy(cfg),
             # After a NewCluster upgrade moves traffic, the old cluster

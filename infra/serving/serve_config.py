@@ -20,7 +20,14 @@ from infra.instance_types import host_io
 from infra.scheduling import GpuPlacement
 from infra.serving.drain import WAIT_LOOP_SECONDS, drain
 from infra.serving.ports import RAY_PORTS
-from workloads.inference_server.catalog import Catalog, GracefulShutdown, ModelEntry, S3Streamer
+from workloads.inference_server.catalog import (
+    Catalog,
+    GracefulShutdown,
+    Layout,
+    ModelEntry,
+    S3Streamer,
+    VllmServerSettings,
+)
 
 # The builder in workloads/ that turns the catalogue into Ray Serve LLM's app.
 IMPORT_PATH = "inference_server.app:build_app"
@@ -80,36 +87,67 @@ def streamer_settings(model: Model, placement: GpuPlacement) -> S3Streamer:
     )
 
 
-def catalog(cfg: StackConfig, models: list[Model], gpu: Mapping[str, GpuPlacement]) -> Catalog:
+def vllm_server_settings() -> VllmServerSettings:
+    """Where a vllm-server replica listens in a pod: every interface, on the ports the pod declares."""
+    return VllmServerSettings(host="0.0.0.0", port=RAY_PORTS.openai.number, metrics_port=RAY_PORTS.vllm_metrics.number)
+
+
+def catalog(
+    cfg: StackConfig, models: list[Model], gpu: Mapping[str, GpuPlacement], layout: Layout = "serve-ingress"
+) -> Catalog:
     """The catalogue one RayService's application serves."""
+    fields: dict[str, Any] = {}
+    if layout == "serve-ingress":
+        fields.update(ingress=cfg.serving.ingress, ingress_resource=INGRESS_RESOURCE)
+    else:
+        # No OpenAI ingress runs, so no ingress nodes and no resource to steer it there.
+        fields.update(layout=layout, vllm_server=vllm_server_settings())
     return Catalog(
         models=[catalog_entry(m, gpu[m.gpu_group]) for m in models],
         limits=cfg.serving.limits,
-        ingress=cfg.serving.ingress,
-        ingress_resource=INGRESS_RESOURCE,
         # Every replica finishes the longest generation the limits allow before it stops.
         shutdown=GracefulShutdown(timeout_s=drain(cfg).serve_timeout_seconds, wait_loop_s=WAIT_LOOP_SECONDS),
         api_keys_file=MOUNTS.api_keys_file,
         allow_hub_download=cfg.serving.allow_hub_download,
         model_cache_dir=MOUNTS.model_cache_dir,
+        **fields,
     )
+
+
+# What each layout leaves at the server's defaults and so out of its args:
+# a serve-ingress catalogue is written as it was before layouts existed (a
+# changed serveConfigV2 is applied to the running cluster), and a vllm-server
+# one names no ingress that would not run.
+_UNUSED_FIELDS: dict[Layout, frozenset[str]] = {
+    "serve-ingress": frozenset({"layout", "vllm_server"}),
+    "vllm-server": frozenset({"ingress", "ingress_resource"}),
+}
+
+
+def catalog_args(catalog_: Catalog) -> dict[str, Any]:
+    """The application's `args`: the catalogue as JSON, as the server parses it."""
+    return catalog_.model_dump(mode="json", exclude=set(_UNUSED_FIELDS[catalog_.layout]))
 
 
 def serve_config(
     cfg: StackConfig, service: str, models: list[Model], gpu: Mapping[str, GpuPlacement]
 ) -> dict[str, Any]:
     """The serveConfigV2 document of one RayService."""
+    layout = cfg.layout_for(models)
+    # serve-ingress: a proxy on every node; the GPU workers' proxies answer
+    # the readiness probe KubeRay adds, and the Service spreads over them.
+    # vllm-server: requests go straight to each replica's vLLM server, so a
+    # proxy only on the head (which the serve Service leaves out) keeps
+    # Serve's HTTP side as small as it goes, and none takes a GPU worker's CPU.
     return {
-        # A proxy on every node: the GPU workers' proxies answer the
-        # readiness probe KubeRay adds, and the Service spreads over them.
-        "proxy_location": "EveryNode",
+        "proxy_location": "EveryNode" if layout == "serve-ingress" else "HeadOnly",
         "http_options": {"host": "0.0.0.0", "port": RAY_PORTS.serve.number},
         "applications": [
             {
                 "name": service,
                 "route_prefix": "/",
                 "import_path": IMPORT_PATH,
-                "args": catalog(cfg, models, gpu).model_dump(mode="json"),
+                "args": catalog_args(catalog(cfg, models, gpu, layout)),
             }
         ],
     }

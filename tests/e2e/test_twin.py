@@ -55,7 +55,10 @@ def test_the_twin_of_the_stack_passes(stack: str, tiny_model: Path, tmp_path: Pa
     if stack == "dev":
         assert any("wake (" in v for v in verdicts) and any("scale to zero (" in v for v in verdicts)
     else:
-        assert sum("ingress (" in v for v in verdicts) == 2
+        # Both prod services run the vllm-server layout: each model's servers, no ingress.
+        replicas = [v for v in verdicts if "replicas (" in v]
+        assert len(replicas) == 2 and all("2 servers" in v for v in replicas), replicas
+        assert not any("ingress (" in v for v in verdicts)
 
 
 def _announced(child: Child) -> tuple[str, str] | None:

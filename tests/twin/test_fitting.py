@@ -167,3 +167,64 @@ def test_the_twin_builder_adds_the_placement_to_the_models_llm_config(monkeypatc
     )
     assert made[0]["placement_group_config"] == placement and "placement_group_config" not in made[1]
     assert module.LLMConfig is llm_config  # type: ignore[attr-defined]
+
+
+def prod_serve_config(index: int) -> dict[str, Any]:
+    config: dict[str, Any] = yaml.safe_load(ray_services("prod")[index]["spec"]["serveConfigV2"])
+    return config
+
+
+@pytest.mark.usefixtures("needs_ray")
+def test_a_vllm_server_catalogue_runs_on_loopback_and_keeps_the_rendered_replica_options(tmp_path: Path) -> None:
+    """Every local node shares 127.0.0.1: free ports, published in files; the actor still asks for its GPUs."""
+    rendered = prod_serve_config(1)
+    twin = twin_serve_config(
+        rendered, model_dir=tmp_path / "m", secrets_dir=tmp_path / "s", http_port=18002, address_root=tmp_path / "a"
+    )
+    app = twin.config["applications"][0]
+    catalog = app["args"]["args"]
+    name = rendered["applications"][0]["name"]
+    assert catalog["layout"] == "vllm-server"
+    assert catalog["vllm_server"] == {
+        "host": "127.0.0.1",
+        "port": 0,
+        "metrics_port": 0,
+        "address_dir": str(tmp_path / "a" / name),
+    }
+    assert (tmp_path / "a" / name).is_dir()
+    assert app["args"]["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 4, "accelerator_type": "L40S"}
+    assert app["args"]["placement_group_configs"] == {}
+    model = catalog["models"][0]
+    assert model["accelerator_type"] is None and model["tensor_parallel_size"] == 1
+    info = twin.models[0]
+    assert (info.layout, info.min_replicas, info.address_dir) == ("vllm-server", 2, tmp_path / "a" / name)
+    assert twin.ingress_min_replicas == {}
+    assert any("the replica actor keeps the rendered options" in s for s in twin.substitutions)
+
+
+@pytest.mark.usefixtures("needs_ray")
+def test_the_twin_builder_puts_back_the_rendered_actor_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray import serve
+
+    class Server:
+        def __init__(self, catalog: dict[str, Any]) -> None:
+            self.catalog = catalog
+
+    module = types.ModuleType("fake_server_builder")
+
+    def build(args: dict[str, Any]) -> Any:
+        return serve.deployment(Server).options(name="S", ray_actor_options={"num_cpus": 1, "num_gpus": 0}).bind(args)
+
+    module.build = build  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_server_builder", module)
+    app = serve_app.build_app(
+        {
+            "import_path": "fake_server_builder:build",
+            "args": {"models": ["a"]},
+            "ray_actor_options": {"num_gpus": 4, "accelerator_type": "L40S"},
+        }
+    )
+    deployment = app._bound_deployment
+    assert deployment.name == "S" and deployment._replica_config.init_args == ({"models": ["a"]},)
+    resources = {k: v for k, v in deployment._replica_config.resource_dict.items() if v}
+    assert resources == {"CPU": 1, "GPU": 4, "accelerator_type:L40S": 0.001}

@@ -154,7 +154,7 @@ def ingress_lines(spec: RayServiceSpec) -> str:
 
 def test_an_ingress_replica_that_fits_a_gpu_worker_fails() -> None:
     """Without the ingress-only resource a second ingress replica can take a GPU worker's CPUs."""
-    _, raw = service("prod")
+    _, raw = service("dev")
     group(raw, "ingress").pop("resources")
     serve = yaml.safe_load(raw["spec"]["serveConfigV2"])
     serve["applications"][0]["args"].pop("ingress_resource")
@@ -165,7 +165,13 @@ def test_an_ingress_replica_that_fits_a_gpu_worker_fails() -> None:
 
 
 def test_the_committed_ingress_replica_fits_only_the_ingress_group() -> None:
-    for stack in ("dev", "prod"):
-        spec, _ = service(stack)
-        out = ingress_lines(spec)
-        assert out.startswith("PASS") and out.rstrip().endswith("fits ingress"), out
+    spec, _ = service("dev")
+    out = ingress_lines(spec)
+    assert out.startswith("PASS") and out.rstrip().endswith("fits ingress"), out
+
+
+def test_a_vllm_server_service_has_no_ingress_to_place() -> None:
+    """Prod serves vllm-server: the load balancer reaches the replicas' servers, no Serve ingress runs."""
+    for index in range(len(ray_services("prod"))):
+        spec, _ = service("prod", index)
+        assert ingress_lines(spec) == ""

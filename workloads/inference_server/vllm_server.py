@@ -52,6 +52,9 @@ QUEUE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 START_TIMEOUT_S = float(os.environ.get("INFERENCE_VLLM_START_TIMEOUT_S", "3600"))
 # The rest of Serve's graceful-shutdown budget left for stopping the process.
 STOP_MARGIN_S = 5.0
+# Local runs pick free ports that another process may take before the server
+# binds them: start again on new ones this many times.
+PORT_RETRIES = 3
 
 
 def deployment_name(entry: ModelEntry) -> str:
@@ -119,6 +122,25 @@ class VllmServer:
         self._host = settings.host
         self._port = settings.port or _free_port(self._host)
         self._metrics_port = settings.metrics_port or _free_port(self._host)
+        self._set_urls()
+        self._stopped = False
+        self._address_file: Path | None = None
+        self._drain_file = Path(tempfile.mkdtemp(prefix="vllm-server-")) / "draining"
+        self._process = self._start()
+        for _ in range(PORT_RETRIES if not (settings.port and settings.metrics_port) else 0):
+            if self._wait_healthy(retry_on_exit=True):
+                break
+            # A free port picked here was taken before the server bound it (local runs only).
+            self._port, self._metrics_port = _free_port(self._host), _free_port(self._host)
+            self._set_urls()
+            self._process = self._start()
+        else:
+            self._wait_healthy(retry_on_exit=False)
+        self._address_file = self._publish_address(settings.address_dir)
+
+    # ------------------------------------------------------------------ process
+
+    def _set_urls(self) -> None:
         public = _public_host(self._host)
         self.url = f"http://{public}:{self._port}/v1"
         self.metrics_url = f"http://{public}:{self._metrics_port}/metrics"
@@ -126,14 +148,6 @@ class VllmServer:
         near = "127.0.0.1" if self._host in ("0.0.0.0", "127.0.0.1") else public
         self._health_url = f"http://{near}:{self._port}/health"
         self._local_metrics = f"http://{near}:{self._metrics_port}/metrics"
-        self._stopped = False
-        self._address_file: Path | None = None
-        self._drain_file = Path(tempfile.mkdtemp(prefix="vllm-server-")) / "draining"
-        self._process = self._start()
-        self._wait_healthy()
-        self._address_file = self._publish_address(settings.address_dir)
-
-    # ------------------------------------------------------------------ process
 
     def _spec(self) -> dict[str, Any]:
         return {
@@ -170,16 +184,20 @@ class VllmServer:
             preexec_fn=_die_with_parent,
         )
 
-    def _wait_healthy(self) -> None:
+    def _wait_healthy(self, *, retry_on_exit: bool) -> bool:
+        """True once /health answers; False if the process exited and the caller may retry."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             code = self._process.poll()
             if code is not None:
+                if retry_on_exit:
+                    logger.warning("vLLM's server for %s exited with %s while starting", self._entry.model_id, code)
+                    return False
                 raise RuntimeError(f"vLLM's server for {self._entry.model_id} exited with {code} while starting")
             with contextlib.suppress(OSError):
                 if _get(self._health_url, 5)[0] == 200:
                     logger.info("vLLM's server for %s is healthy", self._entry.model_id)
-                    return
+                    return True
             if time.monotonic() > deadline:
                 self._kill()
                 raise RuntimeError(f"vLLM's server for {self._entry.model_id} not healthy after {START_TIMEOUT_S:.0f}s")

