@@ -463,6 +463,9 @@ def _serving(raw: dict[str, Any], **values: Any) -> None:
     raw["serving"] = {**raw.get("serving", {}), **values}
 
 
+PROD_INGRESS = {"min_replicas": 2, "max_replicas": 6}
+
+
 def test_auto_picks_vllm_server_wherever_a_service_can_use_it() -> None:
     """One model, never at zero, one pod per replica: vllm-server; anything else: serve-ingress."""
     assert accepted("prod", lambda raw: None).layouts() == {"llama-31-8b": "vllm-server", "llama-33-70b": "vllm-server"}
@@ -471,6 +474,8 @@ def test_auto_picks_vllm_server_wherever_a_service_can_use_it() -> None:
     def share(raw: dict[str, Any]) -> None:
         for model in raw["models"]:
             model["service"] = "shared"
+        # An ingress then runs, and prod's rule for it applies.
+        _serving(raw, ingress=PROD_INGRESS)
 
     assert accepted("prod", share).layouts() == {"shared": "serve-ingress"}
     cfg = accepted("prod", lambda raw: None)
@@ -484,8 +489,11 @@ def test_auto_picks_vllm_server_wherever_a_service_can_use_it() -> None:
 
 
 def test_an_explicit_layout_applies_to_every_service() -> None:
-    cfg = accepted("prod", lambda raw: _serving(raw, layout="serve-ingress"))
+    cfg = accepted("prod", lambda raw: _serving(raw, layout="serve-ingress", ingress=PROD_INGRESS))
     assert set(cfg.layouts().values()) == {"serve-ingress"} and cfg.uses_serve_ingress()
+    # Prod in the serve-ingress layout without ingress settings: one replica would be a single point of failure.
+    found = problems("prod", lambda raw: _serving(raw, layout="serve-ingress"))
+    assert any("serving.ingress.min_replicas" in p for p in found), found
     cfg = accepted("prod", lambda raw: _serving(raw, layout="vllm-server"))
     assert set(cfg.layouts().values()) == {"vllm-server"} and not cfg.uses_serve_ingress()
 

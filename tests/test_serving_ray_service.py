@@ -43,7 +43,7 @@ from infra.serving.ray_service import (
     ray_service_manifest,
     worker_group_name,
 )
-from infra.serving.serve_config import IMPORT_PATH, INGRESS_RESOURCE, MOUNTS
+from infra.serving.serve_config import IMPORT_PATH, INGRESS_RESOURCE, MOUNTS, READINESS
 from tests.harness import group, manifests_of, ray_service_args, ray_services, reference_dir, render_stack
 from tests.harness import stack_config as config
 from twin.checks import no_local_ray_instance
@@ -709,6 +709,7 @@ def test_prod_serves_in_the_vllm_server_layout_and_dev_stays_on_serve_ingress() 
             "port": RAY_PORTS.openai.number,
             "metrics_port": RAY_PORTS.vllm_metrics.number,
             "address_dir": None,
+            "drain_notice_s": READINESS.drain_notice_s,
         }
         # No OpenAI ingress, so no ingress group, resource or settings.
         assert "ingress" not in args and "ingress_resource" not in args
@@ -746,7 +747,10 @@ def test_vllm_server_gpu_workers_declare_their_server_and_are_ready_when_it_is_h
             # KubeRay keeps a probe it is given; this one asks the replica's own server (no API key on /health).
             assert probe["httpGet"] == {"path": "/health", "port": RAY_PORTS.openai.name, "scheme": "HTTP"}
             assert probe["httpGet"]["port"] in ports
-            assert probe["failureThreshold"] == 1 and probe["periodSeconds"] <= 10
+            assert probe["periodSeconds"] <= 10 and probe["timeoutSeconds"] <= probe["periodSeconds"]
+            # A draining replica keeps serving past the probe's misses, and the load balancer's deregistration after.
+            notice = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]["vllm_server"]
+            assert notice["drain_notice_s"] >= probe["periodSeconds"] * probe["failureThreshold"] + 30
             assert not any(v.startswith("CKV_K8S_9=") for v in skips)
             assert "livenessProbe" not in container  # KubeRay's own (dashboard agent) stays
 

@@ -259,3 +259,43 @@ def test_the_server_process_gets_the_engine_arguments_by_name() -> None:
     assert args.disable_uvicorn_access_log
     with pytest.raises(SystemExit, match="no_such_argument"):
         server_args({**spec, "engine_kwargs": {**kwargs, "no_such_argument": 1}})
+
+
+def test_a_stopping_replica_serves_through_its_notice_then_stops_its_server(tmp_path: Path) -> None:
+    pytest.importorskip("ray.serve")
+    import http.server
+    import subprocess
+    import threading
+    import time
+
+    from inference_server.vllm_server import VllmServer
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    metrics = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=metrics.serve_forever, daemon=True).start()
+    doc = catalog(vllm_server={"drain_notice_s": 1.5}, shutdown={"timeout_s": 30, "wait_loop_s": 0.2})
+    replica = object.__new__(VllmServer)
+    replica._catalog = Catalog.model_validate(doc)
+    replica._process = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    replica._local_metrics = f"http://127.0.0.1:{metrics.server_address[1]}/metrics"
+    replica._drain_file = tmp_path / "draining"
+    replica._address_file = None
+    replica._stopped = False
+    started = time.monotonic()
+    try:
+        replica.__del__()
+    finally:
+        metrics.shutdown()
+    took = time.monotonic() - started
+    # Idle from the start, yet it kept serving for the notice: the probe and the LB need that long.
+    assert replica._drain_file.exists() and 1.5 <= took < 10, took
+    assert replica._process.poll() is not None

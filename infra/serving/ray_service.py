@@ -38,7 +38,7 @@ from infra.serving.pod_security import (
     pod_security_context,
 )
 from infra.serving.ports import RAY_PORTS, Port
-from infra.serving.serve_config import INGRESS_RESOURCE, MOUNTS, serve_config_yaml
+from infra.serving.serve_config import INGRESS_RESOURCE, MOUNTS, READINESS, serve_config_yaml
 from workloads.inference_server.catalog import Layout
 
 RAY_SERVICE_TYPE = "kubernetes:ray.io/v1:RayService"
@@ -442,17 +442,17 @@ def vllm_readiness_probe() -> dict[str, Any]:
     Given here, KubeRay 1.7 adds no readiness probe of its own
     (pod.go initLivenessAndReadinessProbe only fills a missing one): its
     RayService worker probe asks Serve's proxy on the `serve` port, which
-    this layout does not run on workers. One failure takes the pod out of
-    the serve Service (as KubeRay's own Serve probe does), so a replica that
-    starts to drain stops getting new requests within a period.
+    this layout does not run on workers. A draining replica answers 503 and
+    keeps serving for READINESS.drain_notice_s (the probe's misses plus the
+    load balancer's deregistration) before its server stops.
     """
     return {
         "httpGet": {"path": VLLM_HEALTH_PATH, "port": RAY_PORTS.openai.name, "scheme": "HTTP"},
         "initialDelaySeconds": 10,
-        "periodSeconds": 5,
-        "timeoutSeconds": 2,
+        "periodSeconds": READINESS.period_s,
+        "timeoutSeconds": READINESS.timeout_s,
         "successThreshold": 1,
-        "failureThreshold": 1,
+        "failureThreshold": READINESS.failure_threshold,
     }
 
 

@@ -87,9 +87,35 @@ def streamer_settings(model: Model, placement: GpuPlacement) -> S3Streamer:
     )
 
 
+@dataclass(frozen=True)
+class Readiness:
+    """The readiness probe of a vllm-server pod, and how long a stopping replica must keep serving after it fails."""
+
+    period_s: int = 5
+    # Two misses: one slow /health under load does not take a serving pod out.
+    failure_threshold: int = 2
+    timeout_s: int = 5
+    # From a target's deregistration until an NLB sends it no new connection:
+    # AWS documents no bound; tens of seconds are commonly observed.
+    load_balancer_deregistration_s: int = 30
+
+    @property
+    def drain_notice_s(self) -> int:
+        """A draining replica's /health answers 503 this long before its server may stop."""
+        return self.period_s * self.failure_threshold + self.load_balancer_deregistration_s
+
+
+READINESS = Readiness()
+
+
 def vllm_server_settings() -> VllmServerSettings:
     """Where a vllm-server replica listens in a pod: every interface, on the ports the pod declares."""
-    return VllmServerSettings(host="0.0.0.0", port=RAY_PORTS.openai.number, metrics_port=RAY_PORTS.vllm_metrics.number)
+    return VllmServerSettings(
+        host="0.0.0.0",
+        port=RAY_PORTS.openai.number,
+        metrics_port=RAY_PORTS.vllm_metrics.number,
+        drain_notice_s=READINESS.drain_notice_s,
+    )
 
 
 def catalog(

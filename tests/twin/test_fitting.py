@@ -190,6 +190,7 @@ def test_a_vllm_server_catalogue_runs_on_loopback_and_keeps_the_rendered_replica
         "port": 0,
         "metrics_port": 0,
         "address_dir": str(tmp_path / "a" / name),
+        "drain_notice_s": rendered["applications"][0]["args"]["vllm_server"]["drain_notice_s"],
     }
     assert (tmp_path / "a" / name).is_dir()
     assert app["args"]["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 4, "accelerator_type": "L40S"}

@@ -279,6 +279,14 @@ class VllmServerSettings(_Strict):
         default=None,
         description="Local runs: each replica writes <replica>.json with its URLs here, as ports are not fixed.",
     )
+    drain_notice_s: float = Field(
+        default=40,
+        ge=0,
+        description=(
+            "How long a stopping replica keeps serving after its readiness turns 503, at the least: the time the "
+            "readiness probe and the load balancer take to stop sending it new requests."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_ports(self) -> VllmServerSettings:

@@ -256,11 +256,15 @@ class VllmServer:
             return
         self._stopped = True
         self._drain_file.touch()
+        started = time.monotonic()
         budget = max(0.0, self._catalog.shutdown.timeout_s - STOP_MARGIN_S)
-        deadline = time.monotonic() + budget
-        while time.monotonic() < deadline and self._process.poll() is None:
+        # Requests keep arriving until the probe and the load balancer have
+        # seen the 503: serve them for the notice, then until none is left.
+        notice = min(self._catalog.vllm_server.drain_notice_s, budget)
+        while time.monotonic() - started < budget and self._process.poll() is None:
+            waited = time.monotonic() - started
             try:
-                if queue_length(_get(self._local_metrics, 5)[1]) == 0:
+                if waited >= notice and queue_length(_get(self._local_metrics, 5)[1]) == 0:
                     break
             except OSError:
                 break
