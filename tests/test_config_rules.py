@@ -491,8 +491,8 @@ def test_auto_picks_vllm_server_wherever_a_service_can_use_it() -> None:
 def test_an_explicit_layout_applies_to_every_service() -> None:
     cfg = accepted("prod", lambda raw: _serving(raw, layout="serve-ingress", ingress=PROD_INGRESS))
     assert set(cfg.layouts().values()) == {"serve-ingress"} and cfg.uses_serve_ingress()
-    # Prod in the serve-ingress layout without ingress settings: one replica would be a single point of failure.
-    found = problems("prod", lambda raw: _serving(raw, layout="serve-ingress"))
+    # Prod in the serve-ingress layout with one ingress replica: a single point of failure.
+    found = problems("prod", lambda raw: _serving(raw, layout="serve-ingress", ingress={"min_replicas": 1}))
     assert any("serving.ingress.min_replicas" in p for p in found), found
     cfg = accepted("prod", lambda raw: _serving(raw, layout="vllm-server"))
     assert set(cfg.layouts().values()) == {"vllm-server"} and not cfg.uses_serve_ingress()
