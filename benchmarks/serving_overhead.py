@@ -500,7 +500,11 @@ async def one_request(client: Any, server: Server, prompt: str) -> RequestResult
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        # Usage on every chunk: each generated token then arrives as a chunk
+        # carrying its count, even when its text is empty (with random weights
+        # the first tokens often decode to partial UTF-8, i.e. to ""), so the
+        # first token is seen when it comes, not several tokens later.
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     started = time.perf_counter()
     ttft = float("nan")
@@ -516,12 +520,13 @@ async def one_request(client: Any, server: Server, prompt: str) -> RequestResult
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                for choice in chunk.get("choices") or ():
-                    if ttft != ttft and (choice.get("delta") or {}).get("content"):
-                        ttft = time.perf_counter() - started
                 usage = chunk.get("usage")
                 if usage:
                     tokens = int(usage.get("completion_tokens") or 0)
+                if ttft != ttft and (
+                    tokens >= 1 or any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ())
+                ):
+                    ttft = time.perf_counter() - started
     except Exception as exc:  # a failed request is counted, not fatal
         return RequestResult(False, ttft, time.perf_counter() - started, 0, f"{type(exc).__name__}: {exc}")
     return RequestResult(tokens == MAX_TOKENS, ttft, time.perf_counter() - started, tokens)
