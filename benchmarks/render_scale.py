@@ -49,14 +49,15 @@ def fleet_config(n: int, base: Path = PROD) -> dict[str, Any]:
         if i >= len(templates):
             model["name"] = f"{model['name']}-{i:02d}"
             model["model_id"] = f"{model['model_id']}-{i:02d}"
-            model["source"] = f"{model['source']}-{i:02d}"
+            # Same weights: the capacity plan knows their geometry by source.
         models.append(model)
     config["llm-platform:models"] = models
-    # Every model's minimum replicas must fit its group at once.
+    # Every model's minimum replicas must fit its group twice (the old and the
+    # new cluster of a NewCluster upgrade), as the config rules demand.
     for group in config["llm-platform:node_groups"]["gpu"]:
         members = [m for m in models if m["gpu_group"] == group["name"]]
         # A 4-GPU model fills a whole g6e.12xlarge; a 1-GPU model one g6e.2xlarge: one node a replica here.
-        need = sum(int(m["autoscaling"]["min_replicas"]) for m in members)
+        need = 2 * sum(int(m["autoscaling"]["min_replicas"]) for m in members)
         group["max_size"] = max(int(group["max_size"]), need)
     return doc
 
