@@ -72,7 +72,7 @@ if str(REPO) not in sys.path:
 from benchmarks.pinning import PinCheck, Pinner, busy_shares, cpu_times  # noqa: E402
 from benchmarks.stats import median, percentile  # noqa: E402
 from localserve import server as localserver  # noqa: E402
-from localserve.processes import Child, child_env, free_port, session_members  # noqa: E402
+from localserve.processes import Child, child_env, free_port, session_members, with_descendants  # noqa: E402
 from localserve.server import (  # noqa: E402
     KV_CACHE_BYTES,
     LIMIT_MAX_TOKENS,
@@ -179,28 +179,6 @@ def _start_time(pid: int) -> int | None:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[19])
     except (OSError, IndexError, ValueError):
         return None
-
-
-def with_descendants(roots: set[int]) -> set[int]:
-    """``roots`` and every process below them (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[-1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    found = set(roots)
-    todo = list(roots)
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
 
 
 def build_model(work: Path) -> Path:

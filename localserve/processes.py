@@ -27,6 +27,29 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def with_descendants(roots: set[int]) -> set[int]:
+    """``roots`` and every process below them (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[-1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found = set(roots)
+    todo = list(roots)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
 def session_members(sid: int) -> list[int]:
     """Process ids whose session id is ``sid`` (Linux /proc)."""
     members = []

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from localserve.processes import REPO, Child, child_env, free_port, marked_processes, session_members
+from localserve.processes import REPO, Child, child_env, free_port, marked_processes, session_members, with_descendants
 
 HOST = "127.0.0.1"
 LOOPBACK_CLI = Path(__file__).resolve().with_name("ray_loopback.py")
@@ -237,8 +237,12 @@ class RayNode:
         return None
 
     def pids(self) -> set[int]:
-        """The current run's processes: its session, and anything naming this node's temp dir."""
-        found = set(session_members(self.child.proc.pid)) | set(marked_processes(str(self.temp_dir)))
+        """The current run's processes: its session, anything naming this node's temp dir, and their children.
+
+        Children too: a vllm-server replica starts vLLM's server in a session
+        of its own, which neither of the first two finds.
+        """
+        found = with_descendants(set(session_members(self.child.proc.pid)) | set(marked_processes(str(self.temp_dir))))
         found.discard(os.getpid())
         return found
 

@@ -60,7 +60,7 @@ from localserve.ray_cluster import (
     wait_application_running,
 )
 from localserve.redis_tls import TlsRedis, make_ca, redis_server_path, start_tls_redis
-from localserve.server import LIMIT_MAX_TOKENS, MODEL_ID, catalog_for, write_keys
+from localserve.server import LIMIT_MAX_TOKENS, MODEL_ID, catalog_for, replica_addresses, write_keys
 from tests.harness import manifests_of, render_stack
 
 pytestmark = pytest.mark.e2e
@@ -126,7 +126,7 @@ def tls_redis(gcs_dir: Path) -> Iterator[TlsRedis]:
 
 @pytest.fixture(scope="module")
 def prod_service() -> dict[str, Any]:
-    """Prod's rendered RayService: the head, the ingress group, GCS FT options and serveConfigV2."""
+    """Prod's rendered RayService: the head, its worker groups, GCS FT options and serveConfigV2."""
     services = manifests_of(render_stack(STACK), "RayService")
     assert services, f"{STACK} renders no RayService"
     service: dict[str, Any] = services[0]
@@ -217,6 +217,7 @@ class StreamLoad:
     base_url: str
     api_key: str
     streams: int
+    health_path: str = "/-/healthz"
     outcomes: list[Outcome] = field(default_factory=list)
     health: list[tuple[float, bool]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -273,8 +274,8 @@ class StreamLoad:
                 time.sleep(0.25)
 
     def _probe_health(self) -> None:
-        """What KubeRay's worker readiness probe asks: the proxy's /-/healthz."""
-        url = self.base_url.removesuffix("/v1") + "/-/healthz"
+        """What the worker pod's readiness probe asks (Serve's proxy, or the replica's vLLM server)."""
+        url = self.base_url.removesuffix("/v1") + self.health_path
         while not self._stop.wait(0.5):
             try:
                 with urllib.request.urlopen(url, timeout=2) as response:
@@ -294,13 +295,21 @@ class Cluster:
     app: str
     base_url: str
     api_key: str
+    # What the pod's readiness probe asks: Serve's proxy, or the replica's vLLM server.
+    health_path: str = "/-/healthz"
+
+
+def _layout(service: dict[str, Any]) -> str:
+    """The serving layout prod renders (the catalogue's `layout`)."""
+    config: dict[str, Any] = yaml.safe_load(service["spec"]["serveConfigV2"])
+    return str(config["applications"][0]["args"].get("layout", "serve-ingress"))
 
 
 def _serve_config(service: dict[str, Any], model_dir: Path, keys: Path) -> dict[str, Any]:
-    """Prod's serveConfigV2 with the local catalogue and the head's proxy on a free loopback port."""
+    """Prod's serveConfigV2 with the local catalogue (in prod's layout) and the head's proxy on a free loopback port."""
     config: dict[str, Any] = yaml.safe_load(service["spec"]["serveConfigV2"])
     app = config["applications"][0]
-    app["args"] = catalog_for(model_dir, keys)
+    app["args"] = catalog_for(model_dir, keys, layout=_layout(service))
     config["applications"] = [app]
     config["http_options"] = {**config["http_options"], "host": HOST, "port": free_port()}
     return config
@@ -340,7 +349,13 @@ def cluster(prod_service: dict[str, Any], tls_redis: TlsRedis, tiny_model: Path,
         app = config["applications"][0]["name"]
         deploy_serve_config(dashboard_url, config)
         say(f"{app} RUNNING {wait_application_running(dashboard_url, app, APP_TIMEOUT_S):.1f}s after the PUT")
-        yield Cluster(head, worker, gcs_address, dashboard_url, app, f"http://{HOST}:{proxy_port}/v1", api_key)
+        base_url, health_path = f"http://{HOST}:{proxy_port}/v1", "/-/healthz"
+        if _layout(prod_service) == "vllm-server":
+            # Requests go to the replica's own vLLM server, as the serve Service sends them in prod.
+            servers = replica_addresses(Path(config["applications"][0]["args"]["vllm_server"]["address_dir"]))
+            assert servers, "the vllm-server replica wrote no address"
+            base_url, health_path = str(servers[0]["url"]), "/health"
+        yield Cluster(head, worker, gcs_address, dashboard_url, app, base_url, api_key, health_path)
     finally:
         worker.stop()
         head.stop()
@@ -382,7 +397,7 @@ def test_serving_survives_a_gcs_kill(cluster: Cluster, tls_redis: TlsRedis) -> N
     assert engines, "no vLLM engine process on the worker"
     say(f"{len(replicas)} replicas on worker node {worker_node[:8]}; non-loopback listeners: {strays or 'none'}")
 
-    load = StreamLoad(cluster.base_url, cluster.api_key, STREAMS)
+    load = StreamLoad(cluster.base_url, cluster.api_key, STREAMS, health_path=cluster.health_path)
     load.start()
     try:
         deadline = time.monotonic() + 60
@@ -494,5 +509,5 @@ def _report_gap(outcomes: list[Outcome], health: list[tuple[float, bool]], kille
     say(
         f"serving gap: first new request served {gap:.1f}s after the kill; longest pause between "
         f"completions while the head was away {pause:.1f}s; requests failed {len(failed_new)}; "
-        f"worker /-/healthz failures {probes.count(False)} of {len(probes)}"
+        f"worker readiness failures {probes.count(False)} of {len(probes)}"
     )

@@ -33,7 +33,7 @@ from ray.serve.llm.ingress import OpenAiIngress
 
 from .catalog import Catalog, RequestLimits
 from .engine import ingress_deployment_config, llm_config_kwargs
-from .guard import CHAT_PATH, ApiGuard, ApiKeys
+from .guard import ApiGuard, ApiKeys, tokenize_requests
 
 logger = logging.getLogger(__name__)
 
@@ -79,21 +79,7 @@ def _tokenize_request(model_id: str, path: str, body: dict[str, Any]) -> list[An
         TokenizeCompletionRequest,
     )
 
-    if path == CHAT_PATH:
-        continue_final = bool(body.get("continue_final_message", False))
-        return [
-            TokenizeChatRequest(
-                model=model_id,
-                messages=body["messages"],
-                add_generation_prompt=body.get("add_generation_prompt", not continue_final),
-                continue_final_message=continue_final,
-                tools=body.get("tools"),
-                chat_template_kwargs=body.get("chat_template_kwargs"),
-            )
-        ]
-    prompt = body["prompt"]
-    prompts = prompt if isinstance(prompt, list) else [prompt]
-    return [TokenizeCompletionRequest(model=model_id, prompt=p) for p in prompts]
+    return tokenize_requests(path, body, model_id, TokenizeChatRequest, TokenizeCompletionRequest)
 
 
 def _install_guard(app: Any, settings: GuardSettings, counter: Any) -> None:

@@ -744,6 +744,32 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 # ---------------------------------------------------------------- the middleware
 
 
+def tokenize_requests(
+    path: str, body: dict[str, Any], model: str | None, chat_request: Any, completion_request: Any
+) -> list[Any]:
+    """The tokenize requests that measure a generation request's prompt(s).
+
+    Built with the serving library's own request models (Ray Serve LLM's or
+    vLLM's, which take the same fields), so the count uses the model's chat
+    template exactly as generation will.
+    """
+    if path == CHAT_PATH:
+        continue_final = bool(body.get("continue_final_message", False))
+        return [
+            chat_request(
+                model=model,
+                messages=body["messages"],
+                add_generation_prompt=body.get("add_generation_prompt", not continue_final),
+                continue_final_message=continue_final,
+                tools=body.get("tools"),
+                chat_template_kwargs=body.get("chat_template_kwargs"),
+            )
+        ]
+    prompt = body["prompt"]
+    prompts = prompt if isinstance(prompt, list) else [prompt]
+    return [completion_request(model=model, prompt=p) for p in prompts]
+
+
 class ApiGuard:
     """ASGI middleware: API keys, request checks and OpenAI-shaped errors (see the module docstring).
 

@@ -26,6 +26,7 @@ from .guard import (
     ApiKeys,
     error_body,
     send_json,
+    tokenize_requests,
 )
 
 SETTINGS_ENV = "INFERENCE_GUARD_SETTINGS"
@@ -56,21 +57,7 @@ class ServerGuardSettings(BaseModel):
 def _tokenize_requests(path: str, body: dict[str, Any]) -> list[Any]:
     from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest
 
-    if path == CHAT_PATH:
-        continue_final = bool(body.get("continue_final_message", False))
-        return [
-            TokenizeChatRequest(
-                model=body.get("model"),
-                messages=body["messages"],
-                add_generation_prompt=body.get("add_generation_prompt", not continue_final),
-                continue_final_message=continue_final,
-                tools=body.get("tools"),
-                chat_template_kwargs=body.get("chat_template_kwargs"),
-            )
-        ]
-    prompt = body["prompt"]
-    prompts = prompt if isinstance(prompt, list) else [prompt]
-    return [TokenizeCompletionRequest(model=body.get("model"), prompt=p) for p in prompts]
+    return tokenize_requests(path, body, body.get("model"), TokenizeChatRequest, TokenizeCompletionRequest)
 
 
 def _served(path: str) -> bool:
