@@ -15,6 +15,8 @@ import urllib.request
 import httpx
 import pytest
 
+from localserve.server import LIMIT_MAX_TOKENS
+
 from .conftest import ServerInfo
 from .test_guard_e2e import assert_openai_error, headers
 
@@ -72,29 +74,36 @@ def test_the_queue_a_replica_reports_follows_the_requests_in_flight(vllm_server:
         with urllib.request.urlopen(vllm_server.metrics_url, timeout=TIMEOUT_S) as response:
             return queue_length(response.read().decode())
 
-    async def load_and_sample() -> list[float]:
+    async def load_and_sample(requests: int) -> list[float]:
         body = {
             "model": vllm_server.model_id,
             "prompt": "count",
-            "max_tokens": 48,
+            "max_tokens": LIMIT_MAX_TOKENS,
             "ignore_eos": True,
         }
         async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
-            requests = [
+            sent = [
                 asyncio.create_task(
                     client.post(vllm_server.base_url + "/completions", json=body, headers=headers(vllm_server))
                 )
-                for _ in range(6)
+                for _ in range(requests)
             ]
             samples = []
-            while not all(r.done() for r in requests):
+            while not all(r.done() for r in sent):
                 samples.append(await asyncio.to_thread(scrape))
                 await asyncio.sleep(0.05)
-            assert all(r.result().status_code == 200 for r in requests)
+            assert all(r.result().status_code == 200 for r in sent)
         return samples
 
-    samples = asyncio.run(load_and_sample())
-    assert max(samples) >= 2, samples
+    # On a busy machine one scrape can outlast a small load: more requests
+    # (the whole batch generating at once) until a sample lands inside it.
+    tried = []
+    for requests in (8, 24, 64):
+        samples = asyncio.run(load_and_sample(requests))
+        tried.append((requests, samples))
+        if max(samples) >= 2:
+            break
+    assert max(samples) >= 2, tried
     # vLLM updates its gauges once an engine step is logged: give the last one a moment.
     deadline = time.monotonic() + 15
     while (after := scrape()) != 0 and time.monotonic() < deadline:
