@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +28,8 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def with_descendants(roots: set[int]) -> set[int]:
-    """``roots`` and every process below them (Linux /proc)."""
-    children: dict[int, list[int]] = {}
+def _stat_fields() -> Iterator[tuple[int, list[str]]]:
+    """Every process's /proc/<pid>/stat fields after the parenthesised command name: state ppid pgrp session ..."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -38,8 +38,14 @@ def with_descendants(roots: set[int]) -> set[int]:
                 stat = handle.read()
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[-1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
+        yield int(entry), stat.rsplit(")", 1)[-1].split()
+
+
+def with_descendants(roots: set[int]) -> set[int]:
+    """``roots`` and every process below them (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for pid, fields in _stat_fields():
+        children.setdefault(int(fields[1]), []).append(pid)
     found = set(roots)
     todo = list(roots)
     while todo:
@@ -52,20 +58,7 @@ def with_descendants(roots: set[int]) -> set[int]:
 
 def session_members(sid: int) -> list[int]:
     """Process ids whose session id is ``sid`` (Linux /proc)."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as handle:
-                stat = handle.read()
-        except OSError:
-            continue
-        # Fields after the parenthesised command name: state ppid pgrp session ...
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 3 and int(fields[3]) == sid:
-            members.append(int(entry))
-    return members
+    return [pid for pid, fields in _stat_fields() if len(fields) > 3 and int(fields[3]) == sid]
 
 
 def marked_processes(marker: str) -> list[int]:
