@@ -92,6 +92,16 @@ def engine_kwargs(entry: ModelEntry, catalog: Catalog) -> dict[str, Any]:
     return kwargs
 
 
+def replica_env(entry: ModelEntry, catalog: Catalog) -> dict[str, str]:
+    """The environment a model's replica adds: offline unless a hub download is allowed, the hub cache."""
+    env: dict[str, str] = {}
+    if entry.weights_kind != "hub" or not catalog.allow_hub_download:
+        env.update(OFFLINE_ENV)
+    if entry.weights_kind == "hub":
+        env["HF_HOME"] = catalog.model_cache_dir
+    return env
+
+
 def llm_config_kwargs(entry: ModelEntry, catalog: Catalog) -> dict[str, Any]:
     """Keyword arguments for ``ray.serve.llm.LLMConfig`` for one catalogue entry."""
     scaling = entry.autoscaling
@@ -112,11 +122,7 @@ def llm_config_kwargs(entry: ModelEntry, catalog: Catalog) -> dict[str, Any]:
         # Serve LLM assumes a GPU when no accelerator is named; the catalogue's
         # "no accelerator" means the CPU build of vLLM.
         config["accelerator_config"] = {"kind": "cpu"}
-    env: dict[str, str] = {}
-    if entry.weights_kind != "hub" or not catalog.allow_hub_download:
-        env.update(OFFLINE_ENV)
-    if entry.weights_kind == "hub":
-        env["HF_HOME"] = catalog.model_cache_dir
+    env = replica_env(entry, catalog)
     if env:
         config["runtime_env"] = {"env_vars": env}
     return config

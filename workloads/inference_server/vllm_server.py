@@ -39,7 +39,7 @@ from ray.serve.deployment import Application
 
 from .autoscale import ONGOING_METRIC, POLICY_PATH
 from .catalog import Catalog, ModelEntry
-from .engine import autoscaling_config, engine_kwargs, llm_config_kwargs
+from .engine import autoscaling_config, engine_kwargs, replica_env
 from .vllm_guard import DRAIN_FILE_ENV, SETTINGS_ENV, ServerGuardSettings
 from .vllm_main import SPEC_ENV
 
@@ -168,7 +168,7 @@ class VllmServer:
             model_ids=[self._entry.model_id],
         )
         env = dict(os.environ)
-        env.update(llm_config_kwargs(self._entry, self._catalog).get("runtime_env", {}).get("env_vars", {}))
+        env.update(replica_env(self._entry, self._catalog))
         env[SPEC_ENV] = json.dumps(self._spec())
         env[SETTINGS_ENV] = guard.model_dump_json()
         env[DRAIN_FILE_ENV] = str(self._drain_file)
