@@ -53,6 +53,12 @@ KARPENTER_AMI_ALIASES: dict[str, str] = {
     "bottlerocket_nvidia": "bottlerocket@v1.56.0",
 }
 
+# Upstream sources read by the tests that no pinned chart names, by their
+# reference folder: the Prometheus Operator's scrape-config generation.
+# kube-prometheus-stack 88.5.3 ships operator v0.93.1, a patch release of
+# the same generation; v0.93.0 is the tag of that code.
+UPSTREAM_SOURCES: dict[str, str] = {"prometheus-operator": "v0.93.0"}
+
 HELM_CHARTS: tuple[HelmChart, ...] = (
     GPU_OPERATOR,
     KUBERAY_OPERATOR,

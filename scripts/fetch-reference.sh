@@ -51,6 +51,10 @@ from infra.versions import HELM_CHARTS
 for c in HELM_CHARTS:
     print(c.chart, c.version, c.repository)
 ') || die "could not read the pinned versions from infra/versions.py with $python"
+prometheus_operator=$(cd "$root" && "$python" -c '
+from infra.versions import UPSTREAM_SOURCES
+print(UPSTREAM_SOURCES["prometheus-operator"])
+') || die "could not read the Prometheus Operator source tag from infra/versions.py with $python"
 
 # pin CHART FIELD: a pinned chart's version or repository.
 pin() {
@@ -82,6 +86,8 @@ raw() { # ORG/REPO TAG PATH
 }
 
 # One line per file: <relative path> <chart or -> <path in the published chart or -> <url> <filter>.
+# The src-<tag> folders hold upstream controllers' own code, read by the
+# mirrors that port their behaviour (twin/kuberay.py cites them line by line).
 # The chart column names the chart whose `helm pull` holds the file; "-" means
 # the file is not in a published chart and always comes from <url>.
 # Filter "helm-template" drops the Helm template lines of a CRD kept in templates/.
@@ -114,6 +120,23 @@ karpenter/crd-nodepools.yaml karpenter crds/karpenter.sh_nodepools.yaml $(raw aw
 karpenter/crd-nodeclaims.yaml karpenter crds/karpenter.sh_nodeclaims.yaml $(raw aws/karpenter-provider-aws "$karpenter" pkg/apis/crds/karpenter.sh_nodeclaims.yaml) -
 karpenter/crd-ec2nodeclasses.yaml karpenter crds/karpenter.k8s.aws_ec2nodeclasses.yaml $(raw aws/karpenter-provider-aws "$karpenter" pkg/apis/crds/karpenter.k8s.aws_ec2nodeclasses.yaml) -
 karpenter/cloudformation.yaml - - $(raw aws/karpenter-provider-aws "$karpenter" website/content/en/preview/getting-started/getting-started-with-karpenter/cloudformation.yaml) -
+kuberay/src-$kuberay/LICENSE - - $(raw ray-project/kuberay "$kuberay" LICENSE) -
+kuberay/src-$kuberay/ray-operator/controllers/ray/raycluster_controller.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/raycluster_controller.go) -
+kuberay/src-$kuberay/ray-operator/controllers/ray/rayservice_controller.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/rayservice_controller.go) -
+kuberay/src-$kuberay/ray-operator/controllers/ray/networkpolicy_controller.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/networkpolicy_controller.go) -
+kuberay/src-$kuberay/ray-operator/controllers/ray/common/association.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/common/association.go) -
+kuberay/src-$kuberay/ray-operator/controllers/ray/common/job.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/common/job.go) -
+kuberay/src-$kuberay/ray-operator/controllers/ray/common/pod.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/common/pod.go) -
+kuberay/src-$kuberay/ray-operator/controllers/ray/common/service.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/common/service.go) -
+kuberay/src-$kuberay/ray-operator/controllers/ray/utils/constant.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/utils/constant.go) -
+kuberay/src-$kuberay/ray-operator/controllers/ray/utils/util.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/utils/util.go) -
+kuberay/src-$kuberay/ray-operator/controllers/ray/utils/validation.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/utils/validation.go) -
+aws-load-balancer-controller/src-$aws_load_balancer_controller/LICENSE - - $(raw kubernetes-sigs/aws-load-balancer-controller "$aws_load_balancer_controller" LICENSE) -
+aws-load-balancer-controller/src-$aws_load_balancer_controller/pkg/inject/pod_readiness/pod_readiness_gate.go - - $(raw kubernetes-sigs/aws-load-balancer-controller "$aws_load_balancer_controller" pkg/inject/pod_readiness/pod_readiness_gate.go) -
+aws-load-balancer-controller/src-$aws_load_balancer_controller/webhooks/core/pod_readiness_gate_mutator.go - - $(raw kubernetes-sigs/aws-load-balancer-controller "$aws_load_balancer_controller" webhooks/core/pod_readiness_gate_mutator.go) -
+aws-load-balancer-controller/src-$aws_load_balancer_controller/webhooks/core/service_mutator.go - - $(raw kubernetes-sigs/aws-load-balancer-controller "$aws_load_balancer_controller" webhooks/core/service_mutator.go) -
+prometheus-operator/src-$prometheus_operator/LICENSE - - $(raw prometheus-operator/prometheus-operator "$prometheus_operator" LICENSE) -
+prometheus-operator/src-$prometheus_operator/pkg/prometheus/promcfg.go - - $(raw prometheus-operator/prometheus-operator "$prometheus_operator" pkg/prometheus/promcfg.go) -
 "
 # The GPU Operator's Chart.yaml at a git tag carries a development version,
 # so a note names the release the files belong to.

@@ -25,6 +25,7 @@ from infra.render import ROOT, SECRET, Rendered, render, run_under_mocks
 from infra.scheduling import gpu_placements, system_placement
 from infra.serving.endpoint import serve_service_spec
 from infra.serving.ray_service import VllmRayServiceArgs
+from twin import kuberay as mirror
 
 STACKS = sorted(p.name.split(".")[1] for p in ROOT.glob("Pulumi.*.yaml"))
 # The pinned charts' values and CRDs the tests check the program against,
@@ -159,7 +160,7 @@ def ray_service_args(cfg: StackConfig, service: str, **overrides: Any) -> VllmRa
         "prometheus_url": "http://prometheus.monitoring.svc:9090",
         "grafana_url": "http://grafana.monitoring.svc:80",
         "serving_priority_class": "llm-serving",
-        "serve_service": serve_service_spec(service, cfg.serving.namespace, cfg.endpoint, cfg.layout_of(service)),
+        "serve_service": serve_service_spec(service, cfg.serving.namespace, cfg.layout_of(service)),
     }
     values.update(overrides)
     return VllmRayServiceArgs(**values)
@@ -301,30 +302,13 @@ def render_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 # --- the pods the program declares ---------------------------------------------------
 
-# What KubeRay 1.7 adds to the pods it builds from a RayService that matters to
-# pod security and to the NetworkPolicies (ray-operator/controllers/ray/common/pod.go
-# at v1.7.0): its labels; on the head, with in-tree autoscaling, the autoscaler
-# sidecar (securityContext and extra volumeMounts from `autoscalerOptions`) and
-# the autoscaler's own service account; on each worker, the `wait-gcs-ready`
-# init container, which copies the Ray container's securityContext, env and mounts.
-AUTOSCALER_CONTAINER = "autoscaler"
-WAIT_GCS_CONTAINER = "wait-gcs-ready"
-# The resources KubeRay gives them (BuildAutoscalerContainer; the init container's are fixed).
-_AUTOSCALER_RESOURCES = {"cpu": "500m", "memory": "512Mi"}
-_WAIT_GCS_RESOURCES = {"cpu": "200m", "memory": "256Mi"}
-
-
-def _kuberay_labels(rs: dict[str, Any], node_type: str, group_name: str) -> dict[str, str]:
-    name = rs["metadata"]["name"]
-    return {
-        "ray.io/node-type": node_type,
-        "ray.io/group": group_name,
-        "ray.io/cluster": f"{name}-abcde",
-        "ray.io/is-ray-node": "yes",
-        "ray.io/originated-from-cr-name": name,
-        "ray.io/originated-from-crd": "RayService",
-        "ray.io/serve": "false" if node_type == "head" else "true",
-    }
+# Ray pods are built by the KubeRay mirror (twin/kuberay.py), never by hand: what
+# KubeRay v1.7.0 really puts on them (labels, the autoscaler sidecar, the
+# wait-gcs-ready init container, probes, env) is what these tests see.
+AUTOSCALER_CONTAINER = mirror.AUTOSCALER_CONTAINER
+WAIT_GCS_CONTAINER = mirror.WAIT_GCS_CONTAINER
+# The five characters KubeRay appends to a RayService's name for each cluster.
+CLUSTER_SUFFIX = "abcde"
 
 
 def _pod(rs: dict[str, Any], template: dict[str, Any], name: str, labels: dict[str, str]) -> dict[str, Any]:
@@ -342,41 +326,16 @@ def _pod(rs: dict[str, Any], template: dict[str, Any], name: str, labels: dict[s
     }
 
 
-def ray_service_pods(rs: dict[str, Any]) -> list[dict[str, Any]]:
-    """The head and one pod of each worker group, as KubeRay would create them (see above)."""
-    name = rs["metadata"]["name"]
-    cluster = rs["spec"]["rayClusterConfig"]
-    head_spec = cluster["headGroupSpec"]
-    head = _pod(rs, head_spec["template"], f"{name}-head", _kuberay_labels(rs, "head", "headgroup"))
-    if cluster.get("enableInTreeAutoscaling"):
-        options = cluster.get("autoscalerOptions", {})
-        ray = head["spec"]["containers"][0]
-        sidecar: dict[str, Any] = {
-            "name": AUTOSCALER_CONTAINER,
-            "image": options.get("image", ray["image"]),
-            "resources": {"requests": dict(_AUTOSCALER_RESOURCES), "limits": dict(_AUTOSCALER_RESOURCES)},
-        }
-        for key in ("securityContext", "volumeMounts", "resources"):
-            if key in options:
-                sidecar[key] = copy.deepcopy(options[key])
-        head["spec"]["containers"].append(sidecar)
-        head["spec"]["serviceAccountName"] = name
-    pods = [head]
-    for group_spec in cluster.get("workerGroupSpecs", []):
-        pod = _pod(rs, group_spec["template"], f"{name}-{group_spec['groupName']}", {})
-        pod["metadata"]["labels"].update(_kuberay_labels(rs, "worker", group_spec["groupName"]))
-        ray = pod["spec"]["containers"][0]
-        init = {
-            "name": WAIT_GCS_CONTAINER,
-            "image": ray["image"],
-            "resources": {"requests": dict(_WAIT_GCS_RESOURCES), "limits": dict(_WAIT_GCS_RESOURCES)},
-        }
-        for key in ("securityContext", "env", "volumeMounts"):
-            if key in ray:
-                init[key] = copy.deepcopy(ray[key])
-        pod["spec"]["initContainers"] = [*pod["spec"].get("initContainers", []), init]
-        pods.append(pod)
-    return pods
+def ray_cluster(rs: dict[str, Any], suffix: str = CLUSTER_SUFFIX) -> mirror.RayClusterRef:
+    """One RayCluster of a rendered RayService, as KubeRay names it."""
+    return mirror.RayClusterRef(mirror.ray_cluster_name(rs, suffix), rs)
+
+
+def ray_service_pods(rs: dict[str, Any], suffix: str = CLUSTER_SUFFIX) -> list[dict[str, Any]]:
+    """The head and one pod of each worker group (a group at zero too), as KubeRay builds them."""
+    cluster = ray_cluster(rs, suffix)
+    groups = rs["spec"]["rayClusterConfig"].get("workerGroupSpecs") or []
+    return mirror.build_cluster_pods(cluster, {str(g["groupName"]): 1 for g in groups})
 
 
 def workload_pods(rendered: Rendered) -> list[dict[str, Any]]:

@@ -329,45 +329,55 @@ def test_a_guard_of_another_bucket_does_not_count() -> None:
 # --- load balancers --------------------------------------------------------------------------
 
 
-def serve_service(ray_service: Resource) -> dict[str, Any]:
-    service: dict[str, Any] = ray_service.props["spec"]["serveService"]
+def serve_service(load_balancer: Resource) -> dict[str, Any]:
+    """The load-balancer Service's manifest (our Service in front of each RayService)."""
+    service: dict[str, Any] = load_balancer.props
     return service
 
 
+def public_service(stack: str) -> Resource:
+    """The first RayService's load-balancer Service."""
+    return next(
+        r
+        for r in rendered(stack)
+        if r.type == "kubernetes:core/v1:Service" and r.props["spec"].get("type") == "LoadBalancer"
+    )
+
+
 def test_prod_endpoint_without_source_ranges_fails() -> None:
-    ray_service = one(rendered("prod"), "kubernetes:ray.io/v1:RayService")
-    serve_service(ray_service)["spec"].pop("loadBalancerSourceRanges")
-    messages = rules.check_load_balancers(ray_service, settings(rules.LB_RULE, "prod"))
-    name = ray_service.props["metadata"]["name"]
+    load_balancer = public_service("prod")
+    serve_service(load_balancer)["spec"].pop("loadBalancerSourceRanges")
+    messages = rules.check_load_balancers(load_balancer, settings(rules.LB_RULE, "prod"))
+    name = load_balancer.props["metadata"]["name"]
     assert messages == [
-        f"RayService 'llm/{name}' spec.serveService (Service of type LoadBalancer) is internet-facing without "
+        f"Service 'llm/{name}' (Service of type LoadBalancer) is internet-facing without "
         "an allow-list; fix: set spec.loadBalancerSourceRanges to the client CIDRs"
     ]
 
 
 @pytest.mark.parametrize("everywhere", ["0.0.0.0/0", "::/0"])
 def test_allow_list_of_everything_fails(everywhere: str) -> None:
-    ray_service = one(rendered("prod"), "kubernetes:ray.io/v1:RayService")
-    serve_service(ray_service)["spec"]["loadBalancerSourceRanges"].append(everywhere)
-    messages = rules.check_load_balancers(ray_service, settings(rules.LB_RULE, "prod"))
+    load_balancer = public_service("prod")
+    serve_service(load_balancer)["spec"]["loadBalancerSourceRanges"].append(everywhere)
+    messages = rules.check_load_balancers(load_balancer, settings(rules.LB_RULE, "prod"))
     assert len(messages) == 1
     assert f"allows {everywhere}, which is not an allow-list" in messages[0]
 
 
 def test_prod_endpoint_fails_without_the_stacks_consent() -> None:
     # The committed prod stack is internet-facing; the policy default refuses it.
-    ray_service = one(rendered("prod"), "kubernetes:ray.io/v1:RayService")
-    messages = rules.check_load_balancers(ray_service, settings(rules.LB_RULE))
+    load_balancer = public_service("prod")
+    messages = rules.check_load_balancers(load_balancer, settings(rules.LB_RULE))
     assert len(messages) == 1
     assert "does not allow internet-facing load balancers (allowInternetFacing is false)" in messages[0]
 
 
 def test_dev_endpoint_made_internet_facing_fails() -> None:
-    ray_service = one(rendered("dev"), "kubernetes:ray.io/v1:RayService")
-    annotations = serve_service(ray_service)["metadata"]["annotations"]
+    load_balancer = public_service("dev")
+    annotations = serve_service(load_balancer)["metadata"]["annotations"]
     annotations["service.beta.kubernetes.io/aws-load-balancer-scheme"] = "internet-facing"
-    serve_service(ray_service)["spec"]["loadBalancerSourceRanges"] = ["198.51.100.0/24"]
-    messages = rules.check_load_balancers(ray_service, settings(rules.LB_RULE, "dev"))
+    serve_service(load_balancer)["spec"]["loadBalancerSourceRanges"] = ["198.51.100.0/24"]
+    messages = rules.check_load_balancers(load_balancer, settings(rules.LB_RULE, "dev"))
     assert len(messages) == 1
     assert "(allowInternetFacing is false)" in messages[0]
 

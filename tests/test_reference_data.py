@@ -71,14 +71,15 @@ def names_version(tag: str, version: str) -> bool:
 
 def test_every_pinned_chart_has_its_folder_and_every_folder_a_pinned_chart() -> None:
     assert {c.chart for c in versions.HELM_CHARTS} == set(FOLDER_OF)
-    assert {path.split("/")[0] for path in listed()} == set(FOLDER_OF.values())
+    assert {path.split("/")[0] for path in listed()} == set(FOLDER_OF.values()) | set(versions.UPSTREAM_SOURCES)
 
 
 def test_every_url_is_at_the_release_tag_of_the_pinned_version() -> None:
     chart_of = {folder: chart for chart, folder in FOLDER_OF.items()}
     pinned = {c.chart: c.version for c in versions.HELM_CHARTS}
     for path, url in listed().items():
-        version = pinned[chart_of[path.split("/")[0]]]
+        folder = path.split("/")[0]
+        version = versions.UPSTREAM_SOURCES[folder] if folder in versions.UPSTREAM_SOURCES else pinned[chart_of[folder]]
         assert names_version(release_tag(url), version), f"{path}: {url} is not at {version}"
 
 
@@ -86,6 +87,8 @@ def test_versions_come_from_infra_versions_only(tmp_path: Path) -> None:
     text = SCRIPT.read_text()
     for chart in versions.HELM_CHARTS:
         assert chart.version.removeprefix("v") not in text, f"{chart.chart}'s version is typed in {SCRIPT.name}"
+    for folder, tag in versions.UPSTREAM_SOURCES.items():
+        assert tag.removeprefix("v") not in text, f"{folder}'s version is typed in {SCRIPT.name}"
     # The same script beside other pins lists the other versions.
     (tmp_path / "scripts").mkdir()
     shutil.copy(SCRIPT, tmp_path / "scripts" / SCRIPT.name)
@@ -94,6 +97,7 @@ def test_versions_come_from_infra_versions_only(tmp_path: Path) -> None:
     fake = {
         c.chart: ("v" if c.version.startswith("v") else "") + f"77.{i}.99" for i, c in enumerate(versions.HELM_CHARTS)
     }
+    fake_sources = {folder: f"v66.{i}.99" for i, folder in enumerate(versions.UPSTREAM_SOURCES)}
     charts = ",\n    ".join(
         f"HelmChart({c.chart!r}, {fake[c.chart]!r}, {c.repository!r})" for c in versions.HELM_CHARTS
     )
@@ -102,10 +106,13 @@ def test_versions_come_from_infra_versions_only(tmp_path: Path) -> None:
         "@dataclass(frozen=True)\n"
         "class HelmChart:\n    chart: str\n    version: str\n    repository: str\n\n\n"
         f"HELM_CHARTS = (\n    {charts},\n)\n"
+        f"UPSTREAM_SOURCES = {fake_sources!r}\n"
     )
     chart_of = {folder: chart for chart, folder in FOLDER_OF.items()}
     for path, url in listed(tmp_path).items():
-        assert names_version(release_tag(url), fake[chart_of[path.split("/")[0]]]), f"{path}: {url}"
+        folder = path.split("/")[0]
+        version = fake_sources[folder] if folder in fake_sources else fake[chart_of[folder]]
+        assert names_version(release_tag(url), version), f"{path}: {url}"
 
 
 # --- against the tests and the folder ---------------------------------------------------------

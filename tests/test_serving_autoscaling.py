@@ -107,7 +107,7 @@ def test_disruption_budgets_cover_head_and_every_worker_group(stack: str) -> Non
             spec = pdbs[f"{name}-{worker_group_name(model)}"]
             assert {k: v for k, v in spec.items() if k != "selector"} == budget(model.autoscaling.min_replicas)
             assert spec["selector"]["matchLabels"][kuberay.GROUP] == worker_group_name(model)
-            assert spec["selector"]["matchLabels"][kuberay.ORIGINATED_FROM_NAME] == name
+            assert spec["selector"]["matchLabels"][kuberay.SERVICE_LABEL] == name
 
 
 def test_scaled_objects_match_the_pinned_keda_crd() -> None:

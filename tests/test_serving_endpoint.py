@@ -10,7 +10,15 @@ import pytest
 from infra import versions
 from infra.serving import kuberay
 from infra.serving.dashboards import dashboards
-from infra.serving.endpoint import EXTERNAL_DNS_ANNOTATION, LB_ANNOTATION, base_url, serve_service_spec
+from infra.serving.endpoint import (
+    EXTERNAL_DNS_ANNOTATION,
+    LB_ANNOTATION,
+    NLB_CLASS,
+    base_url,
+    load_balancer_service,
+    public_service_name,
+    serve_service_spec,
+)
 from infra.serving.ports import HTTPS_PORT, RAY_PORTS
 from infra.serving.ray_service import SERVICE_LABEL
 from tests.harness import manifests_of, ray_services, render_stack
@@ -34,18 +42,25 @@ def _serve_service(rs: dict[str, Any]) -> dict[str, Any]:
     return svc
 
 
+def _public(stack: str, name: str) -> dict[str, Any]:
+    (svc,) = [
+        s for s in manifests_of(render_stack(stack), "Service") if s["metadata"]["name"] == public_service_name(name)
+    ]
+    return svc
+
+
 def test_prod_endpoint_is_an_internet_facing_tls_nlb_limited_to_the_allowed_cidrs() -> None:
     cfg = config("prod")
     for rs in ray_services("prod"):
-        svc = _serve_service(rs)
         name = rs["metadata"]["name"]
-        assert svc["metadata"]["name"] == kuberay.serve_service_name(name)
+        svc = _public("prod", name)
         annotations = svc["metadata"]["annotations"]
-        assert annotations[f"{LB_ANNOTATION}-type"] == "external"
         assert annotations[f"{LB_ANNOTATION}-nlb-target-type"] == "ip"
         assert annotations[f"{LB_ANNOTATION}-scheme"] == "internet-facing"
         assert annotations[f"{LB_ANNOTATION}-ssl-cert"] == cfg.endpoint.certificate_arn
         assert svc["spec"]["type"] == "LoadBalancer"
+        # Ours, so the controller's webhook never sets it and nothing ever changes it.
+        assert svc["spec"]["loadBalancerClass"] == NLB_CLASS
         assert svc["spec"]["loadBalancerSourceRanges"] == [str(c) for c in cfg.endpoint.allowed_cidrs]
         (port,) = svc["spec"]["ports"]
         # Prod serves in the vllm-server layout: straight to each replica's vLLM server.
@@ -53,19 +68,27 @@ def test_prod_endpoint_is_an_internet_facing_tls_nlb_limited_to_the_allowed_cidr
         assert annotations[f"{LB_ANNOTATION}-ssl-ports"] == port["name"]
 
 
+@pytest.mark.parametrize("stack", STACKS)
+def test_kuberay_serve_service_is_in_cluster_only_and_has_nothing_kuberay_would_not_apply(stack: str) -> None:
+    """KubeRay never updates an existing Service's annotations: none are given to it."""
+    for rs in ray_services(stack):
+        svc = _serve_service(rs)
+        assert svc["spec"]["type"] == "ClusterIP"
+        assert "annotations" not in svc["metadata"]
+        assert "loadBalancerSourceRanges" not in svc["spec"]
+
+
 def test_a_tls_listener_keeps_its_port_under_either_layout() -> None:
-    """KubeRay keeps a user port only under a name the head's serve ports use, if it has any (see
-    test_serving_ray_service: test_kuberay_keeps_the_serve_service_ports_and_they_reach_the_serving_pods)."""
     endpoint = config("prod").endpoint
-    ingress = serve_service_spec("a", "llm", endpoint, "serve-ingress")["spec"]["ports"]
-    assert ingress == [{"name": "serve", "port": HTTPS_PORT, "targetPort": "serve", "protocol": "TCP"}]
-    direct = serve_service_spec("a", "llm", endpoint, "vllm-server")["spec"]["ports"]
+    ingress = load_balancer_service("a", "llm", endpoint, "serve-ingress")["spec"]["ports"]
+    assert ingress == [{"name": "https", "port": HTTPS_PORT, "targetPort": "serve", "protocol": "TCP"}]
+    direct = load_balancer_service("a", "llm", endpoint, "vllm-server")["spec"]["ports"]
     assert direct == [{"name": "https", "port": HTTPS_PORT, "targetPort": "openai", "protocol": "TCP"}]
 
 
 def test_dev_endpoint_is_internal_plain_http_on_the_serve_port() -> None:
     for rs in ray_services("dev"):
-        svc = _serve_service(rs)
+        svc = _public("dev", rs["metadata"]["name"])
         annotations = svc["metadata"]["annotations"]
         assert annotations[f"{LB_ANNOTATION}-scheme"] == "internal"
         assert f"{LB_ANNOTATION}-ssl-cert" not in annotations
@@ -78,10 +101,10 @@ def test_each_service_gets_its_own_name_under_the_domain() -> None:
     cfg = config("prod")
     for rs in ray_services("prod"):
         name = rs["metadata"]["name"]
-        annotations = _serve_service(rs)["metadata"]["annotations"]
+        annotations = _public("prod", name)["metadata"]["annotations"]
         assert annotations[EXTERNAL_DNS_ANNOTATION] == f"{name}.{cfg.endpoint.domain}"
     for rs in ray_services("dev"):
-        assert EXTERNAL_DNS_ANNOTATION not in _serve_service(rs)["metadata"]["annotations"]
+        assert EXTERNAL_DNS_ANNOTATION not in _public("dev", rs["metadata"]["name"])["metadata"]["annotations"]
 
 
 def test_base_url_scheme_follows_the_certificate() -> None:
@@ -90,9 +113,9 @@ def test_base_url_scheme_follows_the_certificate() -> None:
     assert base_url("lb.example", config("dev").endpoint) == "http://lb.example:8000/v1"
     # Without a certificate the load balancer listens on the port it targets.
     assert base_url("lb.example", config("dev").endpoint, "vllm-server") == "http://lb.example:8100/v1"
-    (port,) = serve_service_spec("a", "llm", config("dev").endpoint, "vllm-server")["spec"]["ports"]
+    (port,) = load_balancer_service("a", "llm", config("dev").endpoint, "vllm-server")["spec"]["ports"]
     assert (port["name"], port["port"], port["targetPort"]) == ("openai", 8100, "openai")
-    assert serve_service_spec("a", "llm", config("dev").endpoint)["metadata"]["namespace"] == "llm"
+    assert serve_service_spec("a", "llm")["metadata"]["namespace"] == "llm"
 
 
 def _policies(stack: str) -> dict[str, dict[str, Any]]:
@@ -166,7 +189,8 @@ def test_the_load_balancer_gates_the_serving_pods_readiness(stack: str) -> None:
     (ns,) = [n for n in namespaces if n["metadata"]["name"] == cfg.serving.namespace]
     assert ns["metadata"]["labels"]["elbv2.k8s.aws/pod-readiness-gate-inject"] == "enabled"
     for rs in ray_services(stack):
-        assert _serve_service(rs)["metadata"]["annotations"][f"{LB_ANNOTATION}-nlb-target-type"] == "ip"
+        svc = _public(stack, rs["metadata"]["name"])
+        assert svc["metadata"]["annotations"][f"{LB_ANNOTATION}-nlb-target-type"] == "ip"
 
 
 @pytest.mark.parametrize("stack", STACKS)

@@ -339,12 +339,10 @@ def test_ray_services_match_the_pinned_crd(stack: str) -> None:
         jsonschema.Draft7Validator(schema).validate(rs)
 
 
-def test_labels_kuberay_puts_on_pods_exist_in_kuberay() -> None:
-    # The label keys the budgets, policies and monitors select on.
-    assert kuberay.pods_of("x") == {
-        "ray.io/originated-from-cr-name": "x",
-        "ray.io/originated-from-crd": "RayService",
-    }
+def test_the_label_budgets_policies_and_monitors_select_on_is_one_kuberay_copies_to_pods() -> None:
+    """Our template label, never `ray.io/originated-from-*` (on the RayCluster and Services only)."""
+    assert kuberay.pods_of("x") == {SERVICE_LABEL: "x"}
+    assert not any(key.startswith("ray.io/originated-from") for key in kuberay.pods_of("x"))
     assert kuberay.serve_service_name("x") == "x-serve-svc"
     assert Path(__file__).name.startswith("test_serving_")
 

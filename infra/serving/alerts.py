@@ -505,7 +505,7 @@ def prometheus_rule(slo: Slo, namespace: str, labels: dict[str, str]) -> dict[st
 
 
 # The pod labels every Ray PodMonitor copies onto its series.
-RAY_TARGET_LABELS = [kuberay.CLUSTER, kuberay.ORIGINATED_FROM_NAME, kuberay.GROUP]
+RAY_TARGET_LABELS = [kuberay.CLUSTER, kuberay.SERVICE_LABEL, kuberay.GROUP]
 VLLM_SERVER_MONITOR = "vllm-servers"
 # One set of rules reads both layouts: vLLM's own `vllm:<name>` series get
 # the `ray_vllm_<name>` names Ray's metrics agent gives them under
@@ -538,7 +538,7 @@ def vllm_server_pod_monitor(namespace: str, labels: dict[str, str], services: li
         "spec": {
             "namespaceSelector": {"matchNames": [namespace]},
             "selector": {
-                "matchLabels": {kuberay.ORIGINATED_FROM_CRD: kuberay.RAY_SERVICE_CRD, kuberay.NODE_TYPE: "worker"},
+                "matchLabels": {kuberay.NODE_TYPE: "worker"},
                 "matchExpressions": [{"key": SERVICE_LABEL, "operator": "In", "values": sorted(services)}],
             },
             "podTargetLabels": RAY_TARGET_LABELS,
@@ -573,11 +573,12 @@ def pod_monitors(namespace: str, labels: dict[str, str], vllm_servers: list[str]
                 "metadata": {"name": f"ray-{node_type}s", "namespace": namespace, "labels": {**PART_OF, **labels}},
                 "spec": {
                     "namespaceSelector": {"matchNames": [namespace]},
+                    # Our label, which KubeRay copies from the template onto
+                    # every pod of every cluster; its own pods carry no
+                    # `ray.io/originated-from-*` (twin/kuberay.py label_pod).
                     "selector": {
-                        "matchLabels": {
-                            kuberay.ORIGINATED_FROM_CRD: kuberay.RAY_SERVICE_CRD,
-                            kuberay.NODE_TYPE: node_type,
-                        }
+                        "matchLabels": {kuberay.NODE_TYPE: node_type},
+                        "matchExpressions": [{"key": kuberay.SERVICE_LABEL, "operator": "Exists"}],
                     },
                     "podTargetLabels": target_labels,
                     "podMetricsEndpoints": [{"port": p.name, "interval": "15s"} for p in ports],

@@ -1,10 +1,34 @@
-"""The OpenAI endpoint: KubeRay's serve Service as an AWS load balancer, and the Ray pods' NetworkPolicies.
+"""The OpenAI endpoint: a load-balancer Service of ours per RayService, and the Ray pods' NetworkPolicies.
 
-Why KubeRay's own serve Service (`spec.serveService`) and not a Service of
-ours: a RayService's pods change cluster on every upgrade, and only KubeRay
-knows which cluster is active; it moves the serve Service's selector when it
-switches traffic. A Service selecting the pods itself would send requests to
-a pending cluster whose applications are still starting.
+Why not KubeRay's serve Service as the load balancer (what this did
+before), read in KubeRay v1.7.0 and the AWS load balancer controller v3.5.0
+(ported in twin/kuberay.py):
+
+- KubeRay never updates an existing Service's annotations, and changes its
+  spec only at a NewCluster switch: a certificate, scheme, hostname or
+  source-range change in the stack file would never reach the NLB.
+- At that switch it replaces the whole spec without `loadBalancerClass`,
+  which the controller's webhook set at CREATE; the API server refuses the
+  change (immutable once set), so no NewCluster upgrade could finish.
+- The switch flips the selector from the old cluster's pods to the new
+  one's in one update. The new pods were created while no load-balanced
+  Service selected them, so they have no target-health readiness gate; the
+  old targets are deregistered at once while the new ones still await
+  their first health checks.
+
+So Pulumi owns the load balancer's Service: every setting applies on the
+next `pulumi up` as an in-place update of this one object (the NLB is
+never replaced), it sets `loadBalancerClass` itself, and it selects the
+serving workers of the RayService by our template label, which the pods of
+both clusters carry. A pod is an endpoint while it is Ready: under
+vllm-server that is its own vLLM server's `/health`, and under
+serve-ingress KubeRay's proxy probe. During an upgrade the new cluster's
+replicas join the target group as they become healthy (each created with
+its readiness gate, since this Service selects it from the start) and the
+old ones leave as their drain makes them unready: a rolling hand-over
+instead of a flip. KubeRay's own serve Service stays, as a ClusterIP, for
+what KubeRay reads from it (the RayService's Ready condition counts its
+endpoints) and for the batch workers in the cluster.
 
 One load balancer per RayService: each RayService routes its own models by
 the request's `model` field, and a network load balancer can not read a
@@ -31,52 +55,90 @@ from workloads.inference_server.catalog import Layout
 
 LB_ANNOTATION = "service.beta.kubernetes.io/aws-load-balancer"
 EXTERNAL_DNS_ANNOTATION = "external-dns.alpha.kubernetes.io/hostname"
+# The load balancer controller's class for network load balancers. Set here,
+# not left to its webhook, so it is ours and never changes.
+NLB_CLASS = "service.k8s.aws/nlb"
 # Shown until the load balancer controller has written the Service's status.
 PENDING_HOSTNAME = "pending-load-balancer"
 
 
-def serve_service_spec(
-    name: str, namespace: str, endpoint: Endpoint, layout: Layout = "serve-ingress"
-) -> dict[str, Any]:
-    """`spec.serveService`: the serve Service as a network load balancer with IP targets.
+def public_service_name(ray_service: str) -> str:
+    """The load-balancer Service of one RayService."""
+    return f"{ray_service}-public"
+
+
+def serving_workers(ray_service: str) -> dict[str, str]:
+    """The pods the load balancer sends to: the RayService's workers that KubeRay marks as serving.
+
+    `llm-platform/ray-service` is on the pods of every cluster of the
+    RayService, `ray.io/serve: "true"` on every RayService worker KubeRay
+    builds (the head's stays "false" under `excludeHeadPodFromServeSvc`).
+    """
+    return {kuberay.SERVICE_LABEL: ray_service, kuberay.NODE_TYPE: "worker", kuberay.SERVE: "true"}
+
+
+def _public_port(endpoint: Endpoint, layout: Layout) -> dict[str, Any]:
+    target = RAY_PORTS.public(layout)
+    if endpoint.certificate_arn:
+        return {"name": "https", "port": HTTPS_PORT, "targetPort": target.name, "protocol": "TCP"}
+    return {"name": target.name, "port": target.number, "targetPort": target.name, "protocol": "TCP"}
+
+
+def serve_service_spec(name: str, namespace: str, layout: Layout = "serve-ingress") -> dict[str, Any]:
+    """`spec.serveService`: KubeRay's serve Service, a ClusterIP inside the cluster.
 
     It targets the pods' port by name (Serve's proxy, or under vllm-server
-    each replica's own vLLM server), so a pod that does not declare that
-    port is never an endpoint.
-
-    KubeRay 1.7 swaps the ports of a given serveService for the head's ports
-    named `serve`/`serve-*` whenever the head declares any, keeping a user
-    port only under the same name (common/service.go BuildServeService). A
-    serve-ingress head declares `serve`, so its listener is named `serve`
-    too, whatever port it listens on; a vllm-server head declares none
-    (ports.RayPorts.head), so the ports here are kept as written.
+    each replica's own vLLM server). KubeRay 1.7 swaps the ports of a given
+    serveService for the head's ports named `serve`/`serve-*` whenever the
+    head declares any (common/service.go BuildServeService): a serve-ingress
+    head declares `serve`, a vllm-server head none (ports.RayPorts.head), so
+    there the port here is kept as written. Nothing on it needs to change
+    after creation: KubeRay would not apply it.
     """
     target = RAY_PORTS.public(layout)
-    annotations = {
-        f"{LB_ANNOTATION}-type": "external",
-        f"{LB_ANNOTATION}-nlb-target-type": "ip",
-        f"{LB_ANNOTATION}-scheme": endpoint.scheme,
-        # Spread over every zone's targets: a model replica lives in one zone.
-        f"{LB_ANNOTATION}-attributes": "load_balancing.cross_zone.enabled=true",
-    }
-    if endpoint.certificate_arn:
-        listener = RAY_PORTS.serve.name if layout == "serve-ingress" else "https"
-        port: dict[str, Any] = {"name": listener, "port": HTTPS_PORT, "targetPort": target.name}
-        annotations[f"{LB_ANNOTATION}-ssl-cert"] = endpoint.certificate_arn
-        annotations[f"{LB_ANNOTATION}-ssl-ports"] = port["name"]
-    else:
-        port = {"name": target.name, "port": target.number, "targetPort": target.name}
-    host = endpoint.service_host(name)
-    if host:
-        annotations[EXTERNAL_DNS_ANNOTATION] = host
-    spec: dict[str, Any] = {"type": "LoadBalancer", "ports": [{**port, "protocol": "TCP"}]}
-    if endpoint.allowed_cidrs:
-        spec["loadBalancerSourceRanges"] = [str(c) for c in endpoint.allowed_cidrs]
     return {
         "metadata": {
             "name": kuberay.serve_service_name(name),
             "namespace": namespace,
             "labels": dict(PART_OF),
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "ports": [{"name": target.name, "port": target.number, "targetPort": target.name, "protocol": "TCP"}],
+        },
+    }
+
+
+def load_balancer_service(
+    name: str, namespace: str, endpoint: Endpoint, layout: Layout = "serve-ingress"
+) -> dict[str, Any]:
+    """The RayService's network load balancer (IP targets): metadata and spec of our Service."""
+    annotations = {
+        f"{LB_ANNOTATION}-nlb-target-type": "ip",
+        f"{LB_ANNOTATION}-scheme": endpoint.scheme,
+        # Spread over every zone's targets: a model replica lives in one zone.
+        f"{LB_ANNOTATION}-attributes": "load_balancing.cross_zone.enabled=true",
+    }
+    port = _public_port(endpoint, layout)
+    if endpoint.certificate_arn:
+        annotations[f"{LB_ANNOTATION}-ssl-cert"] = endpoint.certificate_arn
+        annotations[f"{LB_ANNOTATION}-ssl-ports"] = port["name"]
+    host = endpoint.service_host(name)
+    if host:
+        annotations[EXTERNAL_DNS_ANNOTATION] = host
+    spec: dict[str, Any] = {
+        "type": "LoadBalancer",
+        "loadBalancerClass": NLB_CLASS,
+        "selector": serving_workers(name),
+        "ports": [port],
+    }
+    if endpoint.allowed_cidrs:
+        spec["loadBalancerSourceRanges"] = [str(c) for c in endpoint.allowed_cidrs]
+    return {
+        "metadata": {
+            "name": public_service_name(name),
+            "namespace": namespace,
+            "labels": {**PART_OF, kuberay.SERVICE_LABEL: name},
             "annotations": annotations,
         },
         "spec": spec,
@@ -111,12 +173,14 @@ class ServingEndpointArgs:
 
 
 class ServingEndpoint(pulumi.ComponentResource):
-    """NetworkPolicies for the Ray pods (infra/serving/network.py) and each RayService's OpenAI base URL."""
+    """NetworkPolicies for the Ray pods (infra/serving/network.py), each RayService's load balancer and base URL."""
 
     urls: dict[str, pulumi.Output[str]]
     # RayService name -> its network load balancer's DNS name (what the
     # domain's record points at), PENDING_HOSTNAME until the controller wrote it.
     hostnames: dict[str, pulumi.Output[str]]
+    # RayService name -> its load-balancer Service.
+    services: dict[str, k8s.core.v1.Service]
 
     def __init__(self, name: str, args: ServingEndpointArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("llm-platform:serving:Endpoint", name, None, opts)
@@ -136,20 +200,22 @@ class ServingEndpoint(pulumi.ComponentResource):
                 )
         self.urls = {}
         self.hostnames = {}
+        self.services = {}
         for service, resource in args.ray_services.items():
-            svc_name = kuberay.serve_service_name(service)
-            # KubeRay creates the serve Service; read it once the RayService is
-            # ready (its id is unknown at first preview, so the read waits).
-            svc_id = resource.id.apply(_serve_service_id(args.namespace, svc_name))
-            svc = k8s.core.v1.Service.get(
-                f"{name}-{service}-serve-svc",
-                svc_id,
+            layout = args.layout(service)
+            manifest = load_balancer_service(service, args.namespace, args.endpoint, layout)
+            # After the RayService is Ready, so its serving pods exist when
+            # Pulumi waits for this Service's endpoints and address.
+            svc = k8s.core.v1.Service(
+                f"{name}-{service}-public",
+                metadata=manifest["metadata"],
+                spec=manifest["spec"],
                 opts=pulumi.ResourceOptions(parent=self, depends_on=[resource]),
             )
+            self.services[service] = svc
             hostname = svc.status.apply(lambda s: _ingress_hostname(s) or PENDING_HOSTNAME)
             self.hostnames[service] = hostname
             host = args.endpoint.service_host(service)
-            layout = args.layout(service)
             # Clients use the name the certificate covers, not the LB's.
             self.urls[service] = (
                 pulumi.Output.from_input(base_url(host, args.endpoint, layout))
@@ -162,13 +228,6 @@ class ServingEndpoint(pulumi.ComponentResource):
 def _base_url_of(endpoint: Endpoint, layout: Layout) -> Callable[[str], str]:
     def make(hostname: str) -> str:
         return base_url(hostname, endpoint, layout)
-
-    return make
-
-
-def _serve_service_id(namespace: str, svc_name: str) -> Callable[[str], str]:
-    def make(_: str) -> str:
-        return f"{namespace}/{svc_name}"
 
     return make
 

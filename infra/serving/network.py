@@ -27,7 +27,8 @@ Who may reach what (the README's "Security model" has the matrix in words):
 - Ray pods reach their own RayService, HTTPS (S3 for weights, the Kubernetes
   API for the head's autoscaler), EKS Pod Identity's node-local agent, and
   from the head: Prometheus and Grafana (the Ray dashboard's metrics views)
-  and the GCS Redis when there is one.
+  and the GCS Redis when there is one; so does the Redis cleanup Job KubeRay
+  runs when a cluster of theirs is deleted.
 
 Kubelet's probes come from the pod's own node and are always allowed.
 """
@@ -95,6 +96,11 @@ def worker_pods(service: str) -> dict[str, str]:
     return {**service_pods(service), kuberay.NODE_TYPE: "worker"}
 
 
+def redis_cleanup_pods(service: str) -> dict[str, str]:
+    """The pod of a RayService's Redis cleanup Job."""
+    return {**service_pods(service), kuberay.NODE_TYPE: kuberay.REDIS_CLEANUP}
+
+
 def scraped_ports(layout: Layout) -> list[Port]:
     """The ports Prometheus may reach on a RayService's pods."""
     ports = RAY_PORTS.scraped_on_head()
@@ -150,6 +156,25 @@ def _head_policy(namespace: str, service: str, peers: ClusterPeers, gcs_redis: b
     }
 
 
+def _redis_cleanup_policy(namespace: str, service: str, peers: ClusterPeers) -> dict[str, Any]:
+    """The Redis cleanup Job's pod: out to the GCS Redis.
+
+    When a GCS-fault-tolerant RayCluster is deleted (after every NewCluster
+    upgrade), KubeRay runs a Job that deletes its data in Redis. Its pod is
+    the head pod with `ray.io/node-type: redis-cleanup` (twin/kuberay.py
+    build_redis_cleanup_pod), so the heads' Redis rule does not cover it,
+    and without this rule every upgrade would leave its GCS data behind.
+    """
+    return {
+        "metadata": policy_metadata(f"{service}-ray-redis-cleanup", namespace),
+        "spec": {
+            "podSelector": {"matchLabels": redis_cleanup_pods(service)},
+            "policyTypes": ["Egress"],
+            "egress": [{"to": [_ip(peers.vpc_cidr)], "ports": _tcp(REDIS_PORT)}],
+        },
+    }
+
+
 def _serve_policy(
     namespace: str, service: str, peers: ClusterPeers, batch_labels: Mapping[str, str] | None, layout: Layout
 ) -> dict[str, Any]:
@@ -176,16 +201,19 @@ def ray_service_policies(
     batch_labels: Mapping[str, str] | None = None,
     layout: Layout = "serve-ingress",
 ) -> list[dict[str, Any]]:
-    """The three policies of one RayService (all pods, heads, workers).
+    """The policies of one RayService (all pods, heads, workers; the Redis cleanup Job's pod with a GCS Redis).
 
     `batch_labels`: the batch workers' pod labels when they send their
     requests to this RayService.
     """
-    return [
+    policies = [
         _ray_pods_policy(namespace, service, peers, layout),
         _head_policy(namespace, service, peers, gcs_redis),
         _serve_policy(namespace, service, peers, batch_labels, layout),
     ]
+    if gcs_redis:
+        policies.append(_redis_cleanup_policy(namespace, service, peers))
+    return policies
 
 
 def serving_pods() -> dict[str, str]:

@@ -26,6 +26,7 @@ from infra.config import (
     pulumi_wait_seconds,
 )
 from infra.scheduling import GpuPlacement, Placement
+from infra.serving import kuberay
 from infra.serving.drain import drain, prestop_hook
 from infra.serving.namespace import PART_OF, REDIS_PASSWORD_KEY
 from infra.serving.pod_security import (
@@ -68,7 +69,7 @@ INGRESS_CPU = 2
 INGRESS_MEMORY_GIB = 4
 # The RayService a pod belongs to; KubeRay's own `ray.io/cluster` label
 # changes with every NewCluster upgrade.
-SERVICE_LABEL = "llm-platform/ray-service"
+SERVICE_LABEL = kuberay.SERVICE_LABEL
 # KubeRay's label for a pod's worker group.
 RAY_GROUP_LABEL = "ray.io/group"
 RAY_CLUSTER_LABEL = "ray.io/cluster"
@@ -130,6 +131,14 @@ def ray_container_security() -> dict[str, Any]:
     return container_security_context(read_only_root=False)
 
 
+# With GCS fault tolerance KubeRay hands the head the Redis password as the
+# environment variable REDIS_PASSWORD (from gcsFaultToleranceOptions'
+# secretKeyRef; common/pod.go configureRedisFT), which Ray and the Redis
+# cleanup Job read: it can not be a file.
+HEAD_REDIS_CHECKOV_SKIPS = {
+    **RAY_CHECKOV_SKIPS,
+    "CKV_K8S_35": "KubeRay passes the GCS Redis password to Ray as REDIS_PASSWORD, from the Secret (configureRedisFT)",
+}
 # A vllm-server GPU worker declares its own readiness probe (vllm_readiness_probe).
 VLLM_SERVER_CHECKOV_SKIPS = {k: v for k, v in RAY_CHECKOV_SKIPS.items() if k != "CKV_K8S_9"}
 
@@ -304,7 +313,9 @@ def _head(args: VllmRayServiceArgs) -> dict[str, Any]:
             "metrics-export-port": str(RAY_PORTS.metrics.number),
         },
         "template": {
-            "metadata": ray_pod_metadata(args.name),
+            "metadata": ray_pod_metadata(
+                args.name, RAY_CHECKOV_SKIPS if args.redis is None else HEAD_REDIS_CHECKOV_SKIPS
+            ),
             "spec": {
                 **args.system.pod_scheduling(),
                 **ray_pod_security(),

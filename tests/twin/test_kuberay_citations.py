@@ -1,0 +1,75 @@
+"""Every upstream line the KubeRay mirror (twin/kuberay.py) ports still says what it quotes.
+
+The mirror's rules cite `file:line` in the pinned KubeRay v1.7.0 and AWS load
+balancer controller v3.5.0 sources (../shared/reference). A bump of either
+moves or changes those lines: this test then fails and names each one, so
+the mirror is read again before anything relies on it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from infra.serving import kuberay as platform_kuberay
+from tests.harness import reference_dir
+from twin import kuberay
+
+MIRROR = Path(kuberay.__file__)
+
+
+def test_the_mirror_cites_many_lines_each_once_per_place() -> None:
+    cites = kuberay.citations()
+    assert len(cites) >= 60
+    # Every mark was filled in with a real line number.
+    assert all(c.line > 0 for c in cites), [c for c in cites if c.line <= 0]
+    files = {c.path.split("/", 1)[0] for c in cites}
+    assert files == {"kuberay", "aws-load-balancer-controller"}
+
+
+def test_every_cited_line_says_what_is_quoted() -> None:
+    root = reference_dir()
+    wrong = []
+    for cite in kuberay.citations():
+        path = root / cite.path
+        lines = path.read_text().splitlines() if path.is_file() else []
+        said = lines[cite.line - 1] if 0 < cite.line <= len(lines) else "<no such line>"
+        if cite.quote not in said:
+            wrong.append(f"{cite.path}:{cite.line}: expected {cite.quote!r}, found {said.strip()!r}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_wrong_citation_is_caught(tmp_path: Path) -> None:
+    """The check itself can fail: a mark moved one line down no longer matches."""
+    root = reference_dir()
+    cite = kuberay.citations()[0]
+    lines = (root / cite.path).read_text().splitlines()
+    assert cite.quote not in lines[cite.line]  # the next line
+
+
+def test_marks_are_literal_calls() -> None:
+    """citations() reads marks from source: a mark built at run time would be missed, so none is."""
+    tree = ast.parse(MIRROR.read_text())
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("_k", "_cite")
+    ]
+    assert len(calls) == len(kuberay.citations())
+
+
+@pytest.mark.parametrize(
+    ("platform", "mirror"),
+    [
+        (platform_kuberay.CLUSTER, kuberay.CLUSTER_LABEL),
+        (platform_kuberay.NODE_TYPE, kuberay.NODE_TYPE_LABEL),
+        (platform_kuberay.GROUP, kuberay.GROUP_LABEL),
+        (platform_kuberay.IS_RAY_NODE, kuberay.IS_RAY_NODE_LABEL),
+        (platform_kuberay.SERVE, kuberay.SERVE_LABEL),
+        (platform_kuberay.REDIS_CLEANUP, kuberay.REDIS_CLEANUP),
+    ],
+)
+def test_the_platform_names_kuberay_labels_as_kuberay_does(platform: str, mirror: str) -> None:
+    assert platform == mirror
