@@ -39,6 +39,7 @@ from infra.capacity.cold_start import ColdStart, Timeout, cold_start, timeout_pr
 from infra.capacity.geometry import Geometry, resolve_geometry, unknown_model_message
 from infra.capacity.plan import GIB, weight_bytes_per_parameter
 from infra.capacity.rules import capacity_problems
+from infra.capacity.upgrade import Fleet, UpgradeHeadroom, UpgradeNeed, headroom_problem
 from infra.instance_types import GPU_INSTANCE_TYPES, GpuInstanceType
 from workloads.inference_server.catalog import IngressScaling, Layout, ModelEntry, RequestLimits
 
@@ -361,11 +362,20 @@ class Ray(_Section):
     cold_start: ColdStartTimeouts = ColdStartTimeouts()
     idle_timeout_seconds: int = Field(default=300, ge=30)
     # NewCluster: a full second cluster, traffic switched when it is ready
-    # (zero downtime, twice the GPUs while upgrading). None: cluster changes
+    # (zero downtime; the new cluster's GPUs beside the old cluster's while
+    # upgrading, see upgrade_headroom). None: cluster changes
     # are not rolled out (serveConfigV2 still updates in place). KubeRay's
     # incremental upgrade needs a Gateway API implementation the platform
     # does not install, so it is not offered.
     upgrade_strategy: Literal["NewCluster", "None"] = "NewCluster"
+    # The old cluster a NewCluster upgrade must find room beside, in every GPU
+    # group's max_size: `peak`, the old cluster at max_replicas (an upgrade
+    # places its new cluster at any hour), or `min`, at min_replicas (smaller
+    # groups; an upgrade started at peak waits for traffic to fall). `peak` is
+    # the default because nobody times `pulumi up` to traffic: under `min` the
+    # upgrade that ships a fix at peak is the one that stalls. See
+    # infra/capacity/upgrade.py and docs/upgrade-headroom.md.
+    upgrade_headroom: UpgradeHeadroom = "peak"
     head_cpu: CpuQuantity = "2"
     head_memory: MemoryQuantity = "8Gi"
 
@@ -1274,12 +1284,24 @@ def _fits_once(model: Model, gpu: GpuInstanceType, group: GpuNodeGroupSettings) 
     return model.autoscaling.min_replicas * _nodes_per_replica(model, gpu) <= group.max_size
 
 
-def _check_upgrade_headroom(cfg: StackConfig, groups: dict[str, GpuNodeGroupSettings]) -> Iterable[Problem]:
-    """A NewCluster upgrade runs the old and the new cluster side by side: each group holds both at min_replicas.
+def upgrade_need(cfg: StackConfig, group: GpuNodeGroupSettings, headroom: UpgradeHeadroom | None = None) -> UpgradeNeed:
+    """What `group` holds while every model on it upgrades at once, under `headroom` (else ray.upgrade_headroom)."""
+    return UpgradeNeed(
+        group=group.name,
+        headroom=cfg.ray.upgrade_headroom if headroom is None else headroom,
+        instance=group.instance(),
+        fleets=tuple(Fleet(m.name, m.num_devices, m.autoscaling) for m in cfg.models if m.gpu_group == group.name),
+    )
 
-    A change that reaches every RayService (a new image) upgrades them all at
-    once, so every model of a group counts. A group whose models do not fit
-    even once is reported by the model rules instead.
+
+def _check_upgrade_headroom(cfg: StackConfig, groups: dict[str, GpuNodeGroupSettings]) -> Iterable[Problem]:
+    """A NewCluster upgrade runs the old and the new cluster side by side: each group's max_size holds both.
+
+    The old cluster counts at max_replicas or min_replicas as
+    ray.upgrade_headroom says, the new one at its starting replicas
+    (infra/capacity/upgrade.py). A change that reaches every RayService (a new
+    image) upgrades them all at once, so every model of a group counts. A group
+    whose models do not fit even once is reported by the model rules instead.
     """
     if cfg.ray.upgrade_strategy != "NewCluster":
         return
@@ -1287,19 +1309,11 @@ def _check_upgrade_headroom(cfg: StackConfig, groups: dict[str, GpuNodeGroupSett
         models = [m for m in cfg.models if m.gpu_group == group.name]
         if groups.get(group.name) is not group or not _usable_group(group) or not models:
             continue
-        gpu = group.instance()
-        if not all(_fits_once(m, gpu, group) for m in models):
+        if not all(_fits_once(m, group.instance(), group) for m in models):
             continue
-        gpus = sum(m.autoscaling.min_replicas * m.num_devices for m in models)
-        nodes = math.ceil(2 * gpus / gpu.gpus)
-        if nodes > group.max_size:
-            each = ", ".join(f"'{m.name}' {m.autoscaling.min_replicas} x {m.num_devices}" for m in models)
-            yield Problem(
-                f"node_groups.gpu[{i}].max_size",
-                f"{group.max_size} leaves group '{group.name}' no room for a NewCluster upgrade: the old and the "
-                f"new cluster each need {gpus} GPUs at min_replicas ({each}), 2 x {gpus} = {2 * gpus} GPUs "
-                f"= {nodes} {gpu.name} nodes",
-            )
+        problem = headroom_problem(upgrade_need(cfg, group), group.max_size)
+        if problem:
+            yield Problem(f"node_groups.gpu[{i}].max_size", problem)
 
 
 def _check_provisioner(cfg: StackConfig) -> Iterable[Problem]:

@@ -56,7 +56,8 @@ class Rendered:
     helm: list[dict[str, Any]]
     outputs: dict[str, Any]
     # What the program logged at info level or above (`pulumi preview` shows
-    # the same lines): the capacity plan and cold-start budget, per model.
+    # the same lines): the capacity plan and cold-start budget, per model,
+    # then the upgrade headroom, per GPU group.
     log: list[str] = field(default_factory=list)
 
 

@@ -12,6 +12,8 @@ from infra.capacity.report import (
     plan_stack,
     preview_line,
     stack_output,
+    upgrade_line,
+    upgrade_plan,
 )
 from infra.cluster_services.build import build_platform
 from infra.config import LoadedConfig
@@ -27,6 +29,9 @@ def build_stack(loaded: LoadedConfig) -> None:
     for plan in capacity:
         pulumi.log.info(preview_line(plan))
         pulumi.log.info(cold_start_line(cold_start_budget(cfg, plan.model)))
+    # Each GPU group's headroom for a NewCluster upgrade, and its cost while it runs.
+    for upgrade in upgrade_plan(cfg):
+        pulumi.log.info(upgrade_line(upgrade))
     aws = build_aws(cfg)
     platform = build_platform(cfg, aws)
     serving = build_serving(cfg, loaded.api_keys, aws, platform)

@@ -208,9 +208,9 @@ CASES: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
     (
         "min replicas beyond the node group",
         "prod",
-        lambda raw: raw["models"][1]["autoscaling"].update(min_replicas=5, max_replicas=5),
-        "config error: models[1].autoscaling.min_replicas: 5 replicas need 5 g6e.12xlarge nodes "
-        "but node group 'l40s-4x' has max_size 4",
+        lambda raw: raw["models"][1]["autoscaling"].update(min_replicas=7, max_replicas=7),
+        "config error: models[1].autoscaling.min_replicas: 7 replicas need 7 g6e.12xlarge nodes "
+        "but node group 'l40s-4x' has max_size 6",
     ),
     (
         "mixed GPU shapes in one group",

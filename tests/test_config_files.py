@@ -171,12 +171,14 @@ CASES: list[tuple[str, str, Edit, str | Callable[[str], str]]] = [
         "while a node drains ('llama-33-70b' has 1)",
     ),
     (
-        "no GPU headroom for a NewCluster upgrade",
+        "no GPU headroom for a NewCluster upgrade at peak",
         "prod",
-        _set("node_groups", "gpu.1.max_size", 3),
-        "config error: node_groups.gpu[1].max_size: 3 leaves group 'l40s-4x' no room for a NewCluster upgrade: "
-        "the old and the new cluster each need 8 GPUs at min_replicas ('llama-33-70b' 2 x 4), 2 x 8 = 16 GPUs "
-        "= 4 g6e.12xlarge nodes",
+        _set("node_groups", "gpu.1.max_size", 5),
+        "config error: node_groups.gpu[1].max_size: 5 leaves group 'l40s-4x' no room for a NewCluster upgrade at "
+        "peak (ray.upgrade_headroom: peak): the old cluster at max_replicas and the new one at its starting replicas "
+        "(initial_replicas, else min_replicas) need 'llama-33-70b' (4 + 2) x 4 = 24 GPUs = 6 g6e.12xlarge nodes; "
+        "raise max_size to 6, or set ray.upgrade_headroom: min and accept that an upgrade started at peak waits "
+        "for the old cluster to scale down",
     ),
 ]
 

@@ -349,9 +349,11 @@ def test_upgrade_headroom_counts_every_model_of_a_group() -> None:
         raw["models"][0]["autoscaling"].update(min_replicas=5)
 
     assert problems("prod", change) == [
-        "config error: node_groups.gpu[0].max_size: 8 leaves group 'l40s-1x' no room for a NewCluster upgrade: "
-        "the old and the new cluster each need 5 GPUs at min_replicas ('llama-31-8b' 5 x 1), 2 x 5 = 10 GPUs "
-        "= 10 g6e.2xlarge nodes"
+        "config error: node_groups.gpu[0].max_size: 10 leaves group 'l40s-1x' no room for a NewCluster upgrade at "
+        "peak (ray.upgrade_headroom: peak): the old cluster at max_replicas and the new one at its starting replicas "
+        "(initial_replicas, else min_replicas) need 'llama-31-8b' (8 + 5) x 1 = 13 GPUs = 13 g6e.2xlarge nodes; "
+        "raise max_size to 13, or set ray.upgrade_headroom: min and accept that an upgrade started at peak waits "
+        "for the old cluster to scale down"
     ]
 
 
@@ -483,9 +485,9 @@ def test_auto_picks_vllm_server_wherever_a_service_can_use_it() -> None:
     assert cfg.layout_for([big]) == "vllm-server"
     assert cfg.layout_for([big.model_copy(update={"pipeline_parallel_size": 2})]) == "serve-ingress"
     # Dev's model scales to zero; held at one replica it could go direct.
-    assert accepted("dev", lambda raw: raw["models"][0]["autoscaling"].update(min_replicas=1)).layouts() == {
-        "llama-31-8b": "vllm-server"
-    }
+    assert accepted(
+        "dev", lambda raw: raw["models"][0]["autoscaling"].update(min_replicas=1, max_replicas=1)
+    ).layouts() == {"llama-31-8b": "vllm-server"}
 
 
 def test_an_explicit_layout_applies_to_every_service() -> None:

@@ -47,6 +47,7 @@ from infra.serving.serve_config import IMPORT_PATH, INGRESS_RESOURCE, MOUNTS, RE
 from tests.harness import group, manifests_of, ray_service_args, ray_services, reference_dir, render_stack
 from tests.harness import stack_config as config
 from twin.checks import no_local_ray_instance
+from workloads.inference_server.catalog import NODE_DRAIN_FILE, NODE_DRAIN_FILE_ENV
 
 STACKS = ["dev", "prod"]
 # Prod as it would render with every RayService on Serve LLM's OpenAI ingress.
@@ -557,19 +558,68 @@ def _write_cmdline(proc: Path, pid: int, argv: list[str]) -> Path:
     return path
 
 
-def _run_hook(seconds: int, proc: Path, bin_dir: Path) -> float:
+def _run_hook(seconds: int, proc: Path, bin_dir: Path, node_drain_file: Path | None = None) -> float:
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     start = time.monotonic()
-    subprocess.run(["bash", "-c", prestop_script(seconds, str(proc))], env=env, timeout=60, check=True)
+    script = prestop_script(seconds, str(proc), node_drain_file=str(node_drain_file) if node_drain_file else None)
+    subprocess.run(["bash", "-c", script], env=env, timeout=60, check=True)
     return time.monotonic() - start
+
+
+NODE_ID = "f" * 56
+
+
+def _fake_ray_and_python(tmp_path: Path) -> Path:
+    """A `ray` that records its drain request and fails it, and a `python` that prints this node's id."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ray").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/drain-args\nexit 1\n')
+    (bin_dir / "python").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/python-args\necho {NODE_ID}\n')
+    for tool in ("ray", "python"):
+        (bin_dir / tool).chmod(0o755)
+    return bin_dir
+
+
+def test_the_prestop_hook_drains_this_node_by_its_id(tmp_path: Path) -> None:
+    """`ray drain-node` without --node-id raises in a process that never connected (Ray's drain_node):
+    the hook asks the node's raylet for its id with a driver, then drains that node."""
+    bin_dir = _fake_ray_and_python(tmp_path)
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    _run_hook(5, proc, bin_dir)
+    assert "ray.init(address='auto'" in (tmp_path / "python-args").read_text()
+    args = (tmp_path / "drain-args").read_text().split()
+    assert args[:3] == ["drain-node", "--node-id", NODE_ID]
+
+
+def test_a_vllm_server_pods_hook_drains_its_servers_first(tmp_path: Path) -> None:
+    bin_dir = _fake_ray_and_python(tmp_path)
+    (bin_dir / "python").write_text("#!/bin/sh\nexit 1\n")  # no Ray to ask: the GCS is gone
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    node_file = tmp_path / "node-draining"
+    _run_hook(5, proc, bin_dir, node_file)
+    assert node_file.exists()
+    assert not (tmp_path / "drain-args").exists()
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_only_vllm_server_pods_name_the_drain_file_in_their_hook(stack: str) -> None:
+    for rs in ray_services(stack):
+        for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+            (container,) = g["template"]["spec"]["containers"]
+            script = container["lifecycle"]["preStop"]["exec"]["command"][-1]
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            servers = NODE_DRAIN_FILE_ENV in env
+            assert servers == (RAY_PORTS.openai.name in {p["name"] for p in container["ports"]})
+            assert (f'touch "{NODE_DRAIN_FILE}"' in script) == servers
+            if servers:
+                assert env[NODE_DRAIN_FILE_ENV] == NODE_DRAIN_FILE
 
 
 def test_the_prestop_hook_waits_for_serve_to_leave_the_node_and_no_longer(tmp_path: Path) -> None:
     """Run the hook against a process list of its own, with a `ray` that fails its drain request."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "ray").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/drain-args\nexit 1\n')
-    (bin_dir / "ray").chmod(0o755)
+    bin_dir = _fake_ray_and_python(tmp_path)
     proc = tmp_path / "proc"
     proc.mkdir()
     # Its own shell and its grep are listed too: the hook must not find itself.

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from inference_server.autoscale import ONGOING_METRIC, POLICY_PATH, ongoing_requests_policy
 from inference_server.catalog import Catalog
-from inference_server.vllm_guard import DRAIN_FILE_ENV, SETTINGS_ENV, VllmServerGuard
+from inference_server.vllm_guard import DRAIN_FILE_ENV, NODE_DRAIN_FILE_ENV, SETTINGS_ENV, VllmServerGuard
 from pydantic import ValidationError
 
 
@@ -139,6 +139,45 @@ def test_a_draining_replica_fails_its_readiness_but_serves_what_arrives(
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     assert send_to(app, "/v1/chat/completions", body=chat)[0] == 200
     assert downstream.paths == ["/health", "/v1/chat/completions"]
+
+
+def _headers_of(app: Any, path: str, **kwargs: Any) -> dict[bytes, bytes]:
+    sent: list[dict[str, Any]] = []
+    raw = json.dumps(kwargs.get("body")).encode() if kwargs.get("body") is not None else b""
+    headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer k1")]
+    scope = {"type": "http", "method": kwargs.get("method", "POST"), "path": path, "headers": headers, "root_path": ""}
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    return dict(sent[0]["headers"])
+
+
+def test_a_draining_replica_closes_each_connection_after_its_answer(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A keep-alive client would stay on the draining server: each answer tells it to reconnect (through the LB)."""
+    app, _, drain = guard(monkeypatch, tmp_path)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    assert b"connection" not in _headers_of(app, "/v1/chat/completions", body=chat)
+    drain.touch()
+    assert _headers_of(app, "/v1/chat/completions", body=chat)[b"connection"] == b"close"
+    assert _headers_of(app, "/health", method="GET")[b"connection"] == b"close"
+
+
+def test_the_pods_drain_file_drains_every_server_of_the_pod(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The preStop hook's file, set before Ray is told anything (its GCS may already be gone)."""
+    node_file = tmp_path / "node-draining"
+    monkeypatch.setenv(NODE_DRAIN_FILE_ENV, str(node_file))
+    app, _, own = guard(monkeypatch, tmp_path)
+    assert send_to(app, "/health", method="GET", key=None)[0] == 200
+    node_file.touch()
+    assert not own.exists()
+    assert send_to(app, "/health", method="GET", key=None)[0] == 503
 
 
 # ---------------------------------------------------------------- autoscaling

@@ -546,8 +546,22 @@ def gcs_fault_tolerance_env(cluster: RayClusterRef, node_type: str) -> list[dict
     ``redis-password=$REDIS_PASSWORD`` (:func:`gcs_start_params`).
     """
     options = cluster.spec.get("gcsFaultToleranceOptions")
-    if not options or node_type == WORKER:
+    if not options:
         return []
+    if node_type == WORKER:
+        # Workers wait for a restarted GCS up to 600 s instead of Ray's 60.
+        _k(
+            "common/pod.go",
+            100,
+            "gcsTimeout := corev1.EnvVar{Name: utils.RAY_GCS_RPC_SERVER_RECONNECT_TIMEOUT_S,",
+        )
+        _k(
+            "utils/constant.go",
+            149,
+            'RAY_GCS_RPC_SERVER_RECONNECT_TIMEOUT_S  = "RAY_gcs_rpc_server_reconnect_timeout_s"',
+        )
+        _k("utils/constant.go", 302, 'DefaultWorkerRayGcsReconnectTimeoutS = "600"')
+        return [{"name": "RAY_gcs_rpc_server_reconnect_timeout_s", "value": "600"}]
     _k("common/pod.go", 117, "func configureRedisFT(podTemplate *corev1.PodTemplateSpec, instance *rayv1.RayCluster")
     _k("common/pod.go", 119, "storageNS := string(instance.UID)")
     _k("common/pod.go", 128, "storageNSEnv := corev1.EnvVar{Name: utils.RAY_EXTERNAL_STORAGE_NS, Value: storageNS}")
@@ -594,6 +608,11 @@ class RayClusterRef:
         return str(_meta(self.ray_service).get("namespace", "default"))
 
     @property
+    def head_address(self) -> str:
+        """What workers are given: the RayCluster's own head Service and GCS port (``fqdnRayIP``)."""
+        return head_service_address(f"{self.name}-head-svc", self.namespace)
+
+    @property
     def spec(self) -> Mapping[str, Any]:
         spec: Mapping[str, Any] = self.ray_service["spec"]["rayClusterConfig"]
         return spec
@@ -603,6 +622,15 @@ def ray_cluster_name(ray_service: Mapping[str, Any], suffix: str) -> str:
     """``GenerateRayClusterName``: the RayService's name and five random characters (given, for a test)."""
     _k("utils/util.go", 370, 'return fmt.Sprintf("%s-%s", serviceName, rand.String(5))')
     return f"{_meta(ray_service)['name']}-{suffix}"
+
+
+def start_command(cluster: RayClusterRef, group_spec: Mapping[str, Any], node_type: str) -> StartCommand:
+    """The ``ray start`` of one group's pods in this cluster, GCS fault tolerance's parameters included."""
+    group = GroupSpec.from_spec(group_spec, is_head=node_type == HEAD)
+    params = {**group.ray_start_params, **gcs_start_params(cluster, node_type)}
+    group = GroupSpec(group.name, group.is_head, params, group.resources, group.labels, group.limits, group.requests)
+    autoscaling = bool(cluster.spec.get("enableInTreeAutoscaling"))
+    return build_start_command(group, head_address=cluster.head_address, in_tree_autoscaling=autoscaling)
 
 
 def build_pod(cluster: RayClusterRef, group_spec: Mapping[str, Any], node_type: str, index: int = 0) -> dict[str, Any]:
@@ -631,20 +659,8 @@ def build_pod(cluster: RayClusterRef, group_spec: Mapping[str, Any], node_type: 
     labels[SERVE_LABEL] = "false" if is_head else "true"
     spec = copy.deepcopy(dict(template.get("spec") or {}))
     containers = [dict(c) for c in spec.get("containers") or []]
-    group = GroupSpec.from_spec(group_spec, is_head=is_head)
-    group = GroupSpec(
-        group.name,
-        group.is_head,
-        {**group.ray_start_params, **gcs_start_params(cluster, node_type)},
-        group.resources,
-        group.labels,
-        group.limits,
-        group.requests,
-    )
-    head_address = head_service_address(f"{cluster.name}-head-svc", cluster.namespace)
-    start = build_start_command(
-        group, head_address=head_address, in_tree_autoscaling=bool(cluster.spec.get("enableInTreeAutoscaling"))
-    )
+    head_address = cluster.head_address
+    start = start_command(cluster, group_spec, node_type)
     ray = containers[RAY_CONTAINER_INDEX]
     ray["command"] = ["/bin/bash", "-lc", "--"]
     ray["args"] = [start.container_command]

@@ -22,7 +22,8 @@ from infra.capacity.plan import (
     plan_replica,
 )
 from infra.capacity.prices import ON_DEMAND_AS_OF, ON_DEMAND_SOURCE, SPOT_AS_OF, SPOT_SOURCE
-from infra.config import Model, StackConfig, model_cold_start
+from infra.capacity.upgrade import UpgradeCost, UpgradeNeed, upgrade_cost
+from infra.config import GpuNodeGroupSettings, Model, StackConfig, model_cold_start, upgrade_need
 from infra.instance_types import GpuInstanceType
 
 MEMORY = "GPU memory is the datasheet's GB (10^9 bytes); GiB = 2^30 bytes"
@@ -152,8 +153,104 @@ def row(p: ModelPlan) -> list[str]:
     ]
 
 
+# --- Capacity during a NewCluster upgrade (infra/capacity/upgrade.py). ---
+
+
+@dataclass(frozen=True)
+class GroupUpgrade:
+    """One GPU group during an upgrade of every model on it, under the stack's ray.upgrade_headroom."""
+
+    group: GpuNodeGroupSettings
+    need: UpgradeNeed
+    cost: UpgradeCost | None
+
+
+def upgrade_plan(cfg: StackConfig) -> list[GroupUpgrade]:
+    """Each GPU group that serves a model, during a NewCluster upgrade; none under upgrade_strategy None."""
+    if cfg.ray.upgrade_strategy != "NewCluster":
+        return []
+    out = []
+    for group in cfg.node_groups.gpu:
+        need = upgrade_need(cfg, group)
+        if need.fleets:
+            out.append(GroupUpgrade(group, need, upgrade_cost(need, group.capacity_type, cfg.region)))
+    return out
+
+
+def upgrade_line(u: GroupUpgrade) -> str:
+    """One line: the GPUs a group holds while an upgrade runs, and what they cost per hour."""
+    need = u.need
+    cost = (
+        "no pinned price"
+        if u.cost is None
+        else f"{_usd(u.cost.usd_per_hour)}/h while it runs, {_usd(u.cost.extra_usd_per_hour)}/h above the old "
+        "cluster alone"
+    )
+    return (
+        f"upgrade headroom {u.group.name} (ray.upgrade_headroom: {need.headroom}): {need.sides()}: "
+        f"{need.arithmetic()} of max_size {u.group.max_size}; {cost}"
+    )
+
+
+def _upgrade_output(u: GroupUpgrade) -> dict[str, Any]:
+    return {
+        "headroom": u.need.headroom,
+        "old_gpus": u.need.old_gpus,
+        "new_gpus": u.need.new_gpus,
+        "gpus": u.need.gpus,
+        "nodes": u.need.nodes,
+        "max_size": u.group.max_size,
+        "usd_per_hour": None if u.cost is None else round(u.cost.usd_per_hour, 4),
+        "extra_usd_per_hour": None if u.cost is None else round(u.cost.extra_usd_per_hour, 4),
+    }
+
+
+@dataclass(frozen=True)
+class PeakUpgrade:
+    """Whether one GPU group places a new cluster for every model while the old ones are at max_replicas."""
+
+    group: str
+    fits: bool
+    gpus_needed: int
+    gpus_available: int
+    reason: str
+
+
+def upgrade_at_peak(cfg: StackConfig) -> list[PeakUpgrade]:
+    """Per GPU group that serves a model: can an upgrade started with every model at max_replicas place the new fleet?
+
+    Asked under `peak` whatever ray.upgrade_headroom says: under `min` a
+    False is the trade-off the stack chose (its new pods wait for the old
+    cluster to scale down). Under upgrade_strategy None nothing is replaced,
+    so every group fits.
+    """
+    out = []
+    for group in cfg.node_groups.gpu:
+        need = upgrade_need(cfg, group, "peak")
+        if not need.fleets:
+            continue
+        available = group.max_size * need.instance.gpus
+        if cfg.ray.upgrade_strategy != "NewCluster":
+            reason = "ray.upgrade_strategy None: an upgrade never starts a second cluster"
+            out.append(PeakUpgrade(group.name, True, need.old_gpus, available, reason))
+            continue
+        fits = need.fits(group.max_size)
+        verdict = "fits" if fits else "does not fit, the new cluster's pods wait for the old one to scale down"
+        reason = (
+            f"group '{group.name}' at peak: {need.arithmetic()}, max_size {group.max_size} = {available} GPUs: "
+            f"{verdict} (ray.upgrade_headroom: {cfg.ray.upgrade_headroom})"
+        )
+        out.append(PeakUpgrade(group.name, fits, need.gpus, available, reason))
+    return out
+
+
+def _upgrade_notes(cfg: StackConfig) -> list[str]:
+    return [upgrade_line(u) for u in upgrade_plan(cfg)]
+
+
 def markdown(stack: str, cfg: StackConfig, plans: list[ModelPlan]) -> str:
-    """The plan as Markdown: a heading, one row per model, and the assumptions behind the estimates."""
+    """The plan as Markdown: a heading, one row per model, the upgrade headroom, and the assumptions."""
+    upgrades = _upgrade_notes(cfg)
     lines = [
         f"#### Capacity plan: `{stack}` ({cfg.region})",
         "",
@@ -161,6 +258,7 @@ def markdown(stack: str, cfg: StackConfig, plans: list[ModelPlan]) -> str:
         "|" + "---|" * len(COLUMNS),
         *("| " + " | ".join(row(p)) + " |" for p in plans),
         "",
+        *(["During a NewCluster upgrade of every model:", "", *(f"- {u}" for u in upgrades), ""] if upgrades else []),
         "Estimates, and what they assume:",
         "",
         *(f"- {a}" for a in ASSUMPTIONS),
@@ -173,8 +271,10 @@ def text(stack: str, cfg: StackConfig, plans: list[ModelPlan]) -> str:
     rows = [list(COLUMNS), *(row(p) for p in plans)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    upgrades = _upgrade_notes(cfg)
     notes = [f"* {a}" for a in ASSUMPTIONS]
-    return "\n".join([f"capacity plan: {stack} ({cfg.region})", "", *table, "", *notes]) + "\n"
+    lines = [f"capacity plan: {stack} ({cfg.region})", "", *table, "", *([*upgrades, ""] if upgrades else []), *notes]
+    return "\n".join(lines) + "\n"
 
 
 def preview_line(p: ModelPlan) -> str:
@@ -221,5 +321,7 @@ def stack_output(cfg: StackConfig, plans: list[ModelPlan]) -> dict[str, Any]:
     return {
         "region": cfg.region,
         "models": {p.name: _model_output(p) for p in plans},
+        # Per GPU group, what a NewCluster upgrade of every model holds (none under upgrade_strategy None).
+        "upgrade": {u.group.name: _upgrade_output(u) for u in upgrade_plan(cfg)},
         "assumptions": list(ASSUMPTIONS),
     }

@@ -126,6 +126,9 @@ def node_pool_spec(cfg: StackConfig, group: GpuNodeGroupSettings, placement: Gpu
             },
         },
         # The cost guard: never more GPUs than max_size nodes of the group's shape.
+        # The config rule holds max_size at or above what a NewCluster upgrade
+        # needs as ray.upgrade_headroom sizes it (infra/capacity/upgrade.py):
+        # with `peak`, the new cluster's pods fit beside an old one at max.
         "limits": {GPU_RESOURCE: str(group.max_size * placement.gpus_per_node)},
         "disruption": {
             "consolidationPolicy": "WhenEmpty",

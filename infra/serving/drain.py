@@ -96,24 +96,43 @@ def drain(cfg: StackConfig) -> Drain:
     return Drain(generation_seconds=longest_generation_seconds(cfg))
 
 
-def prestop_script(seconds: int, proc: str = "/proc") -> str:
-    """The preStop hook: drain this Ray node, then wait (at most `seconds`) until Serve has left it.
+# This node's Ray id, from a short-lived driver on the node's own raylet:
+# `ray drain-node` without `--node-id` asks `ray.get_runtime_context()`,
+# which raises in a process that never called `ray.init` (ray/scripts/scripts.py
+# drain_node), so the drain never happened.
+NODE_ID_COMMAND = (
+    "python -c \"import ray; ray.init(address='auto', log_to_driver=False, logging_level='ERROR'); "
+    'print(ray.get_runtime_context().get_node_id())"'
+)
 
-    The drain is best effort (Ray's `drain-node` command is not a stable
-    interface): if it fails, the hook still holds the pod for the whole
-    budget, so the requests on it can finish. `$SECONDS` counts from the
-    hook's start, so the drain request's own time is inside the bound.
-    `proc` is where the processes are listed (a test passes its own).
+
+def prestop_script(seconds: int, proc: str = "/proc", node_drain_file: str | None = None) -> str:
+    """The preStop hook: drain the pod's servers and this Ray node, then wait (at most `seconds`) until Serve left.
+
+    `node_drain_file` (vllm-server pods): created first, so every vLLM server
+    of the pod answers 503 on /health and closes each connection after its
+    answer, whatever Ray does next. A NewCluster upgrade deletes the old
+    cluster's head with its workers, so Ray's own drain may find no GCS.
+    The Ray drain is best effort (`drain-node` is not a stable interface):
+    if it fails, the hook still holds the pod for the whole budget, so the
+    requests on it can finish. `$SECONDS` counts from the hook's start, so
+    the drain request's own time is inside the bound. `proc` is where the
+    processes are listed (a test, or the twin, passes its own).
     """
     patterns = " ".join(f"-e '{p}'" for p in SERVE_PROCESS_PATTERNS)
+    first = f'touch "{node_drain_file}"; ' if node_drain_file else ""
     return (
-        f"timeout {DRAIN_COMMAND_SECONDS} ray drain-node --reason {DRAIN_REASON} --reason-message 'pod terminating' "
+        f"{first}node_id=$(timeout {DRAIN_COMMAND_SECONDS} {NODE_ID_COMMAND} 2>/dev/null | tail -n 1); "
+        f'[ -n "$node_id" ] && timeout {DRAIN_COMMAND_SECONDS} ray drain-node --node-id "$node_id" '
+        f"--reason {DRAIN_REASON} --reason-message 'pod terminating' "
         f"--deadline-remaining-seconds {seconds} || true; "
         f'while [ "$SECONDS" -lt {seconds} ] && grep -qsa {patterns} {proc}/[0-9]*/cmdline; '
         f"do sleep {POLL_SECONDS}; done"
     )
 
 
-def prestop_hook(seconds: int) -> dict[str, object]:
+def prestop_hook(seconds: int, node_drain_file: str | None = None) -> dict[str, object]:
     """The container `lifecycle` that runs `prestop_script` before SIGTERM."""
-    return {"preStop": {"exec": {"command": ["/bin/bash", "-c", prestop_script(seconds)]}}}
+    return {
+        "preStop": {"exec": {"command": ["/bin/bash", "-c", prestop_script(seconds, node_drain_file=node_drain_file)]}}
+    }

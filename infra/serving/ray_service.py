@@ -40,7 +40,7 @@ from infra.serving.pod_security import (
 )
 from infra.serving.ports import RAY_PORTS, Port
 from infra.serving.serve_config import INGRESS_RESOURCE, MOUNTS, READINESS, serve_config_yaml
-from workloads.inference_server.catalog import Layout
+from workloads.inference_server.catalog import NODE_DRAIN_FILE, NODE_DRAIN_FILE_ENV, Layout
 
 RAY_SERVICE_TYPE = "kubernetes:ray.io/v1:RayService"
 RAY_CONTAINER = "ray"
@@ -293,7 +293,8 @@ def drain_and_spread(args: VllmRayServiceArgs, group: dict[str, Any]) -> dict[st
     spec["terminationGracePeriodSeconds"] = timings.grace_seconds
     for container in spec["containers"]:
         if container["name"] == RAY_CONTAINER:
-            container["lifecycle"] = prestop_hook(timings.prestop_seconds)
+            servers = any(e["name"] == NODE_DRAIN_FILE_ENV for e in container.get("env") or [])
+            container["lifecycle"] = prestop_hook(timings.prestop_seconds, NODE_DRAIN_FILE if servers else None)
     if args.cfg.is_prod and group.get("numOfHosts", 1) == 1:
         spread = spread_over_zones(args.name, group["groupName"])
         spec["topologySpreadConstraints"] = [*spec.get("topologySpreadConstraints", []), spread]
@@ -414,6 +415,8 @@ def gpu_worker_env(
     ]
     if layout == "vllm-server":
         env.append({"name": VLLM_SERVER_START_TIMEOUT_ENV, "value": str(timeouts.engine_start_seconds)})
+        # The preStop hook's file: every vLLM server of the pod drains when it appears.
+        env.append({"name": NODE_DRAIN_FILE_ENV, "value": NODE_DRAIN_FILE})
     return env
 
 

@@ -26,6 +26,11 @@ WeightsKind = Literal["s3", "local", "hub"]
 Layout = Literal["vllm-server", "serve-ingress"]
 
 # "org/name" as the model hubs spell repository ids (no scheme, exactly one slash).
+# The file a vllm-server pod's preStop hook creates when the pod is deleted;
+# every vLLM server of the pod then drains (vllm_guard), whether or not Ray
+# can still reach its GCS. The pod's environment names it.
+NODE_DRAIN_FILE_ENV = "INFERENCE_NODE_DRAIN_FILE"
+NODE_DRAIN_FILE = "/tmp/inference-node-draining"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _S3_URI = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")
 # What the OpenAI API accepts as a model name and what is safe in a Serve deployment name.

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from .catalog import RequestLimits
+from .catalog import NODE_DRAIN_FILE_ENV, RequestLimits
 from .guard import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -34,6 +34,9 @@ SETTINGS_ENV = "INFERENCE_GUARD_SETTINGS"
 # readiness probe takes the pod out of the Service and the load balancer
 # stops sending it new requests while it finishes the ones it holds.
 DRAIN_FILE_ENV = "INFERENCE_DRAIN_FILE"
+# NODE_DRAIN_FILE_ENV (catalog): the same for every server of the pod, which
+# its preStop hook creates when the pod is deleted (a NewCluster upgrade
+# removing the old cluster, a node drain), whether or not Ray can still reach its GCS.
 HEALTH_PATH = "/health"
 # The routes this layout serves: the ones Serve LLM's OpenAI ingress serves
 # and the guard's limits cover. vLLM's server has many more (the Responses and
@@ -60,6 +63,18 @@ def _tokenize_requests(path: str, body: dict[str, Any]) -> list[Any]:
     return tokenize_requests(path, body, body.get("model"), TokenizeChatRequest, TokenizeCompletionRequest)
 
 
+def _closing(send: Any) -> Any:
+    """`send` with ``connection: close`` on the response: the server closes the connection after it."""
+
+    async def closing(message: dict[str, Any]) -> None:
+        if message.get("type") == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+            message = {**message, "headers": [*headers, (b"connection", b"close")]}
+        await send(message)
+
+    return closing
+
+
 def _served(path: str) -> bool:
     return path in SERVED_PATHS or path in OPEN_PATHS or path.startswith(MODEL_PATH_PREFIX)
 
@@ -81,21 +96,25 @@ class VllmServerGuard(ApiGuard):
             count_prompt_tokens=self._count_prompt_tokens,
         )
         self._state: Any = None
-        self._drain_file = os.environ.get(DRAIN_FILE_ENV) or None
+        self._drain_files = [f for f in (os.environ.get(DRAIN_FILE_ENV), os.environ.get(NODE_DRAIN_FILE_ENV)) if f]
+
+    def draining(self) -> bool:
+        """Whether the replica (its own file) or its whole pod (the preStop hook's file) is draining."""
+        return any(os.path.exists(f) for f in self._drain_files)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if self._state is None and scope.get("app") is not None:
             # The FastAPI app, whose state holds vLLM's handlers once it started.
             self._state = scope["app"].state
-        if (
-            self._drain_file is not None
-            and scope.get("type") == "http"
-            and self._path(scope) == HEALTH_PATH
-            and os.path.exists(self._drain_file)
-        ):
-            body = error_body("the replica is draining", type_="unavailable", param=None, code="draining")
-            await send_json(send, 503, body)
-            return
+        if scope.get("type") == "http" and self.draining():
+            if self._path(scope) == HEALTH_PATH:
+                body = error_body("the replica is draining", type_="unavailable", param=None, code="draining")
+                await send_json(send, 503, body, [(b"connection", b"close")])
+                return
+            # Still served, but each answer closes its connection: a client's
+            # keep-alive connection would otherwise stay on this server (a
+            # load balancer moves only new connections) until it stops.
+            send = _closing(send)
         if scope.get("type") == "http" and not _served(self._path(scope)):
             # What the OpenAI API itself answers for a route it does not have.
             method = str(scope.get("method", "GET")).upper()
