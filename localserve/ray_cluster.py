@@ -367,7 +367,7 @@ def _probe(gcs_address: str) -> dict[str, Any]:
     try:
         nodes = [
             {"id": n["NodeID"], "alive": n["Alive"], "head": "node:__internal_head__" in n["Resources"]}
-            for n in ray.nodes()
+            for n in ray.nodes()  # type: ignore[no-untyped-call]
         ]
         actors = [
             {
@@ -381,7 +381,10 @@ def _probe(gcs_address: str) -> dict[str, Any]:
             for a in ray_state.actors().values()
             if a["ActorClassName"].startswith(SERVE_ACTOR_PREFIXES)
         ]
-        return {"cluster_id": worker.global_worker.node.cluster_id.hex(), "nodes": nodes, "actors": actors}
+        node = worker.global_worker.node
+        if node is None:
+            raise ClusterError(f"no node after connecting to {gcs_address}")
+        return {"cluster_id": node.cluster_id.hex(), "nodes": nodes, "actors": actors}
     finally:
         ray.shutdown()
 

@@ -26,6 +26,7 @@ whole matrix must equal `expected`, the matrix in words of the README's
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -43,7 +44,8 @@ from infra.serving.build import batch_service
 from infra.serving.network import POD_IDENTITY_AGENT, ClusterPeers, ray_service_policies
 from infra.serving.ports import RAY_PORTS
 from infra.serving.ray_service import SERVICE_LABEL, pod_labels
-from tests.harness import manifests_of, ray_service_pods, render_stack, stack_config, workload_pods
+from tests.harness import manifests_of, ray_cluster, ray_service_pods, render_stack, stack_config, workload_pods
+from twin import kuberay as mirror
 
 STACKS = ["dev", "prod"]
 NAMESPACE_LABEL = "kubernetes.io/metadata.name"
@@ -268,15 +270,13 @@ def _other_service_pods(cfg: StackConfig, rendered: Rendered) -> list[dict[str, 
     Its ingress pods, or under vllm-server (no ingress) its GPU workers: the pods another
     RayService's traffic lands on.
     """
-    rs = manifests_of(rendered, "RayService")[0]
-    first = rs["metadata"]["name"]
+    rs = copy.deepcopy(manifests_of(rendered, "RayService")[0])
+    # Declared as the program declares each RayService; KubeRay (the mirror) builds its pods.
+    rs["metadata"]["name"] = OTHER_SERVICE
+    cluster = rs["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        group["template"]["metadata"]["labels"] = pod_labels(OTHER_SERVICE)
     pods = ray_service_pods(rs)
-    for pod in pods:
-        labels = pod["metadata"]["labels"]
-        labels.update(pod_labels(OTHER_SERVICE))
-        labels["ray.io/originated-from-cr-name"] = OTHER_SERVICE
-        labels["ray.io/cluster"] = labels["ray.io/cluster"].replace(first, OTHER_SERVICE)
-        pod["metadata"]["name"] = pod["metadata"]["name"].replace(first, OTHER_SERVICE)
     ingress = [p for p in pods if p["metadata"]["labels"]["ray.io/group"] == "ingress"]
     return ingress or [p for p in pods if p["metadata"]["labels"]["ray.io/node-type"] == "worker"]
 
@@ -526,8 +526,13 @@ def test_the_endpoint_component_declares_each_ray_services_policies(stack: str) 
 # (amazon-network-policy-controller-k8s, `getMatchingServiceClusterIPs`).
 # The Services the serving pods call, by their selectors:
 SERVICE_SELECTORS = {
-    # KubeRay's serve Service (common/service.go at v1.7.0); the cluster name changes on upgrades.
-    "serve": ("llm", {"ray.io/cluster": "llama-31-8b-x7k2p", "ray.io/serve": "true"}),
+    # KubeRay's serve Service, as the mirror builds it (the cluster name changes on upgrades).
+    "serve": (
+        "llm",
+        mirror.build_serve_service(ray_cluster(manifests_of(render_stack("prod"), "RayService")[0]))["spec"][
+            "selector"
+        ],
+    ),
     "prometheus": ("monitoring", dict(monitoring.prometheus_pods().labels)),
     "grafana": ("monitoring", dict(monitoring.grafana_pods().labels)),
     "kube-dns": ("kube-system", {"k8s-app": "kube-dns"}),

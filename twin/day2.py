@@ -27,6 +27,7 @@ from typing import Any
 
 from infra.render import Rendered
 from twin import kuberay as mirror
+from twin.report import Report
 
 PUBLIC_SERVICE_TYPE = "kubernetes:core/v1:Service"
 RAY_SERVICE_TYPE = "kubernetes:ray.io/v1:RayService"
@@ -141,3 +142,202 @@ def _groups(ray_service: Mapping[str, Any]) -> list[str]:
 def _serving(pod: Mapping[str, Any]) -> bool:
     labels = pod["metadata"]["labels"]
     return bool(labels.get(mirror.NODE_TYPE_LABEL) == mirror.WORKER and labels.get(mirror.SERVE_LABEL) == "true")
+
+
+# --- the checks, as `python -m twin.day2 --stack NAME` runs them ------------------------
+
+SERVICE = "day2"
+# A certificate ARN's account and region are kept; its id changes.
+NEW_CERTIFICATE_ID = "0a0b0c0d-1e2f-4a3b-8c4d-5e6f7a8b9c0d"
+NEW_SOURCE_RANGE = "203.0.113.0/24"
+# The engine argument render B changes (it runs on the CPU too).
+ENGINE_KEY = "max_num_seqs"
+ENGINE_VALUE = 48
+
+
+def render_doc(stack: str, doc: Mapping[str, Any]) -> Rendered:
+    """The stack rendered from a changed stack document (same stack name, so the URNs compare)."""
+    import tempfile
+    from pathlib import Path
+
+    import yaml
+
+    from infra.render import render
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"Pulumi.{stack}.yaml"
+        path.write_text(yaml.safe_dump(dict(doc)))
+        return render(stack, path)
+
+
+def stack_doc(stack: str) -> dict[str, Any]:
+    import yaml
+
+    from infra.render import stack_file
+
+    doc: dict[str, Any] = yaml.safe_load(stack_file(stack).read_text())
+    return doc
+
+
+def with_endpoint_change(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """The stack file after a user changes the source ranges and the certificate."""
+    out = copy.deepcopy(dict(doc))
+    endpoint = out["config"].setdefault("llm-platform:endpoint", {})
+    endpoint["allowed_cidrs"] = [NEW_SOURCE_RANGE]
+    arn = endpoint.get("certificate_arn")
+    if arn:
+        endpoint["certificate_arn"] = arn.rsplit("/", 1)[0] + "/" + NEW_CERTIFICATE_ID
+    return out
+
+
+def check_load_balancer_change(stack: str, before: Rendered, report: Report) -> bool:
+    """The change reaches the object the load balancer controller reads, in place, and nothing else."""
+    after = render_doc(stack, with_endpoint_change(stack_doc(stack)))
+    changes = render_diff(before, after)
+    problems = lb_change_problems(changes)
+    touched = sorted({c.urn.rsplit("::", 1)[1] for c in changes})
+    return report.check(
+        SERVICE,
+        not problems,
+        f"{stack}: source ranges and certificate changed: {len(changes)} fields of "
+        f"{', '.join(touched) or 'nothing'}"
+        + (f"; {'; '.join(problems)}" if problems else ", all in place on the load balancer's Service"),
+    )
+
+
+def _with_group_sizes(doc: Mapping[str, Any], size_of: Any, headroom: str) -> dict[str, Any]:
+    out = copy.deepcopy(dict(doc))
+    config = out["config"]
+    config["llm-platform:ray"] = {**config.get("llm-platform:ray", {}), "upgrade_headroom": headroom}
+    for group in config["llm-platform:node_groups"]["gpu"]:
+        group["max_size"] = size_of(group)
+    return out
+
+
+def check_upgrade_at_peak(stack: str, report: Report) -> bool:
+    """As committed, an upgrade at peak places its new fleet; sized for less, `peak` refuses before deploy
+    and `min` accepts the trade-off (the new pods wait for the old cluster to scale down)."""
+    from infra.capacity.report import upgrade_at_peak
+    from infra.config import ConfigError, load_stack_file
+    from infra.render import stack_file
+
+    ok = True
+    cfg = load_stack_file(stack_file(stack))
+    for result in upgrade_at_peak(cfg):
+        ok &= report.check(SERVICE, result.fits, f"{stack} as committed: {result.reason}")
+    # Each group one node short of what peak needs: what the old 2 x min sizing gave prod.
+    need = {r.group: r for r in upgrade_at_peak(cfg)}
+    nodes = {g.name: g for g in cfg.node_groups.gpu}
+
+    def short(group: Mapping[str, Any]) -> int:
+        found = need.get(group["name"])
+        if found is None:
+            return int(group["max_size"])
+        per_node = nodes[group["name"]].instance().gpus
+        return max(1, found.gpus_needed // per_node - 1)
+
+    doc = stack_doc(stack)
+    try:
+        render_doc(stack, _with_group_sizes(doc, short, "peak"))
+        ok &= report.check(SERVICE, False, f"{stack} one node short under upgrade_headroom peak: accepted")
+    except ConfigError as err:
+        line = "; ".join(str(err).splitlines())
+        ok &= report.check(SERVICE, "upgrade" in line, f"{stack} one node short, peak: refused before deploy: {line}")
+    try:
+        render_doc(stack, _with_group_sizes(doc, short, "min"))
+        ok &= report.check(
+            SERVICE, True, f"{stack} one node short, min: accepted (an upgrade at peak waits for the old cluster)"
+        )
+    except ConfigError as err:
+        ok &= report.check(SERVICE, False, f"{stack} one node short, min: refused: {err}")
+    return ok
+
+
+def check_switches(stack: str, before: Rendered, report: Report) -> bool:
+    """KubeRay's NewCluster switch for a new image on every RayService, on the mirror."""
+    from infra.render import Rendered as _Rendered
+
+    assert isinstance(before, _Rendered)
+    lbs: list[Mapping[str, Any]] = [
+        m for m in before.manifests if m.get("kind") == "Service" and m["spec"].get("type") == "LoadBalancer"
+    ]
+    ok = True
+    for rs in (m for m in before.manifests if m.get("kind") == "RayService"):
+        result = play_switch(rs, lbs)
+        ok &= report.check(SERVICE, result.ok, f"{stack}/{result.ray_service}: NewCluster switch: {result.detail}")
+    return ok
+
+
+def upgrade_inputs(stack: str, before: Rendered) -> Any:
+    """Render A's RayService with GCS fault tolerance (else the first), and render B's.
+
+    Render B: a new image and a changed engine argument.
+    """
+    from twin.upgrade import UpgradeInputs, changed_engine
+
+    services = [m for m in before.manifests if m.get("kind") == "RayService"]
+    rs = next((s for s in services if s["spec"]["rayClusterConfig"].get("gcsFaultToleranceOptions")), services[0])
+    name = rs["metadata"]["name"]
+    import yaml
+
+    catalog = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+    model = next(
+        m
+        for m in stack_doc(stack)["config"]["llm-platform:models"]
+        if m.get("model_id") == catalog["models"][0]["model_id"]
+    )
+    after_render = render_doc(stack, changed_engine(stack_doc(stack), model["name"], ENGINE_KEY, ENGINE_VALUE))
+    after = next(m for m in after_render.manifests if m.get("kind") == "RayService" and m["metadata"]["name"] == name)
+    lb = next(
+        m
+        for m in before.manifests
+        if m.get("kind") == "Service" and m["spec"]["selector"].get("llm-platform/ray-service") == name
+    )
+    return UpgradeInputs(rs, with_image(after), lb, ENGINE_KEY, ENGINE_VALUE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m twin.day2 --stack NAME [--static-only]``: the day-2 checks; exit 0 when all pass, 1 otherwise."""
+    import argparse
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from infra.render import known_stacks, render
+    from twin.report import Report
+
+    parser = argparse.ArgumentParser(prog="python -m twin.day2", description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--stack", required=True, choices=known_stacks())
+    parser.add_argument("--static-only", action="store_true", help="only the checks that start nothing")
+    args = parser.parse_args(argv)
+    report = Report()
+    before = render(args.stack)
+    check_load_balancer_change(args.stack, before, report)
+    check_upgrade_at_peak(args.stack, report)
+    check_switches(args.stack, before, report)
+    if not args.static_only:
+        from localserve.redis_tls import start_tls_redis
+        from twin.model import tiny_model_dir
+        from twin.upgrade import run_upgrade_under_load
+
+        inputs = upgrade_inputs(args.stack, before)
+        model_dir = tiny_model_dir()
+        work = Path(tempfile.mkdtemp(prefix="day2-", dir="/tmp"))
+        redis = start_tls_redis(work / "redis")
+        try:
+            run_upgrade_under_load(inputs, redis, model_dir, work, report)
+        finally:
+            redis.stop()
+        if report.ok_overall:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            report.note(SERVICE, f"logs kept in {work}")
+    verdict = "PASS" if report.ok_overall else "FAIL"
+    report.note("", f"{verdict} day 2 of {args.stack}: {report.passed} checks passed, {len(report.failed)} failed")
+    return 0 if report.ok_overall else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -24,7 +24,7 @@ def server_args(spec: dict[str, Any]) -> Any:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI server (vllm-server layout)"))
+    parser = make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI server (vllm-server layout)"))  # type: ignore[no-untyped-call]
     argv = [
         "--model",
         spec["model"],
@@ -59,7 +59,7 @@ def main() -> int:
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.v1.metrics.prometheus import get_prometheus_registry
 
-    cli_env_setup()
+    cli_env_setup()  # type: ignore[no-untyped-call]
     # The registry vLLM's own /metrics serves, on a port outside the API-key
     # guard: Prometheus has no API key, and the NetworkPolicy lets only it in.
     prometheus_client.start_http_server(
