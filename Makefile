@@ -86,9 +86,12 @@ test: lint $(VENV)/.dev
 
 # The local twin of every RayService of a stack: Ray's own code reads the
 # render (ray start, autoscaling config, Serve LLM's bundles), then a local
-# multi-node cluster shaped like it serves, scales and wakes (under 10 min).
+# multi-node cluster shaped like it serves, scales and wakes (under 10 min);
+# then day 2 (twin/day2.py): a load-balancer change, an upgrade at peak, and
+# a NewCluster upgrade under load with KubeRay's sequence (about 8 min).
 twin: $(VENV)/.dev
 	PYTHONUNBUFFERED=1 $(BIN)/python -m infra.twin --stack $(STACK)
+	PYTHONUNBUFFERED=1 $(BIN)/python -m twin.day2 --stack $(STACK)
 
 # The twin left running for a person: http://127.0.0.1:8000/v1 with a key it
 # prints, until Ctrl-C. MODEL=/path/to/model serves that directory.

@@ -7,8 +7,9 @@ dashboard agent and metrics ports when absent, and runs the result under
 it gives the head `RAY_REDIS_ADDRESS`, `REDIS_PASSWORD` (referenced as
 `--redis-password=$REDIS_PASSWORD`, which that shell expands) and
 `RAY_external_storage_namespace` (the RayCluster's uid), and it gives workers
-`RAY_gcs_rpc_server_reconnect_timeout_s=600`. The functions below apply the
-same rules to the rendered RayService; the caller then moves every address
+`RAY_gcs_rpc_server_reconnect_timeout_s=600`. The functions below take all of
+that from the KubeRay mirror (twin/kuberay.py, cited line by line) for the
+rendered RayService; the caller then moves every address
 and port onto 127.0.0.1 and free ports (each pod has its own network
 namespace, these nodes share one). What KubeRay derives from container
 limits (`num-cpus` when absent, `memory`) is left to the caller: prod's head
@@ -39,16 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from localserve.processes import REPO, Child, child_env, free_port, marked_processes, session_members, with_descendants
+from twin import kuberay as mirror
 
 HOST = "127.0.0.1"
 LOOPBACK_CLI = Path(__file__).resolve().with_name("ray_loopback.py")
 
-# KubeRay's defaults (pod.go setMissingRayStartParams, constant.go).
-DEFAULT_DASHBOARD_AGENT_LISTEN_PORT = "52365"
-DEFAULT_METRICS_EXPORT_PORT = "8080"
-WORKER_GCS_RECONNECT_TIMEOUT_S = "600"
-# Kept as `--key=value` even when "true"/"false" (pod.go convertParamMap).
-KEEP_BOOLEAN_VALUE = {"log-color", "include-dashboard", "include-log-monitor"}
 STARTED = "Ray runtime started."
 HEAD_NICE = -5
 
@@ -66,67 +62,51 @@ class ClusterError(RuntimeError):
     """A node exited or did not come up in time; the message carries its log's tail."""
 
 
+# What KubeRay derives from a container's limits when the group does not set it;
+# local nodes size these from the machine instead.
+FROM_LIMITS = ("num-cpus", "memory", "num-gpus")
+
+
+def _cluster(cluster: dict[str, Any], uid: str | None = None) -> mirror.RayClusterRef:
+    """A rayClusterConfig as one RayCluster of a RayService, for the KubeRay mirror."""
+    rs = {"metadata": {"name": "local", "namespace": "default"}, "spec": {"rayClusterConfig": cluster}}
+    return mirror.RayClusterRef("local-00000", rs, uid)
+
+
+def _own_sizing(params: dict[str, str], group: dict[str, Any]) -> dict[str, str]:
+    given = group.get("rayStartParams") or {}
+    return {k: v for k, v in params.items() if k not in FROM_LIMITS or k in given}
+
+
 def kuberay_head_params(cluster: dict[str, Any]) -> dict[str, str]:
-    """The head group's rayStartParams with what KubeRay adds to them."""
-    params = dict(cluster["headGroupSpec"].get("rayStartParams", {}))
-    ft = cluster.get("gcsFaultToleranceOptions")
-    if ft is not None and ft.get("redisPassword") is not None:
-        params["redis-password"] = "$REDIS_PASSWORD"
-    if ft is not None and ft.get("redisUsername") is not None:
-        params["redis-username"] = "$REDIS_USERNAME"
-    if cluster.get("enableInTreeAutoscaling"):
-        # The autoscaler runs as a sidecar, not as the head's monitor process.
-        params["no-monitor"] = "true"
-    params.setdefault("dashboard-host", "0.0.0.0")
-    params.setdefault("metrics-export-port", DEFAULT_METRICS_EXPORT_PORT)
-    params["block"] = "true"
-    params.setdefault("dashboard-agent-listen-port", DEFAULT_DASHBOARD_AGENT_LISTEN_PORT)
-    return params
+    """The head group's rayStartParams with what KubeRay adds to them (twin/kuberay.py)."""
+    head = cluster["headGroupSpec"]
+    return _own_sizing(dict(mirror.start_command(_cluster(cluster), head, mirror.HEAD).params), head)
 
 
 def kuberay_worker_params(group: dict[str, Any], head_address: str) -> dict[str, str]:
-    """A worker group's rayStartParams with what KubeRay adds to them."""
-    params = dict(group.get("rayStartParams", {}))
-    params.setdefault("address", head_address)
-    params.setdefault("metrics-export-port", DEFAULT_METRICS_EXPORT_PORT)
-    params["block"] = "true"
-    params.setdefault("dashboard-agent-listen-port", DEFAULT_DASHBOARD_AGENT_LISTEN_PORT)
-    return params
+    """A worker group's rayStartParams with what KubeRay adds to them (twin/kuberay.py)."""
+    spec = mirror.GroupSpec.from_spec(group, is_head=False)
+    command = mirror.build_start_command(spec, head_address=head_address, in_tree_autoscaling=False)
+    return _own_sizing(dict(command.params), group)
 
 
 def kuberay_head_env(cluster: dict[str, Any], *, cluster_uid: str, redis_password: str) -> dict[str, str]:
     """What KubeRay adds to the head container's environment for Redis-backed GCS fault tolerance."""
-    ft = cluster.get("gcsFaultToleranceOptions")
-    if ft is None:
-        return {}
-    env = {
-        "RAY_external_storage_namespace": ft.get("externalStorageNamespace") or cluster_uid,
-        "RAY_REDIS_ADDRESS": ft["redisAddress"],
-    }
-    if ft.get("redisPassword") is not None:
-        env["REDIS_PASSWORD"] = redis_password
-    return env
+    env = mirror.gcs_fault_tolerance_env(_cluster(cluster, cluster_uid), mirror.HEAD)
+    # The password reaches the pod from its Secret (a secretKeyRef); here, the local Redis's.
+    return {e["name"]: str(e["value"]) if "value" in e else redis_password for e in env}
 
 
 def kuberay_worker_env(cluster: dict[str, Any]) -> dict[str, str]:
     """What KubeRay adds to a worker container's environment when GCS fault tolerance is on."""
-    if cluster.get("gcsFaultToleranceOptions") is None:
-        return {}
-    return {"RAY_gcs_rpc_server_reconnect_timeout_s": WORKER_GCS_RECONNECT_TIMEOUT_S}
+    return {e["name"]: str(e["value"]) for e in mirror.gcs_fault_tolerance_env(_cluster(cluster), mirror.WORKER)}
 
 
 def container_command(params: dict[str, str], *, head: bool, ray: str = "ray") -> str:
-    """The container's `bash -c` string as KubeRay writes it (nothing quoted)."""
-    flags = []
-    for key in sorted(params):
-        value = params[key]
-        if value.lower() in {"true", "false"} and key not in KEEP_BOOLEAN_VALUE:
-            if value.lower() == "true":
-                flags.append(f"--{key}")
-        else:
-            flags.append(f"--{key}={value}")
-    start = " ".join([ray, "start", *(["--head"] if head else []), *flags])
-    return f"ulimit -n ${{RAY_START_ULIMIT_OPEN_FILES:-65536}}; {start}"
+    """The container's `bash -c` string as KubeRay writes it (nothing quoted; twin/kuberay.py)."""
+    start = f"{ray} start --head" if head else f"{ray} start"
+    return f"{mirror.ULIMIT_PREFIX}{start} {mirror.convert_param_map(params)}".rstrip()
 
 
 def loopback_params(*, head: bool) -> dict[str, str]:

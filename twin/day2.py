@@ -268,6 +268,13 @@ def check_switches(stack: str, before: Rendered, report: Report) -> bool:
     return ok
 
 
+def _layout(ray_service: Mapping[str, Any]) -> str:
+    import yaml
+
+    args = yaml.safe_load(ray_service["spec"]["serveConfigV2"])["applications"][0]["args"]
+    return str(args.get("layout", "serve-ingress"))
+
+
 def upgrade_inputs(stack: str, before: Rendered) -> Any:
     """Render A's RayService with GCS fault tolerance (else the first), and render B's.
 
@@ -275,7 +282,7 @@ def upgrade_inputs(stack: str, before: Rendered) -> Any:
     """
     from twin.upgrade import UpgradeInputs, changed_engine
 
-    services = [m for m in before.manifests if m.get("kind") == "RayService"]
+    services = [m for m in before.manifests if m.get("kind") == "RayService" and _layout(m) == "vllm-server"]
     rs = next((s for s in services if s["spec"]["rayClusterConfig"].get("gcsFaultToleranceOptions")), services[0])
     name = rs["metadata"]["name"]
     import yaml
@@ -315,7 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     check_load_balancer_change(args.stack, before, report)
     check_upgrade_at_peak(args.stack, report)
     check_switches(args.stack, before, report)
-    if not args.static_only:
+    live = [m for m in before.manifests if m.get("kind") == "RayService" and _layout(m) == "vllm-server"]
+    if not args.static_only and not live:
+        # Its load balancer targets are the replicas' own servers; serve-ingress stacks (dev) wait for a model
+        # to wake anyway, and their switch is checked on the mirror above.
+        report.note(
+            SERVICE, f"{args.stack}: upgrade under load runs on the vllm-server layout, which no RayService uses"
+        )
+    elif not args.static_only:
         from localserve.redis_tls import start_tls_redis
         from twin.model import tiny_model_dir
         from twin.upgrade import run_upgrade_under_load

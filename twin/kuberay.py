@@ -595,13 +595,15 @@ class RayClusterRef:
 
     name: str
     ray_service: Mapping[str, Any]
+    # The UID the API server gave the RayCluster; when not given, a stable one from the name.
+    given_uid: str | None = None
 
     @property
     def uid(self) -> str:
-        """The RayCluster's UID (the API server makes one; here a stable one from the name)."""
+        """The RayCluster's UID (KubeRay's Redis storage namespace for its GCS)."""
         import uuid
 
-        return str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{self.namespace}.{self.name}.raycluster"))
+        return self.given_uid or str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{self.namespace}.{self.name}.raycluster"))
 
     @property
     def namespace(self) -> str:

@@ -57,6 +57,8 @@ from workloads.inference_server.vllm_main import SPEC_ENV
 
 HOST = "127.0.0.1"
 STREAMS = 3
+# Each client's pause between requests.
+THINK_S = 0.2
 REQUEST_TIMEOUT_S = 90.0
 NODE_START_TIMEOUT_S = 120.0
 APP_TIMEOUT_S = float(os.environ.get("E2E_SERVER_START_TIMEOUT_S", "420"))
@@ -156,7 +158,8 @@ def _node(
         env["RAY_REDIS_CA_CERT"] = str(redis.tls.ca_cert)
     for key in CACHE_ENV:
         if key in env:
-            env[key] = str(workdir / "cache" / key.lower())
+            # Each pod has its own emptyDir for these.
+            env[key] = str(workdir / ref.name[-5:] / "cache" / key.lower())
     env.update(extra_env)
     name = f"{ref.name}-{'head' if node_type == mirror.HEAD else 'worker'}"
     node = ray_node(
@@ -194,9 +197,15 @@ def local_serve_config(rs: Mapping[str, Any], model_dir: Path, keys: Path, addre
 
 
 def start_cluster(
-    ref: mirror.RayClusterRef, redis: TlsRedis, workdir: Path, model_dir: Path, report: Report
+    ref: mirror.RayClusterRef, redis: TlsRedis, workdir: Path, model_dir: Path, report: Report, core: int
 ) -> LocalCluster:
-    """Head and worker up, the application deployed through the Serve REST API (as KubeRay does) and RUNNING."""
+    """Head and worker up, the application deployed through the Serve REST API (as KubeRay does).
+
+    ``core``: the CPU the worker's vLLM engine binds its threads to. Each
+    cluster's GPU pods have nodes of their own; here the two clusters share
+    two cores, and vLLM's CPU backend binds to core 0 by default, where one
+    engine under load would starve the other's start.
+    """
     subs: list[str] = []
     head_ports = loopback_params(head=True)
     head, head_pod = _node(ref, ref.spec["headGroupSpec"], mirror.HEAD, redis, workdir, head_ports, {}, subs)
@@ -206,7 +215,9 @@ def start_cluster(
     worker_env = {
         "RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(free_port()),
         NODE_DRAIN_FILE_ENV: str(node_drain),
+        "VLLM_CPU_OMP_THREADS_BIND": str(core),
     }
+    subs.append(f"{ref.name}-worker: its vLLM engine on CPU {core} of this machine (each cluster has nodes of its own)")
     worker_params = {**loopback_params(head=False), "address": gcs, "num-cpus": WORKER_CPUS}
     worker, worker_pod = _node(ref, group, mirror.WORKER, redis, workdir, worker_params, worker_env, subs)
     for line in subs:
@@ -434,8 +445,8 @@ class Traffic:
             outcome = self._one(client)
             with self._lock:
                 self.outcomes.append(outcome)
-            if not outcome.ok:
-                time.sleep(0.25)
+            # A steady stream, not a saturating one: this machine's two cores hold both clusters.
+            time.sleep(THINK_S if outcome.ok else 0.25)
 
     def last_error(self) -> str:
         """`; last error: ...` when a request failed, else nothing (for a check's line)."""
@@ -593,7 +604,7 @@ def run_upgrade_under_load(
     api_key = write_keys(workdir / "keys")
     try:
         report.step(SERVICE, f"{active.name}: starting render A's head and worker")
-        old = start_cluster(active, redis, workdir, model_dir, report)
+        old = start_cluster(active, redis, workdir, model_dir, report, core=0)
         clusters.append(old)
         wait_app_running(old)
         registration.add(old)
@@ -608,7 +619,7 @@ def run_upgrade_under_load(
 
         pending = upgrade.start("bbbbb")
         report.step(SERVICE, f"{pending.name}: KubeRay creates the pending cluster beside {active.name}")
-        new = start_cluster(pending, redis, workdir, model_dir, report)
+        new = start_cluster(pending, redis, workdir, model_dir, report, core=1)
         clusters.append(new)
         statuses = wait_app_running(new)
         registration.add(new)
