@@ -22,10 +22,20 @@ REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = REPO / "workloads"
 
 
+# Ports this process has handed out: the kernel may give a just-released
+# port again, and two components told the same port refuse to start.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port free now and not handed out before by this process."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def _stat_fields() -> Iterator[tuple[int, list[str]]]:

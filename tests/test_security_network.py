@@ -80,21 +80,8 @@ class Endpoint:
 
 
 def _selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
-    if selector is None:
-        return False
-    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
-        return False
-    for expr in selector.get("matchExpressions", []):
-        key, op, values = expr["key"], expr["operator"], set(expr.get("values", []))
-        if op == "In" and labels.get(key) not in values:
-            return False
-        if op == "NotIn" and labels.get(key) in values:
-            return False
-        if op == "Exists" and key not in labels:
-            return False
-        if op == "DoesNotExist" and key in labels:
-            return False
-    return True
+    """A LabelSelector against labels, as the API server evaluates it (twin/kuberay.py selects)."""
+    return mirror.selects(selector, labels)
 
 
 def _in_block(ip: str, block: Mapping[str, Any]) -> bool:

@@ -49,7 +49,8 @@ from infra.serving.drain import prestop_script
 from localserve.processes import child_env, free_port
 from localserve.ray_cluster import RayNode, application_status, deploy_serve_config, loopback_params, ray_node
 from localserve.redis_tls import TlsRedis
-from localserve.server import LIMIT_MAX_TOKENS, MODEL_ID, catalog_for, replica_addresses, write_keys
+from localserve.server import LIMIT_MAX_TOKENS, catalog_for, replica_addresses, write_keys
+from localserve.traffic import StreamLoad
 from twin import kuberay as mirror
 from twin.report import Report
 from workloads.inference_server.catalog import NODE_DRAIN_FILE_ENV
@@ -381,87 +382,6 @@ class Registration:
 # --- traffic ----------------------------------------------------------------------------
 
 
-@dataclass
-class Outcome:
-    started: float
-    ended: float
-    ok: bool
-    error: str = ""
-
-
-@dataclass
-class Traffic:
-    """`streams` clients (the openai client, keep-alive, no retries) sending streamed chat completions back to back."""
-
-    base_url: str
-    api_key: str
-    streams: int = STREAMS
-    outcomes: list[Outcome] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _threads: list[threading.Thread] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def start(self) -> None:
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(self.streams)]
-        for thread in self._threads:
-            thread.start()
-
-    def stop(self, timeout_s: float = REQUEST_TIMEOUT_S + 10) -> int:
-        """Stop and join; the number of clients still stuck in a request."""
-        self._stop.set()
-        deadline = time.monotonic() + timeout_s
-        for thread in self._threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        return sum(t.is_alive() for t in self._threads)
-
-    def done(self) -> list[Outcome]:
-        with self._lock:
-            return list(self.outcomes)
-
-    def _one(self, client: Any) -> Outcome:
-        started = time.monotonic()
-        try:
-            stream = client.chat.completions.create(
-                model=MODEL_ID,
-                messages=[{"role": "user", "content": "Tell me about upgrades."}],
-                max_tokens=LIMIT_MAX_TOKENS // 2,
-                stream=True,
-            )
-            finish = None
-            for chunk in stream:
-                for choice in chunk.choices:
-                    finish = choice.finish_reason or finish
-            if finish is None:
-                return Outcome(started, time.monotonic(), False, "stream ended without a finish_reason")
-            return Outcome(started, time.monotonic(), True)
-        except Exception as err:  # any failure counts; the check reports it
-            return Outcome(started, time.monotonic(), False, f"{type(err).__name__}: {err}"[:300])
-
-    def _run(self) -> None:
-        import openai
-
-        client = openai.OpenAI(base_url=self.base_url, api_key=self.api_key, timeout=REQUEST_TIMEOUT_S, max_retries=0)
-        while not self._stop.is_set():
-            outcome = self._one(client)
-            with self._lock:
-                self.outcomes.append(outcome)
-            # A steady stream, not a saturating one: this machine's two cores hold both clusters.
-            time.sleep(THINK_S if outcome.ok else 0.25)
-
-    def last_error(self) -> str:
-        """`; last error: ...` when a request failed, else nothing (for a check's line)."""
-        failed = [o for o in self.done() if not o.ok]
-        return f"; last error: {failed[-1].error}" if failed else ""
-
-    def wait_served(self, count: int, since: float, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if sum(o.ok and o.started >= since for o in self.done()) >= count:
-                return True
-            time.sleep(0.2)
-        return False
-
-
 # --- the old cluster goes ---------------------------------------------------------------
 
 
@@ -594,11 +514,12 @@ def run_upgrade_under_load(
         SERVICE, upgrade.needed, f"{name}: render B (new image, {inputs.engine_key}) starts a new cluster"
     ):
         return False
+    started = time.monotonic()
     lb = LoadBalancer()
     lb.start()
     registration = Registration(lb, inputs.load_balancer)
     clusters: list[LocalCluster] = []
-    traffic: Traffic | None = None
+    traffic: StreamLoad | None = None
     ok = True
     # The API keys file both clusters' servers read (a Secret the RayService mounts).
     api_key = write_keys(workdir / "keys")
@@ -609,7 +530,16 @@ def run_upgrade_under_load(
         wait_app_running(old)
         registration.add(old)
         registration.run()
-        traffic = Traffic(f"http://{HOST}:{lb.port}/v1", api_key)
+        # A steady stream, not a saturating one: this machine's two cores hold both clusters.
+        traffic = StreamLoad(
+            f"http://{HOST}:{lb.port}/v1",
+            api_key,
+            STREAMS,
+            timeout_s=REQUEST_TIMEOUT_S,
+            think_s=THINK_S,
+            max_tokens=LIMIT_MAX_TOKENS // 2,
+            prompt="Tell me about upgrades.",
+        )
         traffic.start()
         ok &= report.check(
             SERVICE,
@@ -661,17 +591,21 @@ def run_upgrade_under_load(
         ok &= report.check(
             SERVICE, traffic.wait_served(STREAMS, time.monotonic(), 120), f"traffic served by {pending.name} alone"
         )
-        hung = traffic.stop()
+        hung = traffic.stop(REQUEST_TIMEOUT_S + 10)
         outcomes = traffic.done()
         failed = [o for o in outcomes if not o.ok]
-        during = [o for o in outcomes if o.started <= deleting <= o.ended or switched <= o.started <= deleting]
+        stopped = time.monotonic()
+        during = [o for o in outcomes if o.ended >= deleting and o.started <= stopped]
         ok &= report.check(
             SERVICE,
             not failed and not hung,
             f"{len(outcomes)} requests across the upgrade "
-            f"({len(during)} while both clusters served or the old one drained), "
-            f"{len(failed)} failed{': ' + failed[0].error if failed else ''}; {lb.refused} connections found no target",
+            f"({len(during)} while the old cluster was deleted), "
+            f"{len(failed)} failed{': ' + failed[0].error if failed else ''}; "
+            f"{lb.refused} connections found no target; "
+            f"connections per pod: {', '.join(f'{p} {n}' for p, n in sorted(lb.connections.items()))}",
         )
+        report.note(SERVICE, "load balancer targets: " + describe_timeline(registration.timeline, started))
         if cleanup is None:
             return report.check(SERVICE, False, "the old cluster has no Redis cleanup Job (GCS fault tolerance off?)")
         before = len(storage_keys(redis, old))
@@ -690,11 +624,16 @@ def run_upgrade_under_load(
         return False
     finally:
         if traffic is not None:
-            traffic.stop(timeout_s=5)
+            traffic.stop(5)
         registration.stop()
         lb.stop()
         for cluster in clusters:
             cluster.stop()
+
+
+def describe_timeline(timeline: list[tuple[float, tuple[str, ...]]], started: float) -> str:
+    """The load balancer's target sets as they changed, e.g. ``+12s [a-worker] -> +230s [a-worker, b-worker]``."""
+    return " -> ".join(f"+{at - started:.0f}s [{', '.join(names) or 'none'}]" for at, names in timeline)
 
 
 def changed_engine(doc: dict[str, Any], model: str, key: str, value: Any) -> dict[str, Any]:

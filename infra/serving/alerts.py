@@ -440,8 +440,9 @@ ALERTS: tuple[AlertSpec, ...] = (
         for_=f"{UPGRADE_STUCK_MINUTES}m",
         severity="warning",
         summary=f"RayService {{{{ $labels.name }}}} has been upgrading for over {UPGRADE_STUCK_MINUTES} minutes",
-        description="KubeRay's new cluster has not taken over: it holds twice the GPUs and the change is not "
-        "serving. Check the pending cluster's pods and Serve applications (`kubectl describe rayservice`).",
+        description="KubeRay's new cluster has not taken over: it holds a second fleet of GPUs beside the old one "
+        "and the change is not serving. `make upgrade-status` names the phase and the likely cause "
+        "(pending pods without GPUs, apps not RUNNING, a refused Service switch).",
         metrics=("kuberay_service_condition_upgrade_in_progress",),
     ),
     AlertSpec(

@@ -55,6 +55,19 @@ INGRESS_GROUP = "ingress"
 # of GiB from S3 and compile CUDA graphs.
 WAIT_FOR_CONDITIONS = ("condition=Ready", "condition=UpgradeInProgress=False")
 WAIT_FOR = json.dumps(list(WAIT_FOR_CONDITIONS))
+# Pulumi's timeout message names the resource and nothing else. This
+# annotation (shown by `kubectl describe rayservice` and in the diff of the
+# first `pulumi up` that adds it) says what to run then: one line per
+# RayService with its upgrade phase and the likely cause
+# (infra/serving/upgrade_status.py). Metadata only: KubeRay hashes
+# rayClusterConfig alone, so it starts no cluster.
+ON_TIMEOUT_ANNOTATION = "llm-platform/on-timeout"
+
+
+def on_timeout_hint(namespace: str) -> str:
+    """The command a timed-out wait points to."""
+    return f"make upgrade-status STACK=<stack>, or: python -m infra.upgrade_status --namespace {namespace}"
+
 
 # What a node keeps for itself: kubelet/system reserve and the daemonsets
 # (CNI, kube-proxy, EBS CSI, DCGM exporter, device plugin, node exporter).
@@ -541,11 +554,16 @@ def worker_groups(args: VllmRayServiceArgs) -> list[dict[str, Any]]:
 def upgrade_strategy(cfg: StackConfig) -> dict[str, Any]:
     """The RayService's upgrade strategy, always explicit.
 
-    `NewCluster` starts a complete second cluster and moves the serve
-    Service to it once it is ready: zero downtime, at the price of twice the
-    GPUs during every `rayClusterConfig` change (size GPU node groups'
-    max_size for it). `None` never replaces the cluster. Changes to
-    `serveConfigV2` alone are applied in place either way.
+    `NewCluster` starts a complete second cluster at its starting replicas
+    beside the old one, as scaled, on every `rayClusterConfig` change that
+    KubeRay hashes (not the worker groups' replica bounds or tolerations, and
+    worker groups appended at the end update the cluster in place:
+    docs/changing-a-running-stack.md); its
+    replicas join the load balancer as they turn Ready and the old cluster
+    drains away (endpoint.py). The GPU groups are sized for both
+    (`ray.upgrade_headroom`, infra/capacity/upgrade.py). `None` never
+    replaces the cluster. Changes to `serveConfigV2` alone are applied in
+    place either way.
     """
     return {"type": cfg.ray.upgrade_strategy}
 
@@ -601,6 +619,7 @@ def ray_service_manifest(args: VllmRayServiceArgs) -> dict[str, Any]:
             "annotations": {
                 "pulumi.com/waitFor": WAIT_FOR,
                 "pulumi.com/timeoutSeconds": str(pulumi_wait_seconds(cfg, args.models)),
+                ON_TIMEOUT_ANNOTATION: on_timeout_hint(args.namespace),
             },
         },
         "spec": {

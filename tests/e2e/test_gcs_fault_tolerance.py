@@ -28,13 +28,10 @@ import os
 import shutil
 import signal
 import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -60,7 +57,8 @@ from localserve.ray_cluster import (
     wait_application_running,
 )
 from localserve.redis_tls import TlsRedis, make_ca, redis_server_path, start_tls_redis
-from localserve.server import LIMIT_MAX_TOKENS, MODEL_ID, catalog_for, replica_addresses, write_keys
+from localserve.server import catalog_for, replica_addresses, write_keys
+from localserve.traffic import Outcome, StreamLoad
 from tests.harness import manifests_of, render_stack
 
 pytestmark = pytest.mark.e2e
@@ -203,90 +201,6 @@ def test_head_without_the_redis_ca_fails_certificate_verification(
 
 
 @dataclass
-class Outcome:
-    started: float
-    ended: float
-    ok: bool
-    error: str = ""
-
-
-@dataclass
-class StreamLoad:
-    """`streams` threads sending streamed chat completions back to back, until stopped."""
-
-    base_url: str
-    api_key: str
-    streams: int
-    health_path: str = "/-/healthz"
-    outcomes: list[Outcome] = field(default_factory=list)
-    health: list[tuple[float, bool]] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _threads: list[threading.Thread] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def start(self) -> None:
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(self.streams)]
-        self._threads.append(threading.Thread(target=self._probe_health, daemon=True))
-        for thread in self._threads:
-            thread.start()
-
-    def stop(self, timeout_s: float) -> list[threading.Thread]:
-        """Stop and join; returns the threads still running after `timeout_s` (hung requests)."""
-        self._stop.set()
-        deadline = time.monotonic() + timeout_s
-        for thread in self._threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        return [t for t in self._threads if t.is_alive()]
-
-    def done(self) -> list[Outcome]:
-        with self._lock:
-            return list(self.outcomes)
-
-    def _one(self, client: Any) -> Outcome:
-        started = time.monotonic()
-        try:
-            stream = client.chat.completions.create(
-                model=MODEL_ID,
-                messages=[{"role": "user", "content": "Tell me about fault tolerance."}],
-                max_tokens=LIMIT_MAX_TOKENS,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            )
-            finish = None
-            for chunk in stream:
-                for choice in chunk.choices:
-                    finish = choice.finish_reason or finish
-            if finish is None:
-                return Outcome(started, time.monotonic(), False, "stream ended without a finish_reason")
-            return Outcome(started, time.monotonic(), True)
-        except Exception as err:  # any failure counts; the test reports it
-            return Outcome(started, time.monotonic(), False, f"{type(err).__name__}: {err}"[:300])
-
-    def _run(self) -> None:
-        import openai
-
-        client = openai.OpenAI(base_url=self.base_url, api_key=self.api_key, timeout=REQUEST_TIMEOUT_S, max_retries=0)
-        while not self._stop.is_set():
-            outcome = self._one(client)
-            with self._lock:
-                self.outcomes.append(outcome)
-            if not outcome.ok:
-                time.sleep(0.25)
-
-    def _probe_health(self) -> None:
-        """What the worker pod's readiness probe asks (Serve's proxy, or the replica's vLLM server)."""
-        url = self.base_url.removesuffix("/v1") + self.health_path
-        while not self._stop.wait(0.5):
-            try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    healthy = response.status == 200
-            except (urllib.error.URLError, OSError):
-                healthy = False
-            with self._lock:
-                self.health.append((time.monotonic(), healthy))
-
-
-@dataclass
 class Cluster:
     head: RayNode
     worker: RayNode
@@ -397,7 +311,9 @@ def test_serving_survives_a_gcs_kill(cluster: Cluster, tls_redis: TlsRedis) -> N
     assert engines, "no vLLM engine process on the worker"
     say(f"{len(replicas)} replicas on worker node {worker_node[:8]}; non-loopback listeners: {strays or 'none'}")
 
-    load = StreamLoad(cluster.base_url, cluster.api_key, STREAMS, health_path=cluster.health_path)
+    load = StreamLoad(
+        cluster.base_url, cluster.api_key, STREAMS, timeout_s=REQUEST_TIMEOUT_S, health_path=cluster.health_path
+    )
     load.start()
     try:
         deadline = time.monotonic() + 60

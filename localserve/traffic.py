@@ -1,0 +1,126 @@
+"""Streamed chat completions sent back to back by a few clients, each outcome kept: the load of the live checks.
+
+Each client is the official ``openai`` client with its keep-alive pool and
+no retries, so a request the server side drops counts as failed. An
+optional prober asks a health path twice a second, as a readiness probe
+would, and keeps what it saw.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from localserve.server import LIMIT_MAX_TOKENS, MODEL_ID
+
+
+@dataclass
+class Outcome:
+    """One request: when it started and ended, whether it was served whole, and why not."""
+
+    started: float
+    ended: float
+    ok: bool
+    error: str = ""
+
+
+@dataclass
+class StreamLoad:
+    """`streams` threads sending streamed chat completions, `think_s` apart, until stopped."""
+
+    base_url: str
+    api_key: str
+    streams: int
+    timeout_s: float = 60.0
+    think_s: float = 0.0
+    max_tokens: int = LIMIT_MAX_TOKENS
+    prompt: str = "Tell me about fault tolerance."
+    # The generation runs to max_tokens (same work every request).
+    ignore_eos: bool = True
+    health_path: str | None = None
+    outcomes: list[Outcome] = field(default_factory=list)
+    health: list[tuple[float, bool]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> None:
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(self.streams)]
+        if self.health_path is not None:
+            self._threads.append(threading.Thread(target=self._probe_health, daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self, timeout_s: float) -> list[threading.Thread]:
+        """Stop and join; returns the threads still running after `timeout_s` (hung requests)."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        return [t for t in self._threads if t.is_alive()]
+
+    def done(self) -> list[Outcome]:
+        with self._lock:
+            return list(self.outcomes)
+
+    def last_error(self) -> str:
+        """`; last error: ...` when a request failed, else nothing (for a report line)."""
+        failed = [o for o in self.done() if not o.ok]
+        return f"; last error: {failed[-1].error}" if failed else ""
+
+    def wait_served(self, count: int, since: float, timeout_s: float) -> bool:
+        """Until `count` requests started at or after `since` were served; False after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if sum(o.ok and o.started >= since for o in self.done()) >= count:
+                return True
+            time.sleep(0.2)
+        return False
+
+    def _one(self, client: Any) -> Outcome:
+        started = time.monotonic()
+        try:
+            finish = None
+            # Closed when read: the connection goes back to the client's pool and
+            # carries its next request, as a keep-alive client's does.
+            with client.chat.completions.create(
+                model=MODEL_ID,
+                messages=[{"role": "user", "content": self.prompt}],
+                max_tokens=self.max_tokens,
+                stream=True,
+                extra_body={"ignore_eos": self.ignore_eos},
+            ) as stream:
+                for chunk in stream:
+                    for choice in chunk.choices:
+                        finish = choice.finish_reason or finish
+            if finish is None:
+                return Outcome(started, time.monotonic(), False, "stream ended without a finish_reason")
+            return Outcome(started, time.monotonic(), True)
+        except Exception as err:  # any failure counts; the caller reports it
+            return Outcome(started, time.monotonic(), False, f"{type(err).__name__}: {err}"[:300])
+
+    def _run(self) -> None:
+        import openai
+
+        client = openai.OpenAI(base_url=self.base_url, api_key=self.api_key, timeout=self.timeout_s, max_retries=0)
+        while not self._stop.is_set():
+            outcome = self._one(client)
+            with self._lock:
+                self.outcomes.append(outcome)
+            time.sleep(self.think_s if outcome.ok else max(self.think_s, 0.25))
+
+    def _probe_health(self) -> None:
+        """What the serving pod's readiness probe asks (Serve's proxy, or the replica's vLLM server)."""
+        url = self.base_url.removesuffix("/v1") + str(self.health_path)
+        while not self._stop.wait(0.5):
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    healthy = response.status == 200
+            except (urllib.error.URLError, OSError):
+                healthy = False
+            with self._lock:
+                self.health.append((time.monotonic(), healthy))
