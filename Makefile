@@ -9,13 +9,14 @@ LOCAL_BACKEND ?= file://$(HOME)/.pulumi-llm-platform
 POLICY_VENV := policy/venv
 POLICY_FLAGS = --policy-pack policy --policy-pack-config policy/config/$(STACK).json
 
-.PHONY: help install install-dev up preview destroy render test lint unit e2e bench golden-urns clean twin local
+.PHONY: help install install-dev up preview destroy render upgrade-status test lint unit e2e bench golden-urns clean twin local
 
 help:
 	@echo "make up STACK=dev|prod       deploy a stack (creates the venv, logs in, selects the stack)"
 	@echo "make preview STACK=dev|prod  show what would change"
 	@echo "make destroy STACK=dev|prod  tear a stack down (the model bucket and ECR repo are retained)"
 	@echo "make render STACK=dev|prod   offline render under mocks into build/render/<stack>/"
+	@echo "make upgrade-status STACK=prod  each RayService's upgrade phase and likely cause, from kubectl"
 	@echo "make test                    lint, type-check and every test, the real server and both twins included"
 	@echo "make twin STACK=dev|prod     the stack's RayServices on a local Ray cluster, checked by Ray's own code"
 	@echo "make local STACK=dev         the stack served at http://127.0.0.1:8000/v1 until Ctrl-C (MODEL=/path for your model)"
@@ -66,6 +67,12 @@ destroy: $(VENV)/.program
 
 render: $(VENV)/.program
 	$(BIN)/python -m infra.render --stack $(STACK)
+
+# When `pulumi up` times out waiting for a RayService: which phase each one is
+# in and the likely cause, read with kubectl from the stack's serving namespace
+# (exit 1 unless all are steady). CONTEXT= picks the kubeconfig context.
+upgrade-status: $(VENV)/.program
+	$(BIN)/python -m infra.upgrade_status --stack $(STACK) $(if $(CONTEXT),--context $(CONTEXT))
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check .

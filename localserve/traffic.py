@@ -42,6 +42,9 @@ class StreamLoad:
     # The generation runs to max_tokens (same work every request).
     ignore_eos: bool = True
     health_path: str | None = None
+    # Every other client asks without streaming: its whole answer is read, so
+    # its keep-alive connection certainly carries the next request.
+    mixed: bool = False
     outcomes: list[Outcome] = field(default_factory=list)
     health: list[tuple[float, bool]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -49,7 +52,10 @@ class StreamLoad:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> None:
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(self.streams)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(self.mixed and i % 2 == 1,), daemon=True)
+            for i in range(self.streams)
+        ]
         if self.health_path is not None:
             self._threads.append(threading.Thread(target=self._probe_health, daemon=True))
         for thread in self._threads:
@@ -81,9 +87,19 @@ class StreamLoad:
             time.sleep(0.2)
         return False
 
-    def _one(self, client: Any) -> Outcome:
+    def _one(self, client: Any, whole: bool = False) -> Outcome:
         started = time.monotonic()
         try:
+            if whole:
+                answer = client.chat.completions.create(
+                    model=MODEL_ID,
+                    messages=[{"role": "user", "content": self.prompt}],
+                    max_tokens=self.max_tokens,
+                    extra_body={"ignore_eos": self.ignore_eos},
+                )
+                if not answer.choices or answer.choices[0].finish_reason is None:
+                    return Outcome(started, time.monotonic(), False, "answer without a finish_reason")
+                return Outcome(started, time.monotonic(), True)
             finish = None
             # Closed when read: the connection goes back to the client's pool and
             # carries its next request, as a keep-alive client's does.
@@ -103,12 +119,12 @@ class StreamLoad:
         except Exception as err:  # any failure counts; the caller reports it
             return Outcome(started, time.monotonic(), False, f"{type(err).__name__}: {err}"[:300])
 
-    def _run(self) -> None:
+    def _run(self, whole: bool = False) -> None:
         import openai
 
         client = openai.OpenAI(base_url=self.base_url, api_key=self.api_key, timeout=self.timeout_s, max_retries=0)
         while not self._stop.is_set():
-            outcome = self._one(client)
+            outcome = self._one(client, whole)
             with self._lock:
                 self.outcomes.append(outcome)
             time.sleep(self.think_s if outcome.ok else max(self.think_s, 0.25))

@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("aws", ("infra.aws",)),
     ("platform", ("infra.cluster_services",)),
     ("serving", ("infra.serving",)),
-    ("outputs", ("infra.stack", "infra.render", "infra.mocks", "infra.twin", "infra.plan")),
+    ("outputs", ("infra.stack", "infra.render", "infra.mocks", "infra.twin", "infra.plan", "infra.upgrade_status")),
 ]
 MAX_FUNCTION_LINES = 60
 

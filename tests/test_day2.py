@@ -248,3 +248,31 @@ def test_a_serve_config_change_alone_starts_no_new_cluster() -> None:
     upgrade = mirror.NewClusterUpgrade(rs, changed, ray_cluster(rs), mirror.first_serve_service(ray_cluster(rs)))
     assert not upgrade.needed
     assert mirror.NewClusterUpgrade(rs, day2.with_image(rs), ray_cluster(rs), {}).needed
+
+
+def test_what_kuberays_spec_hash_leaves_out_starts_no_new_cluster() -> None:
+    """Replica bounds and tolerations (util.go GenerateHashWithoutReplicasAndWorkersToDelete); a group appended
+    at the end is added in place (rayservice_controller.go shouldPrepareNewCluster)."""
+    rs = ray_services("prod")[0]
+    active = ray_cluster(rs)
+
+    def needed(change: Any) -> bool:
+        new = copy.deepcopy(rs)
+        change(new["spec"]["rayClusterConfig"])
+        return mirror.NewClusterUpgrade(rs, new, active, {}).needed
+
+    def bounds(c: dict[str, Any]) -> None:
+        c["workerGroupSpecs"][0]["maxReplicas"] += 4
+        c["workerGroupSpecs"][0]["minReplicas"] += 1
+
+    def tolerations(c: dict[str, Any]) -> None:
+        c["workerGroupSpecs"][0]["template"]["spec"]["tolerations"] = [{"key": "x", "operator": "Exists"}]
+
+    def appended(c: dict[str, Any]) -> None:
+        c["workerGroupSpecs"].append({**copy.deepcopy(c["workerGroupSpecs"][0]), "groupName": "extra"})
+
+    def resources(c: dict[str, Any]) -> None:
+        c["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] = "1Gi"
+
+    assert not needed(bounds) and not needed(tolerations) and not needed(appended)
+    assert needed(resources)

@@ -1122,10 +1122,22 @@ class NewClusterUpgrade:
 
     @property
     def needed(self) -> bool:
-        """Whether the change starts a new cluster: ``rayClusterConfig`` changed and the strategy is NewCluster."""
+        """Whether the change starts a new cluster: the strategy is NewCluster and the spec hash changed.
+
+        The hash leaves out what autoscaling and external controllers move
+        (every group's replicas, min/max replicas, workers to delete, and each
+        template's tolerations and scheduling gates): a change to only those
+        starts nothing and never reaches the running cluster. Worker groups
+        appended at the end are added to it in place.
+        """
         strategy = (self.new["spec"].get("upgradeStrategy") or {}).get("type", "NewCluster")
-        changed: bool = self.old["spec"]["rayClusterConfig"] != self.new["spec"]["rayClusterConfig"]
-        return strategy == "NewCluster" and changed
+        _k("rayservice_controller.go", 1432, "if isClusterSpecHashEqual(rayServiceInstance, cluster, true) {")
+        old, new = self.old["spec"]["rayClusterConfig"], self.new["spec"]["rayClusterConfig"]
+        if spec_hash_view(old) == spec_hash_view(new):
+            return False
+        groups = len(old.get("workerGroupSpecs") or [])
+        appended = {**new, "workerGroupSpecs": (new.get("workerGroupSpecs") or [])[:groups]}
+        return strategy == "NewCluster" and spec_hash_view(old) != spec_hash_view(appended)
 
     def start(self, suffix: str) -> RayClusterRef:
         """Step 1: the pending cluster."""
@@ -1174,6 +1186,29 @@ class NewClusterUpgrade:
             cleanup = build_redis_cleanup_pod(old)
             self.events.append(UpgradeEvent("redis-cleanup", f"Job {cleanup['metadata']['name']}"))
         return old, cleanup
+
+
+def spec_hash_view(cluster_spec: Mapping[str, Any]) -> dict[str, Any]:
+    """``GenerateHashWithoutReplicasAndWorkersToDelete``: the part of a RayCluster spec KubeRay compares."""
+    _k(
+        "utils/util.go",
+        645,
+        "func GenerateHashWithoutReplicasAndWorkersToDelete(rayClusterSpec rayv1.RayClusterSpec) (string, error) {",
+    )
+    _k("utils/util.go", 658, "updatedRayClusterSpec.WorkerGroupSpecs[i].MaxReplicas = nil")
+    _k("utils/util.go", 661, "updatedRayClusterSpec.WorkerGroupSpecs[i].Template.Spec.Tolerations = nil")
+    view = copy.deepcopy(dict(cluster_spec))
+    templates = [view["headGroupSpec"]["template"]]
+    for group in view.get("workerGroupSpecs") or []:
+        for key in ("replicas", "minReplicas", "maxReplicas"):
+            group.pop(key, None)
+        group.get("scaleStrategy", {}).pop("workersToDelete", None)
+        templates.append(group["template"])
+    for template in templates:
+        template.get("spec", {}).pop("tolerations", None)
+        template.get("spec", {}).pop("schedulingGates", None)
+    view.pop("upgradeStrategy", None)
+    return view
 
 
 def first_serve_service(cluster: RayClusterRef) -> dict[str, Any]:

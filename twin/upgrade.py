@@ -539,6 +539,7 @@ def run_upgrade_under_load(
             think_s=THINK_S,
             max_tokens=LIMIT_MAX_TOKENS // 2,
             prompt="Tell me about upgrades.",
+            mixed=True,
         )
         traffic.start()
         ok &= report.check(
