@@ -12,7 +12,17 @@ from infra.render import ROOT
 INFRA = ROOT / "infra"
 # Lower rank first: a module may import only from its own rank or below.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("config", ("infra.versions", "infra.instance_types", "infra.config", "infra.scheduling", "infra.capacity")),
+    (
+        "config",
+        (
+            "infra.versions",
+            "infra.citations",
+            "infra.instance_types",
+            "infra.config",
+            "infra.scheduling",
+            "infra.capacity",
+        ),
+    ),
     ("aws", ("infra.aws",)),
     ("platform", ("infra.cluster_services",)),
     ("serving", ("infra.serving",)),

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from infra import upgrade_status as cli
+from infra.citations import misquoted
 from infra.render import ROOT
 from infra.serving import kuberay
 from infra.serving.drain import drain
@@ -484,13 +485,7 @@ def test_every_phase_is_documented() -> None:
 
 
 def test_every_cited_kuberay_line_says_what_is_quoted() -> None:
-    root = reference_dir()
-    wrong = []
-    for path, line, quote in citations():
-        lines = (root / path).read_text().splitlines() if (root / path).is_file() else []
-        said = lines[line - 1] if 0 < line <= len(lines) else "<no such line>"
-        if quote not in said:
-            wrong.append(f"{path}:{line}: expected {quote!r}, found {said.strip()!r}")
+    wrong = misquoted(citations(), reference_dir())
     assert len(citations()) >= 20
     assert not wrong, "\n".join(wrong)
 

@@ -36,7 +36,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 from typing import Any
+
+from infra.citations import Cite, marks
 
 HEAD_GROUP = "headgroup"  # what Ray's KubeRay autoscaler calls the head's node type
 DEFAULT_HEAD_PORT = "6379"
@@ -323,48 +326,23 @@ def head_service_address(cluster_name: str, namespace: str, port: str = DEFAULT_
 # =====================================================================================
 
 
-@dataclass(frozen=True)
-class Cite:
-    """One upstream line a rule relies on: a path under the reference folder, its 1-based line, a quote of it."""
-
-    path: str
-    line: int
-    quote: str
-
-
 _KUBERAY = "kuberay/src-v1.7.0/ray-operator/controllers/ray/"
 _LBC = "aws-load-balancer-controller/src-v3.5.0/"
-
-
-def _cite(path: str, line: int, quote: str) -> None:
-    """Marks the upstream line the code beside it ports; :func:`citations` collects every mark."""
+# Marker -> the folder (under the reference) its paths are in.
+MARKERS = {"_k": _KUBERAY, "_lbc": _LBC}
 
 
 def _k(path: str, line: int, quote: str) -> None:
-    """:func:`_cite` for a file of KubeRay's ray-operator/controllers/ray/."""
+    """Marks the line of KubeRay's ray-operator/controllers/ray/ the code beside it ports (infra/citations.py)."""
+
+
+def _lbc(path: str, line: int, quote: str) -> None:
+    """Marks the line of the AWS load balancer controller the code beside it ports (infra/citations.py)."""
 
 
 def citations() -> list[Cite]:
-    """Every ``_k``/``_cite`` mark in this module, read from its source (so marks inside functions count too)."""
-    import ast
-    from pathlib import Path
-
-    found = []
-    for node in ast.walk(ast.parse(Path(__file__).read_text())):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("_k", "_cite"):
-            first, line, quote = (ast.literal_eval(_resolve(a)) for a in node.args)
-            path = (_KUBERAY if node.func.id == "_k" else "") + first
-            found.append(Cite(path, line, quote))
-    return found
-
-
-def _resolve(arg: Any) -> Any:
-    """A mark's argument as a literal: ``_LBC + "path"`` becomes the joined string."""
-    import ast
-
-    if isinstance(arg, ast.BinOp) and isinstance(arg.left, ast.Name) and arg.left.id == "_LBC":
-        return ast.Constant(_LBC + ast.literal_eval(arg.right))
-    return arg
+    """Every mark in this module, read from its source."""
+    return marks(Path(__file__), MARKERS)
 
 
 # --- constants (utils/constant.go) -------------------------------------------------
@@ -968,14 +946,14 @@ def lbc_mutate_service_create(service: Mapping[str, Any], lb_class: str = NLB_CL
 
     It is registered for CREATE only, so an update never gets it back.
     """
-    _cite(
-        _LBC + "webhooks/core/service_mutator.go",
+    _lbc(
+        "webhooks/core/service_mutator.go",
         40,
         "func (m *serviceMutator) MutateCreate(ctx context.Context, obj runtime.Object) (runtime.Object, error) {",
     )
-    _cite(_LBC + "webhooks/core/service_mutator.go", 51, "svc.Spec.LoadBalancerClass = &m.loadBalancerClass")
-    _cite(
-        _LBC + "webhooks/core/service_mutator.go",
+    _lbc("webhooks/core/service_mutator.go", 51, "svc.Spec.LoadBalancerClass = &m.loadBalancerClass")
+    _lbc(
+        "webhooks/core/service_mutator.go",
         95,
         "resources=services,verbs=create,versions=v1,name=mservice.elbv2.k8s.aws",
     )
@@ -992,11 +970,9 @@ def lbc_readiness_gates(pod: Mapping[str, Any], load_balanced: list[Mapping[str,
     One per IP target group whose Service selects the pod *then*; a pod
     created while no such Service selects it never gets one.
     """
-    _cite(
-        _LBC + "pkg/inject/pod_readiness/pod_readiness_gate.go", 93, "if svcSelector.Matches(labels.Set(pod.Labels)) {"
-    )
-    _cite(
-        _LBC + "webhooks/core/pod_readiness_gate_mutator.go",
+    _lbc("pkg/inject/pod_readiness/pod_readiness_gate.go", 93, "if svcSelector.Matches(labels.Set(pod.Labels)) {")
+    _lbc(
+        "webhooks/core/pod_readiness_gate_mutator.go",
         51,
         "resources=pods,verbs=create,versions=v1,name=mpod.elbv2.k8s.aws",
     )

@@ -24,8 +24,10 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Literal
 
+from infra.citations import Cite, marks
 from infra.serving import kuberay
 
 Phase = Literal[
@@ -626,14 +628,6 @@ def exit_code(diagnoses: Iterable[Diagnosis]) -> int:
     return 0 if all(d.steady for d in diagnoses) else 1
 
 
-def citations() -> list[tuple[str, int, str]]:
-    """Every ``_k`` mark of this module: (path under the reference folder, line, quote)."""
-    import ast
-    from pathlib import Path
-
-    found = []
-    for node in ast.walk(ast.parse(Path(__file__).read_text())):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_k":
-            path, line, quote = (ast.literal_eval(a) for a in node.args)
-            found.append((KUBERAY_REFERENCE + path, line, quote))
-    return found
+def citations() -> list[Cite]:
+    """Every ``_k`` mark of this module (paths under the reference folder)."""
+    return marks(Path(__file__), {"_k": KUBERAY_REFERENCE})

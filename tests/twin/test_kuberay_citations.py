@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from infra.citations import misquoted
 from infra.serving import kuberay as platform_kuberay
 from tests.harness import reference_dir
 from twin import kuberay
@@ -30,14 +31,7 @@ def test_the_mirror_cites_many_lines_each_once_per_place() -> None:
 
 
 def test_every_cited_line_says_what_is_quoted() -> None:
-    root = reference_dir()
-    wrong = []
-    for cite in kuberay.citations():
-        path = root / cite.path
-        lines = path.read_text().splitlines() if path.is_file() else []
-        said = lines[cite.line - 1] if 0 < cite.line <= len(lines) else "<no such line>"
-        if cite.quote not in said:
-            wrong.append(f"{cite.path}:{cite.line}: expected {cite.quote!r}, found {said.strip()!r}")
+    wrong = misquoted(kuberay.citations(), reference_dir())
     assert not wrong, "\n".join(wrong)
 
 
@@ -55,7 +49,7 @@ def test_marks_are_literal_calls() -> None:
     calls = [
         n
         for n in ast.walk(tree)
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("_k", "_cite")
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in kuberay.MARKERS
     ]
     assert len(calls) == len(kuberay.citations())
 
