@@ -18,7 +18,7 @@ import json
 import logging
 import sys
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -313,6 +313,25 @@ def render(stack: str, config_file: Path | None = None) -> Rendered:
     ]
     helm = [_helm(r["inputs"]) for r in resources if r["type"] == _HELM_RELEASE]
     return Rendered(resources=resources, manifests=manifests, helm=helm, outputs=outputs, log=log)
+
+
+def stack_document(stack: str) -> dict[str, Any]:
+    """A committed stack file (`Pulumi.<stack>.yaml`) as a dict, to change and render again."""
+    doc: dict[str, Any] = yaml.safe_load(stack_file(stack).read_text())
+    return doc
+
+
+def render_document(stack: str, doc: Mapping[str, Any]) -> Rendered:
+    """Render a stack file given as a dict, under the stack's name (so its URNs compare with the committed one's).
+
+    Raises infra.config.ConfigError for a bad config.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"Pulumi.{stack}.yaml"
+        path.write_text(yaml.safe_dump(dict(doc)))
+        return render(stack, path)
 
 
 class _Dumper(yaml.SafeDumper):

@@ -21,7 +21,7 @@ import yaml
 
 from infra.aws.layer import AwsLayer, KarpenterAccess, PodIdentity
 from infra.config import StackConfig, load_stack_file, parse, read_stack_file, sections
-from infra.render import ROOT, SECRET, Rendered, render, run_under_mocks
+from infra.render import ROOT, SECRET, Rendered, render, render_document, run_under_mocks, stack_document
 from infra.scheduling import gpu_placements, system_placement
 from infra.serving.endpoint import serve_service_spec
 from infra.serving.ray_service import VllmRayServiceArgs
@@ -59,16 +59,12 @@ def render_stack(stack: str) -> Rendered:
 
 def render_config(doc: dict[str, Any], stack: str = "custom") -> Rendered:
     """Render a stack file given as a dict (the `config:` document)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"Pulumi.{stack}.yaml"
-        path.write_text(yaml.safe_dump(doc))
-        return render(stack, path)
+    return render_document(stack, doc)
 
 
 def stack_doc(stack: str) -> dict[str, Any]:
     """A committed stack file as a dict, to copy and break in tests."""
-    doc: dict[str, Any] = yaml.safe_load((ROOT / f"Pulumi.{stack}.yaml").read_text())
-    return doc
+    return stack_document(stack)
 
 
 def by_type(rendered: Rendered, type_token: str) -> list[dict[str, Any]]:

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from infra.render import Rendered
+from infra.render import Rendered, render_document, stack_document
 from twin import kuberay as mirror
 from twin.report import Report
 
@@ -155,30 +155,6 @@ ENGINE_KEY = "max_num_seqs"
 ENGINE_VALUE = 48
 
 
-def render_doc(stack: str, doc: Mapping[str, Any]) -> Rendered:
-    """The stack rendered from a changed stack document (same stack name, so the URNs compare)."""
-    import tempfile
-    from pathlib import Path
-
-    import yaml
-
-    from infra.render import render
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"Pulumi.{stack}.yaml"
-        path.write_text(yaml.safe_dump(dict(doc)))
-        return render(stack, path)
-
-
-def stack_doc(stack: str) -> dict[str, Any]:
-    import yaml
-
-    from infra.render import stack_file
-
-    doc: dict[str, Any] = yaml.safe_load(stack_file(stack).read_text())
-    return doc
-
-
 def with_endpoint_change(doc: Mapping[str, Any]) -> dict[str, Any]:
     """The stack file after a user changes the source ranges and the certificate."""
     out = copy.deepcopy(dict(doc))
@@ -192,7 +168,7 @@ def with_endpoint_change(doc: Mapping[str, Any]) -> dict[str, Any]:
 
 def check_load_balancer_change(stack: str, before: Rendered, report: Report) -> bool:
     """The change reaches the object the load balancer controller reads, in place, and nothing else."""
-    after = render_doc(stack, with_endpoint_change(stack_doc(stack)))
+    after = render_document(stack, with_endpoint_change(stack_document(stack)))
     changes = render_diff(before, after)
     problems = lb_change_problems(changes)
     touched = sorted({c.urn.rsplit("::", 1)[1] for c in changes})
@@ -236,15 +212,15 @@ def check_upgrade_at_peak(stack: str, report: Report) -> bool:
         per_node = nodes[group["name"]].instance().gpus
         return max(1, found.gpus_needed // per_node - 1)
 
-    doc = stack_doc(stack)
+    doc = stack_document(stack)
     try:
-        render_doc(stack, _with_group_sizes(doc, short, "peak"))
+        render_document(stack, _with_group_sizes(doc, short, "peak"))
         ok &= report.check(SERVICE, False, f"{stack} one node short under upgrade_headroom peak: accepted")
     except ConfigError as err:
         line = "; ".join(str(err).splitlines())
         ok &= report.check(SERVICE, "upgrade" in line, f"{stack} one node short, peak: refused before deploy: {line}")
     try:
-        render_doc(stack, _with_group_sizes(doc, short, "min"))
+        render_document(stack, _with_group_sizes(doc, short, "min"))
         ok &= report.check(
             SERVICE, True, f"{stack} one node short, min: accepted (an upgrade at peak waits for the old cluster)"
         )
@@ -290,10 +266,12 @@ def upgrade_inputs(stack: str, before: Rendered) -> Any:
     catalog = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
     model = next(
         m
-        for m in stack_doc(stack)["config"]["llm-platform:models"]
+        for m in stack_document(stack)["config"]["llm-platform:models"]
         if m.get("model_id") == catalog["models"][0]["model_id"]
     )
-    after_render = render_doc(stack, changed_engine(stack_doc(stack), model["name"], ENGINE_KEY, ENGINE_VALUE))
+    after_render = render_document(
+        stack, changed_engine(stack_document(stack), model["name"], ENGINE_KEY, ENGINE_VALUE)
+    )
     after = next(m for m in after_render.manifests if m.get("kind") == "RayService" and m["metadata"]["name"] == name)
     lb = next(
         m

@@ -99,6 +99,17 @@ def _env_value(entry: Mapping[str, Any], pod: Mapping[str, Any], redis: TlsRedis
     return None
 
 
+def pod_env(pod: Mapping[str, Any], redis: TlsRedis) -> dict[str, str]:
+    """The Ray container's environment as the kubelet resolves it, with the GCS Redis moved to the local one."""
+    container = pod["spec"]["containers"][0]
+    env = {e["name"]: v for e in container.get("env") or [] if (v := _env_value(e, pod, redis)) is not None}
+    if "RAY_REDIS_ADDRESS" in env:
+        env["RAY_REDIS_ADDRESS"] = redis.url()
+    if "RAY_REDIS_CA_CERT" in env:
+        env["RAY_REDIS_CA_CERT"] = str(redis.tls.ca_cert)
+    return env
+
+
 @dataclass
 class LocalCluster:
     """One RayCluster of the RayService: its mirror-built pods and the local nodes that play them."""
@@ -150,13 +161,7 @@ def _node(
     for key in ("memory", "num-gpus"):
         params.pop(key, None)
     params.update(overrides)
-    container = pod["spec"]["containers"][0]
-    env = {e["name"]: v for e in container.get("env") or [] if (v := _env_value(e, pod, redis)) is not None}
-    env["RAY_REDIS_ADDRESS"] = redis.url() if "RAY_REDIS_ADDRESS" in env else env.get("RAY_REDIS_ADDRESS", "")
-    if "RAY_REDIS_ADDRESS" in env and not env["RAY_REDIS_ADDRESS"]:
-        env.pop("RAY_REDIS_ADDRESS")
-    if "RAY_REDIS_CA_CERT" in env:
-        env["RAY_REDIS_CA_CERT"] = str(redis.tls.ca_cert)
+    env = pod_env(pod, redis)
     for key in CACHE_ENV:
         if key in env:
             # Each pod has its own emptyDir for these.
@@ -452,10 +457,7 @@ def delete_cluster(cluster: LocalCluster, workdir: Path, report: Report) -> floa
 def redis_cleanup(pod: Mapping[str, Any], redis: TlsRedis, report: Report) -> tuple[int, str]:
     """KubeRay's Redis cleanup Job: the mirror's pod, its own command and environment, against the local Redis."""
     container = pod["spec"]["containers"][0]
-    env = {e["name"]: v for e in container.get("env") or [] if (v := _env_value(e, pod, redis)) is not None}
-    env["RAY_REDIS_ADDRESS"] = redis.url()
-    if "RAY_REDIS_CA_CERT" in env:
-        env["RAY_REDIS_CA_CERT"] = str(redis.tls.ca_cert)
+    env = pod_env(pod, redis)
     report.sub(
         SERVICE, f"{pod['metadata']['name']}: `bash -c` for the Job's `bash -lc` (a login shell resets PATH here)"
     )

@@ -6,6 +6,7 @@ import io
 
 import pytest
 
+from infra.render import render_document, stack_document
 from tests.harness import render_stack
 from twin import day2
 from twin.report import Report
@@ -26,16 +27,15 @@ def test_the_static_day2_checks_pass_on_the_committed_stacks(stack: str) -> None
     assert any("one node short, min: accepted" in line for line in lines)
 
 
-def test_the_peak_check_fails_a_stack_sized_for_the_old_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_peak_check_fails_a_stack_sized_for_the_old_rule() -> None:
     """Sized for 2 x min (what prod had), the committed stack itself no longer loads: the check says so."""
-    doc = day2.stack_doc("prod")
+    doc = stack_document("prod")
     for group in doc["config"]["llm-platform:node_groups"]["gpu"]:
         group["max_size"] = {"l40s-1x": 8, "l40s-4x": 4}.get(group["name"], group["max_size"])
-    monkeypatch.setattr(day2, "stack_doc", lambda stack: doc)
     from infra.config import ConfigError
 
     with pytest.raises(ConfigError, match="no room for a NewCluster upgrade at peak"):
-        day2.render_doc("prod", doc)
+        render_document("prod", doc)
 
 
 def test_the_cli_runs_the_static_checks_with_its_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
