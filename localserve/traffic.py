@@ -39,6 +39,10 @@ class StreamLoad:
     think_s: float = 0.0
     max_tokens: int = LIMIT_MAX_TOKENS
     prompt: str = "Tell me about fault tolerance."
+    model: str = MODEL_ID
+    # Each request's prompt starts with its own number, so vLLM's prefix
+    # cache shares none of its KV blocks with another request's.
+    distinct: bool = False
     # The generation runs to max_tokens (same work every request).
     ignore_eos: bool = True
     health_path: str | None = None
@@ -50,6 +54,7 @@ class StreamLoad:
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _sent: int = 0
 
     def start(self) -> None:
         self._threads = [
@@ -87,13 +92,21 @@ class StreamLoad:
             time.sleep(0.2)
         return False
 
+    def _prompt(self) -> str:
+        if not self.distinct:
+            return self.prompt
+        with self._lock:
+            self._sent += 1
+            return f"{self._sent} {self.prompt}"
+
     def _one(self, client: Any, whole: bool = False) -> Outcome:
         started = time.monotonic()
+        prompt = self._prompt()
         try:
             if whole:
                 answer = client.chat.completions.create(
-                    model=MODEL_ID,
-                    messages=[{"role": "user", "content": self.prompt}],
+                    model=self.model,
+                    messages=[{"role": "user", "content": prompt}],
                     max_tokens=self.max_tokens,
                     extra_body={"ignore_eos": self.ignore_eos},
                 )
@@ -104,8 +117,8 @@ class StreamLoad:
             # Closed when read: the connection goes back to the client's pool and
             # carries its next request, as a keep-alive client's does.
             with client.chat.completions.create(
-                model=MODEL_ID,
-                messages=[{"role": "user", "content": self.prompt}],
+                model=self.model,
+                messages=[{"role": "user", "content": prompt}],
                 max_tokens=self.max_tokens,
                 stream=True,
                 extra_body={"ignore_eos": self.ignore_eos},

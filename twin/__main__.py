@@ -62,7 +62,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # Short: Ray's unix sockets live under it and must stay below 108 bytes.
     work_root = Path(tempfile.mkdtemp(prefix="twin-", dir="/tmp"))
+    from twin.prometheus import load_objects
+
+    objects = load_objects(args.render)
     for index, service in enumerate(services):
+        if index == 0 and model_dir is not None and len(services) > 1:
+            # Every RayService is scraped by the same monitors and read by the same rules; one proves them,
+            # and the twin's minutes stay for the faults.
+            report.note(
+                "", f"monitoring: Prometheus and the alerts' faults run on the first RayService, {service.name}"
+            )
         run_service(
             service,
             report,
@@ -70,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             model_names=names,
             workdir=work_root / str(index),
             model_dir=model_dir,
+            objects=objects if index == 0 else None,
+            faults=index == 0,
         )
     verdict = "PASS" if report.ok_overall else "FAIL"
     report.note(

@@ -5,12 +5,13 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infra.serving.ports import RAY_PORTS
 from localserve.processes import child_env, free_port
-from twin import live
+from twin import live, observe
 from twin.checks import ParsedStart, model_groups_for, run_static_checks, scaled, shortfall
 from twin.cluster import REPO, LocalCluster
 from twin.deploy import Fitting, ModelInfo, TwinServeConfig, deploy, twin_serve_config
@@ -37,6 +38,8 @@ class Session:
     cluster: LocalCluster
     serve: TwinServeConfig
     model_groups: dict[str, str]
+    # The head's own metrics endpoints (the autoscaler's, the dashboard's): port name -> live port.
+    head_ports: dict[str, int] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -62,11 +65,26 @@ def prepare(
     serve = twin_serve_config(
         service.serve_config(), model_dir=model_dir, secrets_dir=workdir / "s", http_port=http_port, fitting=fitting
     )
+    head_ports = {RAY_PORTS.autoscaler_metrics.name: free_port(), RAY_PORTS.dashboard_metrics.name: free_port()}
     for line in fitted.substitutions + serve.substitutions:
         report.sub(service.name, line)
-    env = child_env({"PYTHONPATH": f"{REPO}:{REPO / 'workloads'}"})
+    report.sub(
+        service.name,
+        "head: the autoscaler's and the dashboard's metrics on free ports "
+        + ", ".join(f"{name} {port}" for name, port in head_ports.items()),
+    )
+    env = child_env(
+        {
+            "PYTHONPATH": f"{REPO}:{REPO / 'workloads'}",
+            # Ray's own knobs for those two ports (ray.autoscaler._private.constants, ray.dashboard.consts).
+            "AUTOSCALER_METRIC_PORT": str(head_ports[RAY_PORTS.autoscaler_metrics.name]),
+            "DASHBOARD_METRIC_PORT": str(head_ports[RAY_PORTS.dashboard_metrics.name]),
+        }
+    )
     cluster = LocalCluster(fitted.shape, workdir, env, head_proxy_port=http_port)
-    return Session(service=service, cluster=cluster, serve=serve, model_groups=dict(model_groups))
+    return Session(
+        service=service, cluster=cluster, serve=serve, model_groups=dict(model_groups), head_ports=head_ports
+    )
 
 
 def node_counts(session: Session) -> str:
@@ -128,8 +146,11 @@ def run_service(
     model_names: Mapping[str, str] | None,
     workdir: Path,
     model_dir: Path | None,
+    objects: list[dict[str, Any]] | None = None,
+    faults: bool = False,
 ) -> None:
-    """Everything the twin checks for one RayService."""
+    """Everything the twin checks for one RayService; with the render's ``objects``, its monitoring too
+    (and the alerts' faults when ``faults``)."""
     failed_before = len(report.failed)
     static = run_static_checks(service, report, model_names)
     if model_dir is None:
@@ -154,6 +175,8 @@ def run_service(
     try:
         start_and_deploy(session, report)
         run_live_checks(session, report, stack)
+        if objects is not None:
+            run_observability(session, report, objects, workdir / "prometheus", faults=faults)
     except Exception as err:
         report.fail(service.name, f"local run: {type(err).__name__}: {err}")
         report.note(service.name, "head log tail:\n" + session.cluster.log_tail(15))
@@ -488,3 +511,58 @@ def check_every_server_ready(
         else f"readiness: {', '.join(not_ready)} never answer /health: those pods stay NotReady "
         "(a worker pod without a replica has no server)",
     )
+
+
+def observed(session: Session, objects: list[dict[str, Any]], workdir: Path) -> observe.Observed:
+    """What the observability run needs of the session: where requests go, which processes a fault kills."""
+    servers = server_models(session)
+    model = servers[0] if servers else session.serve.models[0]
+    folders = [m.address_dir for m in servers if m.address_dir is not None]
+
+    def replicas() -> list[dict[str, Any]]:
+        return _replicas_of(model) if servers else []
+
+    def base_urls() -> list[str]:
+        if servers:
+            return [str(r["url"]) for r in replicas()]
+        ports = [n.proxy_port for n in session.cluster.nodes() if n.proxy_port and live.healthz(n.proxy_port)]
+        return [f"http://127.0.0.1:{p}/v1" for p in ports]
+
+    def server_pids() -> list[int]:
+        if servers:
+            return [int(r["pid"]) for r in replicas() if r.get("pid")]
+        details = live.serve_details()
+        return [
+            int(r["pid"])
+            for name, d in live.deployments(details, model.app).items()
+            if live.is_model_deployment(name, model.model_id)
+            for r in live.running_replicas(d)
+            if r.get("pid")
+        ]
+
+    return observe.Observed(
+        name=session.name,
+        service=session.service,
+        cluster=session.cluster,
+        layouts={m.layout for m in session.serve.models},
+        traffic=observe.Traffic(
+            model_id=model.model_id, api_key=session.serve.api_key, base_urls=base_urls, server_pids=server_pids
+        ),
+        address_dirs=folders,
+        head_ports=session.head_ports,
+        workdir=workdir,
+        objects=objects,
+    )
+
+
+def run_observability(
+    session: Session, report: Report, objects: list[dict[str, Any]], workdir: Path, *, faults: bool
+) -> None:
+    """A real Prometheus on the live session (twin.observe); skipped with a FAIL when it is not installed."""
+    from twin.prometheus import PrometheusMissingError
+
+    report.step(session.name, "monitoring: Prometheus with the render's monitors and rules")
+    try:
+        observe.run(observed(session, objects, workdir), report, faults=faults)
+    except PrometheusMissingError as err:
+        report.fail(session.name, f"monitoring: {err}")

@@ -31,6 +31,7 @@ from infra.serving.batch import WORKER_NAME as BATCH_SCALED_OBJECT
 from infra.serving.namespace import PART_OF
 from infra.serving.ports import RAY_PORTS
 from infra.serving.ray_service import SERVICE_LABEL
+from workloads.inference_server.catalog import Layout
 
 PROMETHEUS_RULE_TYPE = "kubernetes:monitoring.coreos.com/v1:PrometheusRule"
 POD_MONITOR_TYPE = "kubernetes:monitoring.coreos.com/v1:PodMonitor"
@@ -61,6 +62,9 @@ class MetricFamily:
     exporter: str
     prefix: str
     names: tuple[str, ...]
+    # The serving layouts whose pods emit these (a Serve proxy counts HTTP
+    # requests only where requests pass through it).
+    layouts: tuple[Layout, ...] = ("serve-ingress", "vllm-server")
 
 
 # Versions are the ones pinned in infra/versions.py. Counters carry
@@ -85,18 +89,23 @@ METRIC_INVENTORY: tuple[MetricFamily, ...] = (
             "ray_vllm_num_requests_waiting",
             "ray_vllm_num_requests_running",
             "ray_vllm_kv_cache_usage_perc",
+            "ray_vllm_num_preemptions_total",
         ),
     ),
     # Ray Serve's own metrics, from the same metrics agent. Labels:
-    # application, deployment (HTTP: route, method, status_code).
+    # application, deployment (HTTP: route, method, status_code). The
+    # controller reports every replica's health in both layouts; only the
+    # proxies of the serve-ingress layout see HTTP requests.
     MetricFamily(
         exporter="Ray Serve through Ray's metrics agent",
         prefix="ray_serve_",
-        names=(
-            "ray_serve_num_http_requests_total",
-            "ray_serve_num_http_error_requests_total",
-            "ray_serve_deployment_replica_healthy",
-        ),
+        names=("ray_serve_deployment_replica_healthy",),
+    ),
+    MetricFamily(
+        exporter="Ray Serve's HTTP proxies through Ray's metrics agent",
+        prefix="ray_serve_",
+        names=("ray_serve_num_http_requests_total", "ray_serve_num_http_error_requests_total"),
+        layouts=("serve-ingress",),
     ),
     # vLLM's OpenAI server's HTTP metrics (prometheus-fastapi-instrumentator,
     # on the `vllm-metrics` port under vllm-server, where no Serve proxy
@@ -107,6 +116,7 @@ METRIC_INVENTORY: tuple[MetricFamily, ...] = (
         exporter="vLLM's OpenAI server (vllm-server layout)",
         prefix="http_",
         names=("http_requests_total",),
+        layouts=("vllm-server",),
     ),
     # The KubeRay operator's metrics endpoint (chart `metrics.enabled`, its
     # ServiceMonitor with honorLabels): RayService conditions. Labels: name,
@@ -183,9 +193,18 @@ PROMPT_TOKENS_RATE = "llm:prompt_tokens:rate5m"
 REQUESTS_WAITING = "llm:requests_waiting:sum"
 REQUESTS_RUNNING = "llm:requests_running:sum"
 KV_CACHE_USAGE = "llm:kv_cache_usage:max"
+PREEMPTIONS_RATE = "llm:preemptions:rate5m"
 HTTP_REQUESTS_RATE = "llm:http_requests:rate5m"
 HTTP_5XX_RATIO = "llm:http_5xx_ratio:rate5m"
 GPU_UTIL_ALLOCATED = "llm:gpu_util_allocated:percent"
+
+
+def _ratio(part: str, whole: str) -> str:
+    """`part / whole` per application, 0 (not absent) while `part` has no series: an application
+    that never failed has no 5xx counter yet, and its panel should read 0, not "No data"."""
+    by = "sum by (namespace, application)"
+    return f"(({by} ({part}) or 0 * {by} ({whole})) / {by} ({whole}))"
+
 
 RECORDING_RULES: tuple[RecordingRule, ...] = (
     RecordingRule(
@@ -225,6 +244,11 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
         expr="max by (model_name) (ray_vllm_kv_cache_usage_perc)",
         metrics=("ray_vllm_kv_cache_usage_perc",),
     ),
+    RecordingRule(
+        record=PREEMPTIONS_RATE,
+        expr="sum by (model_name) (rate(ray_vllm_num_preemptions_total[5m]))",
+        metrics=("ray_vllm_num_preemptions_total",),
+    ),
     # Per application: Serve's proxies count a serve-ingress RayService's
     # requests, vLLM's own server a vllm-server one's (no proxy is in its
     # path); the two never name the same application at once, so `or` joins
@@ -238,10 +262,15 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
     ),
     RecordingRule(
         record=HTTP_5XX_RATIO,
-        expr='(sum by (namespace, application) (rate(ray_serve_num_http_requests_total{status_code=~"5.."}[5m]))'
-        " / sum by (namespace, application) (rate(ray_serve_num_http_requests_total[5m])))"
-        ' or (sum by (namespace, application) (rate(http_requests_total{application!="", status="5xx"}[5m]))'
-        ' / sum by (namespace, application) (rate(http_requests_total{application!=""}[5m])))',
+        expr=_ratio(
+            'rate(ray_serve_num_http_requests_total{status_code=~"5.."}[5m])',
+            "rate(ray_serve_num_http_requests_total[5m])",
+        )
+        + " or "
+        + _ratio(
+            'rate(http_requests_total{application!="", status="5xx"}[5m])',
+            'rate(http_requests_total{application!=""}[5m])',
+        ),
         metrics=("ray_serve_num_http_requests_total", "http_requests_total"),
     ),
     # The DCGM exporter labels a GPU held by a pod with that pod. Whether the
@@ -368,6 +397,17 @@ ALERTS: tuple[AlertSpec, ...] = (
             "requests get preempted and latency climbs."
         ),
         metrics=(KV_CACHE_USAGE,),
+    ),
+    AlertSpec(
+        name="LlmRequestsPreempted",
+        expr=f"{PREEMPTIONS_RATE} > 0",
+        for_="10m",
+        severity="warning",
+        summary="vLLM is preempting requests of {{ $labels.model_name }}",
+        description="vLLM evicts running sequences from the KV cache ({{ $value | humanize }}/s) and recomputes "
+        "them from the start when blocks free up: every preempted request pays its prefill again and latency "
+        "climbs. Lower max_num_seqs, add replicas, or give the KV cache more memory.",
+        metrics=(PREEMPTIONS_RATE,),
     ),
     AlertSpec(
         name="LlmHttp5xxRatioHigh",
@@ -510,10 +550,14 @@ RAY_TARGET_LABELS = [kuberay.CLUSTER, kuberay.SERVICE_LABEL, kuberay.GROUP]
 VLLM_SERVER_MONITOR = "vllm-servers"
 # One set of rules reads both layouts: vLLM's own `vllm:<name>` series get
 # the `ray_vllm_<name>` names Ray's metrics agent gives them under
-# serve-ingress (Prometheus anchors the regex; `${1}` is the rest).
+# serve-ingress (Prometheus anchors the regex; `${1}` is the rest). The
+# separator is `:` or `_` because vLLM's registry (prometheus_client) writes
+# `vllm_<name>` in OpenMetrics to a scraper that does not offer UTF-8 names
+# (Prometheus 2), and `vllm:<name>` to one that does (Prometheus 3); a real
+# Prometheus 2 in the twin showed the first, which `vllm:(.*)` never matched.
 VLLM_RENAME = {
     "sourceLabels": ["__name__"],
-    "regex": "vllm:(.*)",
+    "regex": "vllm[:_](.*)",
     "targetLabel": "__name__",
     "replacement": "ray_vllm_${1}",
     "action": "replace",

@@ -70,6 +70,7 @@ def serving_dashboard() -> dashboard.Dashboard:
         )
         .with_row(dashboard.Row("Capacity and errors"))
         .with_panel(_panel("KV cache usage", "percentunit", Query(alerts.KV_CACHE_USAGE, by_model)))
+        .with_panel(_panel("Preemptions per second", "short", Query(alerts.PREEMPTIONS_RATE, by_model)))
         .with_panel(
             _panel(
                 "HTTP 5xx ratio",

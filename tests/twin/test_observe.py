@@ -1,0 +1,59 @@
+"""The twin's monitoring run, without Ray: the rules it loads, the faults it owns, the series it expects."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.serving import alerts
+from tests.harness import manifests_of, render_stack
+from twin import observe
+from twin.prometheus import FOR_FACTOR, as_duration, duration_s, rule_groups
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("10m", 600), ("0m", 0), ("1h30m", 5400), ("250ms", 0.25)])
+def test_durations_read_as_prometheus_reads_them(text: str, seconds: float) -> None:
+    assert duration_s(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["10", "m", "5 m", "1.5m"])
+def test_a_malformed_duration_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="not a Prometheus duration"):
+        duration_s(text)
+
+
+def test_scaled_durations_keep_milliseconds() -> None:
+    assert as_duration(600 * FOR_FACTOR) == "10s"
+    assert as_duration(0.25) == "250ms"
+
+
+def test_every_for_is_scaled_by_the_one_factor() -> None:
+    objects = manifests_of(render_stack("prod"), "PrometheusRule")
+    rendered = {r["alert"]: r["for"] for o in objects for g in o["spec"]["groups"] for r in g["rules"] if "alert" in r}
+    scaled = {r["alert"]: r["for"] for g in rule_groups(objects) for r in g["rules"] if "alert" in r}
+    assert set(scaled) == set(rendered) == {a.name for a in alerts.ALERTS}
+    for name, text in rendered.items():
+        assert duration_s(scaled[name]) == pytest.approx(duration_s(text) * FOR_FACTOR, abs=0.001), name
+
+
+def test_every_alert_has_a_fault_here_or_a_reason_it_can_not_fire() -> None:
+    for spec in alerts.ALERTS:
+        reason = observe.alert_absent_reason(spec)
+        assert (spec.name in observe.FAULT_OF) != (reason is not None), spec.name
+    assert set(observe.FAULT_OF.values()) == set(observe.FAULTS)
+
+
+def test_the_series_expected_follow_each_layout() -> None:
+    ingress, _ = observe.expected_here({"serve-ingress"})
+    server, absent = observe.expected_here({"vllm-server"})
+    assert "ray_serve_num_http_requests_total" in ingress and "http_requests_total" not in ingress
+    assert "http_requests_total" in server and "ray_serve_num_http_requests_total" not in server
+    assert "ray_vllm_num_preemptions_total" in ingress & server
+    assert "DCGM_FI_DEV_GPU_UTIL" in absent and "kuberay_service_condition_ready" in absent
+
+
+def test_every_metric_read_is_in_the_inventory() -> None:
+    assert observe.metrics_read() <= alerts.KNOWN_METRICS
+    assert observe.inventory_metrics([alerts.HTTP_5XX_RATIO]) == {
+        "ray_serve_num_http_requests_total",
+        "http_requests_total",
+    }

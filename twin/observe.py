@@ -1,0 +1,565 @@
+"""Observability of one RayService's twin: a real Prometheus scrapes its live processes and runs the rendered rules.
+
+The scrape jobs are the ones the Prometheus Operator generates from the
+rendered PodMonitors (twin.prometheus_operator). Each live process of the
+local cluster becomes the file-SD target its pod's port would be in the
+cluster: the pod is built by the KubeRay mirror (twin.kuberay), so the
+labels Prometheus selects and relabels on are the ones KubeRay would set.
+
+Then, one PASS/FAIL line each:
+
+* series: every metric a rule, an alert or a dashboard panel reads that this
+  layout's exporters emit has a live series (metrics of exporters that can
+  not run here are listed with the reason);
+* steady state: under normal load no alert fires;
+* faults: each serving alert that can fire here fires on its own fault
+  (an overload that fills the queue and the KV cache, a replica's server
+  killed, an engine that dies under load);
+* panels: every dashboard query whose exporters run here returns data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infra.serving import alerts, dashboards
+from localserve.traffic import StreamLoad
+from twin import kuberay as mirror
+from twin import live, prometheus_operator
+from twin.cluster import FAKE_HEAD_NODE_ID, LocalCluster
+from twin.prometheus import TwinPrometheus, as_duration, duration_s
+from twin.render import RayServiceSpec
+from twin.report import Report
+
+TARGETS_EVERY_S = 2.0
+STEADY_STREAMS = 2
+# Steady state lasts past the longest scaled `for` of the serving alerts, so
+# an alert whose condition held from the start would have fired.
+STEADY_MARGIN_S = 10.0
+# A fault's alert may take its scaled `for`, plus this, to fire: the
+# condition needs a few scrapes, and the rule a few evaluations, to hold.
+FIRE_SLACK_S = 60.0
+SETTLE_S = 8.0
+
+# Exporters that do not run in the twin, by metric prefix, and why.
+ABSENT_HERE: dict[str, str] = {
+    "kuberay_": "the KubeRay operator does not run here (its upgrade sequence runs on the mirror in twin.day2)",
+    "DCGM_FI_": "no GPU here for NVIDIA's DCGM exporter to read",
+    "kube_": "no Kubernetes API server here for kube-state-metrics to read",
+    "cluster_autoscaler_": "no node groups here for cluster-autoscaler to report",
+    "keda_": "the KEDA operator does not run here (the batch queue runs in its own e2e test)",
+}
+
+
+def absent_reason(metric: str) -> str | None:
+    """Why ``metric``'s exporter does not run in the twin; None when it does."""
+    return next((why for prefix, why in ABSENT_HERE.items() if metric.startswith(prefix)), None)
+
+
+def _family(metric: str) -> alerts.MetricFamily:
+    return next(f for f in alerts.METRIC_INVENTORY if metric in f.names)
+
+
+_RECORDED = {r.record: r.metrics for r in alerts.RECORDING_RULES}
+
+
+def inventory_metrics(names: Iterable[str]) -> set[str]:
+    """Exporter metrics behind ``names`` (recording rules expanded to what they read)."""
+    out: set[str] = set()
+    for name in names:
+        out |= set(_RECORDED.get(name, (name,)))
+    return out
+
+
+def metrics_read() -> set[str]:
+    """Every exporter metric a recording rule, an alert or a dashboard panel reads."""
+    names: set[str] = set(dashboards.DASHBOARD_METRICS)
+    for rule in alerts.RECORDING_RULES:
+        names |= set(rule.metrics)
+    for alert in alerts.ALERTS:
+        names |= inventory_metrics(alert.metrics)
+    return names
+
+
+def expected_here(layouts: set[str]) -> tuple[set[str], dict[str, str]]:
+    """(metrics a twin of these layouts must show, metric -> why it can not show the others)."""
+    want: set[str] = set()
+    absent: dict[str, str] = {}
+    for metric in sorted(metrics_read()):
+        why = absent_reason(metric)
+        family = _family(metric)
+        if why is not None:
+            absent[metric] = why
+        elif layouts & set(family.layouts):
+            want.add(metric)
+        else:
+            absent[metric] = f"only the {'/'.join(family.layouts)} layout emits it"
+    return want, absent
+
+
+# The fault each serving alert fires on; every alert is here or can not fire in the twin.
+OVERLOAD = "overload"
+KILL_SERVER = "kill-server"
+ENGINE_DEATH = "engine-death"
+FAULT_OF: dict[str, str] = {
+    "LlmTimeToFirstTokenHigh": OVERLOAD,
+    "LlmRequestsWaiting": OVERLOAD,
+    "LlmKvCacheNearlyFull": OVERLOAD,
+    "LlmRequestsPreempted": OVERLOAD,
+    "RayServeReplicaUnhealthy": KILL_SERVER,
+    "LlmHttp5xxRatioHigh": ENGINE_DEATH,
+}
+FAULTS = (OVERLOAD, KILL_SERVER, ENGINE_DEATH)
+# Faults a layout can not show, and why (one line in the report).
+FAULT_NOT_IN_LAYOUT: dict[tuple[str, str], str] = {
+    (ENGINE_DEATH, "vllm-server"): (
+        "vLLM's own server answers its in-flight requests 500 and exits when its engine dies "
+        "(VLLM_KEEP_ALIVE_ON_ENGINE_DEATH unset), so its new 5xx counter is gone before a second scrape and "
+        "rate() never sees it; the death pages as RayServeReplicaUnhealthy (fault kill-server)"
+    ),
+}
+
+
+def alert_absent_reason(alert: alerts.AlertSpec) -> str | None:
+    """Why ``alert`` can not fire in the twin (an exporter it reads is absent); None when it can."""
+    for metric in sorted(inventory_metrics(alert.metrics)):
+        why = absent_reason(metric)
+        if why is not None:
+            return f"reads {metric}: {why}"
+    return None
+
+
+# --- targets ---------------------------------------------------------------
+
+
+@dataclass
+class LiveTargets:
+    """Writes the file-SD targets of a RayService's live twin processes, as their pods' ports, every few seconds."""
+
+    service: RayServiceSpec
+    cluster: LocalCluster
+    sd_dir: Path
+    address_dirs: list[Path]
+    # Head-only metrics endpoints: port name -> the live port (the autoscaler's, the dashboard's).
+    head_ports: dict[str, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _index: dict[str, int] = field(default_factory=dict)
+    written: int = 0
+
+    @property
+    def ray_service(self) -> dict[str, Any]:
+        """The RayService object as rendered."""
+        return {
+            "apiVersion": "ray.io/v1",
+            "kind": "RayService",
+            "metadata": self.service.metadata,
+            "spec": self.service.spec,
+        }
+
+    def pods(self) -> list[tuple[dict[str, Any], dict[str, int]]]:
+        """(pod as KubeRay builds it, port name -> live port) for every live node."""
+        import ray
+
+        cluster = mirror.RayClusterRef(mirror.ray_cluster_name(self.ray_service, "twin0"), self.ray_service)
+        groups = {str(g["groupName"]): g for g in self.service.worker_groups()}
+        by_node: dict[str, list[dict[str, Any]]] = {}
+        for replica in live.replica_addresses(self.address_dirs):
+            by_node.setdefault(str(replica.get("node_id")), []).append(replica)
+        proxies = self.cluster.proxy_ports()
+        out = []
+        # Typed here: Ray's own function is not annotated.
+        gcs_nodes: Callable[[], list[dict[str, Any]]] = ray.nodes
+        for info in gcs_nodes():
+            if not info.get("Alive"):
+                continue
+            node_id = str(info["NodeID"])
+            ports: dict[str, int] = {"metrics": int(info.get("MetricsExportPort") or 0)}
+            if node_id == FAKE_HEAD_NODE_ID:
+                pod = mirror.build_pod(cluster, self.service.cluster["headGroupSpec"], mirror.HEAD)
+                ports.update(self.head_ports)
+                ports["serve"] = self.cluster.head_proxy_port
+            else:
+                group = str(proxies.get(node_id, {}).get("node_type", ""))
+                if group not in groups:
+                    continue  # still starting: the provider has not named it yet
+                index = self._index.setdefault(node_id, sum(1 for k in self._index if k != node_id))
+                pod = mirror.build_pod(cluster, groups[group], mirror.WORKER, index)
+                ports["serve"] = int(proxies.get(node_id, {}).get("proxy_port") or 0)
+            for replica in by_node.get(node_id, []):
+                ports["openai"] = _port_of(str(replica.get("url", "")))
+                ports["vllm-metrics"] = _port_of(str(replica.get("metrics_url", "")))
+            out.append((pod, {k: v for k, v in ports.items() if v}))
+        return out
+
+    def write(self) -> int:
+        """Writes the current targets; returns how many."""
+        groups: list[dict[str, Any]] = []
+        for pod, ports in self.pods():
+
+            def address_of(_container: str, port: Mapping[str, Any], ports: dict[str, int] = ports) -> str | None:
+                live_port = ports.get(str(port.get("name", "")))
+                return f"127.0.0.1:{live_port}" if live_port else None
+
+            groups += prometheus_operator.pod_targets(pod, address_of)
+        prometheus_operator.write_sd_files(self.sd_dir, groups, [])
+        self.written = len(groups)
+        return self.written
+
+    def _run(self) -> None:
+        while not self._stop.wait(TARGETS_EVERY_S):
+            with contextlib.suppress(Exception):  # a node going away mid-read; the next round sees it
+                self.write()
+
+    def start(self) -> None:
+        """Writes once, then keeps the targets current in a thread."""
+        self.write()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops the thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
+def _port_of(url: str) -> int:
+    match = re.match(r"https?://[^/:]+:(\d+)", url)
+    return int(match.group(1)) if match else 0
+
+
+# --- the checks -------------------------------------------------------------
+
+
+@dataclass
+class Traffic:
+    """Where and how the twin sends requests to one model of the RayService."""
+
+    model_id: str
+    api_key: str
+    # OpenAI base URLs: the serve Service's endpoint (serve-ingress), or each replica's server (vllm-server).
+    base_urls: Callable[[], list[str]]
+    # The processes a fault kills: the replica's server (pid) per base URL (vllm-server) or the replica actors.
+    server_pids: Callable[[], list[int]]
+
+
+def _scaled_for(name: str, prom: TwinPrometheus, ctx_for: Mapping[str, str]) -> float:
+    return duration_s(ctx_for[name]) * prom.factor
+
+
+def check_series(name: str, prom: TwinPrometheus, report: Report, layouts: set[str]) -> None:
+    """Every metric read by a rule, alert or panel that this layout's exporters emit has a live series."""
+    want, absent = expected_here(layouts)
+    missing = sorted(m for m in want if not prom.query(f"count({m})"))
+    report.check(
+        name,
+        not missing,
+        f"series: all {len(want)} metrics the rules, alerts and panels read from exporters running here have "
+        "live series"
+        if not missing
+        else f"series: no live series for {', '.join(missing)}",
+    )
+    by_reason: dict[str, list[str]] = {}
+    for metric, why in absent.items():
+        by_reason.setdefault(why, []).append(metric)
+    for why, metrics in sorted(by_reason.items()):
+        report.note(name, f"series not expected here ({why}): {', '.join(sorted(metrics))}")
+
+
+def check_steady(name: str, prom: TwinPrometheus, report: Report, load: StreamLoad, hold_s: float) -> None:
+    """Under normal load for ``hold_s``, no alert fires."""
+    seen: dict[str, str] = {}
+    deadline = time.monotonic() + hold_s
+    while time.monotonic() < deadline:
+        for alert in prom.alerts():
+            if alert.state == "firing":
+                seen.setdefault(alert.name, str(alert.labels))
+        time.sleep(1.0)
+    served = sum(o.ok for o in load.done())
+    failed = sum(not o.ok for o in load.done())
+    report.check(
+        name,
+        not seen and failed == 0,
+        f"steady state: no alert fired in {hold_s:.0f}s of normal load ({served} requests served, {failed} failed)"
+        if not seen and failed == 0
+        else f"steady state: firing {sorted(seen)} ({failed} requests failed{load.last_error()})",
+    )
+
+
+def wait_firing(prom: TwinPrometheus, wanted: Iterable[str], timeout_s: float) -> dict[str, float]:
+    """Alert name -> seconds until it fired, for each of ``wanted`` that fired within ``timeout_s``."""
+    started = time.monotonic()
+    fired: dict[str, float] = {}
+    pending = set(wanted)
+    while pending and time.monotonic() - started < timeout_s:
+        for alert in prom.firing():
+            if alert in pending:
+                fired[alert] = time.monotonic() - started
+                pending.discard(alert)
+        time.sleep(0.5)
+    return fired
+
+
+def report_fault(
+    name: str,
+    report: Report,
+    fault: str,
+    what: str,
+    fired: Mapping[str, float],
+    fors: Mapping[str, float],
+    extra: str = "",
+) -> None:
+    """One line per alert the fault must fire."""
+    for alert, scaled in sorted(fors.items()):
+        took = fired.get(alert)
+        report.check(
+            name,
+            took is not None,
+            f"alert {alert}: fired {took:.0f}s into fault {fault} ({what}; `for` scaled to {as_duration(scaled)})"
+            + extra
+            if took is not None
+            else f"alert {alert}: did not fire within {max(fors.values()) + FIRE_SLACK_S:.0f}s of fault {fault} "
+            f"({what}){extra}",
+        )
+
+
+def check_panels(name: str, prom: TwinPrometheus, report: Report, layouts: set[str]) -> None:
+    """Every dashboard query whose exporters run here returns data."""
+    empty: list[str] = []
+    checked = 0
+    skipped: list[str] = []
+    for board in (dashboards.serving_dashboard(), dashboards.gpu_dashboard()):
+        built = board.build()
+        for panel in built.panels or []:
+            for target in getattr(panel, "targets", None) or []:
+                expr = str(getattr(target, "expr", ""))
+                reads = {m for m in alerts.KNOWN_METRICS | set(_RECORDED) if re.search(rf"\b{re.escape(m)}\b", expr)}
+                absent = sorted(m for m in inventory_metrics(reads) if absent_reason(m))
+                title = str(getattr(panel, "title", "?"))
+                if absent:
+                    skipped.append(title)
+                    continue
+                checked += 1
+                if not prom.query(expr):
+                    empty.append(f"{title}: {expr}")
+    report.check(
+        name,
+        not empty and checked > 0,
+        f"panels: all {checked} queries of the dashboards' panels whose exporters run here return data"
+        if not empty
+        else f"panels: no data for {'; '.join(empty)}",
+    )
+    if skipped:
+        report.note(name, f"panels without an exporter here (no GPU): {', '.join(sorted(set(skipped)))}")
+
+
+def kill_engine_core(server_pid: int) -> int | None:
+    """Kills the vLLM engine core process under ``server_pid``; returns its pid."""
+    from localserve.processes import with_descendants
+
+    for pid in sorted(with_descendants({server_pid}) - {server_pid}):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
+                os.kill(pid, signal.SIGKILL)
+                return pid
+    return None
+
+
+# --- the run ----------------------------------------------------------------
+
+# An overload: many streams of long prompts, to one replica. The twin's KV
+# cache (localserve.server.KV_CACHE_BYTES) holds far fewer such sequences
+# than this sends, so requests queue and running ones are preempted.
+# About 300 prompt tokens of the tiny model plus 96 generated fit its
+# 512-token context; its KV cache holds about 80 such sequences.
+OVERLOAD_STREAMS = 160
+OVERLOAD_MAX_TOKENS = 96
+OVERLOAD_PROMPT = " ".join(["Ray Serve scales replicas up and down with the number of ongoing requests."] * 10)
+STEADY_MAX_TOKENS = 16
+
+
+@dataclass
+class Observed:
+    """What one RayService's observability run needs from its live session."""
+
+    name: str
+    service: RayServiceSpec
+    cluster: LocalCluster
+    layouts: set[str]
+    traffic: Traffic
+    address_dirs: list[Path]
+    head_ports: dict[str, int]
+    workdir: Path
+    objects: list[dict[str, Any]]
+
+
+def _fors(prom: TwinPrometheus, names: Iterable[str]) -> dict[str, float]:
+    ctx_for = {rule["alert"]: rule["for"] for rule in _alert_rules(prom.objects)}
+    return {n: _scaled_for(n, prom, ctx_for) for n in names}
+
+
+def _alert_rules(objects: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        rule
+        for obj in objects
+        if obj.get("kind") == "PrometheusRule"
+        for group in obj["spec"]["groups"]
+        for rule in group["rules"]
+        if "alert" in rule
+    ]
+
+
+def check_scrape(obs: Observed, prom: TwinPrometheus, report: Report, timeout_s: float = 20.0) -> None:
+    """Each generated job keeps targets, and they are up: the monitors select the pods KubeRay builds."""
+    jobs = [j["job_name"] for j in prom.jobs()]
+    up: dict[str, list[str]] = {}
+
+    def scraped() -> bool:
+        up.clear()
+        for target in prom.targets().get("activeTargets") or []:
+            labels = target.get("labels") or {}
+            if target.get("health") == "up":
+                up.setdefault(str(target.get("scrapePool")), []).append(
+                    f"{labels.get('container')}/{labels.get('endpoint')}"
+                )
+        return all(job in up for job in jobs if _job_applies(job, obs))
+
+    live.wait_for(scraped, timeout_s)
+    for job in jobs:
+        if not _job_applies(job, obs):
+            continue
+        found = up.get(job, [])
+        report.check(
+            obs.name,
+            bool(found),
+            f"scrape: {job} keeps {len(found)} live targets, all up ({', '.join(sorted(set(found)))})"
+            if found
+            else f"scrape: {job} keeps no live target: its selector or port matches no pod KubeRay builds here",
+        )
+
+
+def _job_applies(job: str, obs: Observed) -> bool:
+    """The vllm-servers monitor selects only RayServices in the vllm-server layout."""
+    return alerts.VLLM_SERVER_MONITOR not in job or "vllm-server" in obs.layouts
+
+
+def _steady_load(obs: Observed, base_url: str) -> StreamLoad:
+    return StreamLoad(
+        base_url=base_url,
+        api_key=obs.traffic.api_key,
+        streams=STEADY_STREAMS,
+        think_s=0.2,
+        max_tokens=STEADY_MAX_TOKENS,
+        model=obs.traffic.model_id,
+        timeout_s=60,
+    )
+
+
+def run_faults(obs: Observed, prom: TwinPrometheus, report: Report) -> None:
+    """Each fault, and the alerts it must fire; alerts that can not fire here say why."""
+    for spec in alerts.ALERTS:
+        why = alert_absent_reason(spec)
+        if why is not None:
+            report.note(obs.name, f"alert {spec.name}: can not fire here, {why}; its promtool cases fire it")
+    for fault in FAULTS:
+        wanted = [a for a, f in FAULT_OF.items() if f == fault]
+        skipped = [
+            FAULT_NOT_IN_LAYOUT[(fault, layout)] for layout in obs.layouts if (fault, layout) in FAULT_NOT_IN_LAYOUT
+        ]
+        if skipped:
+            for alert in wanted:
+                report.note(obs.name, f"alert {alert}: fault {fault} not run in this layout: {skipped[0]}")
+            continue
+        fors = _fors(prom, wanted)
+        timeout = max(fors.values()) + FIRE_SLACK_S
+        urls = obs.traffic.base_urls()
+        if fault == OVERLOAD:
+            load = StreamLoad(
+                base_url=urls[0],
+                api_key=obs.traffic.api_key,
+                streams=OVERLOAD_STREAMS,
+                max_tokens=OVERLOAD_MAX_TOKENS,
+                prompt=OVERLOAD_PROMPT,
+                distinct=True,
+                model=obs.traffic.model_id,
+                timeout_s=300,
+            )
+            load.start()
+            fired = wait_firing(prom, wanted, timeout)
+            load.stop(timeout_s=1)
+            what = f"{OVERLOAD_STREAMS} streams of long prompts to one replica"
+            done = load.done()
+            extra = f"; {sum(o.ok for o in done)} served, {sum(not o.ok for o in done)} failed{load.last_error()}"
+            report_fault(obs.name, report, fault, what, fired, fors, extra=extra)
+        elif fault == KILL_SERVER:
+            pids = obs.traffic.server_pids()
+            if not pids:
+                report.fail(obs.name, f"fault {fault}: no replica server to kill")
+                continue
+            with contextlib.suppress(OSError):
+                os.kill(pids[0], signal.SIGKILL)
+            fired = wait_firing(prom, wanted, timeout)
+            report_fault(obs.name, report, fault, f"SIGKILL of replica server pid {pids[0]}", fired, fors)
+        else:
+            load = _steady_load(obs, urls[-1])
+            load.start()
+            time.sleep(SETTLE_S)
+            pids = obs.traffic.server_pids()
+            engine = kill_engine_core(pids[-1]) if pids else None
+            fired = wait_firing(prom, wanted, timeout) if engine else {}
+            load.stop(timeout_s=1)
+            failed = sum(not o.ok for o in load.done())
+            report_fault(
+                obs.name,
+                report,
+                fault,
+                f"SIGKILL of the vLLM engine core pid {engine} under load",
+                fired,
+                fors,
+                extra=f"; {failed} requests failed",
+            )
+        time.sleep(SETTLE_S)
+
+
+def run(obs: Observed, report: Report, *, faults: bool) -> None:
+    """Prometheus on the live session: scrape, series, steady state, faults (when asked), panels."""
+    prom = TwinPrometheus(obs.workdir, obs.objects)
+    for line in prom.substitutions():
+        report.sub(obs.name, line)
+    prom.start()
+    targets = LiveTargets(obs.service, obs.cluster, prom.sd_dir, obs.address_dirs, obs.head_ports)
+    load = _steady_load(obs, obs.traffic.base_urls()[0])
+    try:
+        targets.start()
+        load.start()
+        check_scrape(obs, prom, report)
+        serving = [a.name for a in alerts.ALERTS if alert_absent_reason(a) is None]
+        hold = max(_fors(prom, serving).values()) + STEADY_MARGIN_S
+        check_steady(obs.name, prom, report, load, hold)
+        load.stop(timeout_s=30)
+        check_series(obs.name, prom, report, obs.layouts)
+        if faults:
+            run_faults(obs, prom, report)
+        check_panels(obs.name, prom, report, obs.layouts)
+        bad = prom.rule_health()
+        report.check(
+            obs.name,
+            not bad,
+            "rules: Prometheus evaluated every rendered rule without an error"
+            if not bad
+            else f"rules: evaluation errors: {'; '.join(bad)}",
+        )
+    finally:
+        load.stop(timeout_s=5)
+        targets.stop()
+        prom.stop()
