@@ -42,6 +42,7 @@ from infra.capacity.rules import capacity_problems
 from infra.capacity.upgrade import Fleet, UpgradeHeadroom, UpgradeNeed, headroom_problem
 from infra.instance_types import GPU_INSTANCE_TYPES, GpuInstanceType
 from workloads.inference_server.catalog import IngressScaling, Layout, ModelEntry, RequestLimits
+from workloads.inference_server.catalog import Tracing as CatalogTracing
 
 NAMESPACE = "llm-platform"
 SECRET_API_KEYS = "api_keys"
@@ -465,8 +466,23 @@ class Slo(_Section):
     gpu_idle_minutes: int = Field(default=30, ge=5)
 
 
+class Tracing(CatalogTracing):
+    """OpenTelemetry traces to the team's own collector; off unless `otlp_endpoint` is set.
+
+    The server's own catalogue schema (catalog.Tracing), so the program and
+    the server read the same rules: `otlp_endpoint` is scheme://host:port of
+    an OTLP/gRPC collector (http:// or grpc:// plaintext, https:// TLS), e.g.
+    `http://otel-collector.monitoring:4317`. vLLM (both layouts) gets it as
+    its `otlp_traces_endpoint`; serve-ingress services also trace Serve's
+    replicas (`sample_ratio` of the requests); the Ray pods may then reach
+    that port. No stack sets it: each team names its collector.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
 class Observability(_Section):
-    """Prometheus, Grafana and the SLOs."""
+    """Prometheus, Grafana, the SLOs and (optionally) traces."""
 
     prometheus_retention: Duration = "15d"
     prometheus_storage_gib: int = Field(default=100, ge=10)
@@ -475,6 +491,7 @@ class Observability(_Section):
     # routes and receivers that page: PagerDuty, Opsgenie, Slack keys), kept
     # by the team's secret tooling; without it alerts only show in Alertmanager.
     alertmanager_config_secret: K8sName | None = None
+    tracing: Tracing = Tracing()
 
 
 class Endpoint(_Section):

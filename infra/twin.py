@@ -29,6 +29,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="render folder (default build/twin/<stack>)")
     parser.add_argument("--static-only", action="store_true", help="only the checks that start nothing")
     parser.add_argument("--keep", action="store_true", help="keep the local clusters' logs")
+    parser.add_argument("--monitoring", action="store_true", help="also run Prometheus and the alerts' faults")
     return parser.parse_args(argv)
 
 
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     command = [sys.executable, "-m", "twin", "--render", str(out), "--stack", args.stack, "--stack-config", str(config)]
     command += ["--static-only"] if args.static_only else []
     command += ["--keep"] if args.keep else []
+    command += ["--monitoring"] if args.monitoring else []
     # The twin replaces this process rather than running as its child: a
     # SIGTERM or Ctrl-C (a CI timeout, a person) then reaches the twin itself,
     # which ends every Ray process it started, instead of orphaning it.

@@ -38,6 +38,8 @@ def main() -> int:
 
     import ray
     from inference_server.app import build_app
+    from inference_server.catalog import Catalog
+    from inference_server.engine import serve_tracing_config
     from ray import serve
 
     started = time.monotonic()
@@ -51,7 +53,10 @@ def main() -> int:
         log_to_driver=True,
     )
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
+        parsed = Catalog.model_validate(catalog)
+        # What the rendered serveConfigV2's `tracing_config` does on a cluster (serve-ingress only).
+        tracing = serve_tracing_config(parsed.tracing) if parsed.layout == "serve-ingress" else None
+        serve.start(http_options={"host": "127.0.0.1", "port": args.http_port}, tracing_config=tracing)
         serve.run(build_app(catalog), name="inference", route_prefix="/", blocking=False)
         print(f"SERVER READY after {time.monotonic() - started:.1f}s", flush=True)
         while not stop.wait(0.5):

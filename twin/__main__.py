@@ -26,6 +26,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stack-config", type=Path, help="the stack's Pulumi.<stack>.yaml, for the model names")
     parser.add_argument("--static-only", action="store_true", help="only the checks that start nothing")
     parser.add_argument("--keep", action="store_true", help="keep the local clusters' logs and files")
+    parser.add_argument(
+        "--monitoring",
+        action="store_true",
+        help="a real Prometheus on the first RayService: scrape, series, steady state, alert faults, panels",
+    )
     return parser.parse_args(argv)
 
 
@@ -64,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     work_root = Path(tempfile.mkdtemp(prefix="twin-", dir="/tmp"))
     from twin.prometheus import load_objects
 
-    objects = load_objects(args.render)
+    objects = load_objects(args.render) if args.monitoring else None
     for index, service in enumerate(services):
-        if index == 0 and model_dir is not None and len(services) > 1:
+        if index == 0 and objects is not None and model_dir is not None and len(services) > 1:
             # Every RayService is scraped by the same monitors and read by the same rules; one proves them,
             # and the twin's minutes stay for the faults.
             report.note(
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             model_names=names,
             workdir=work_root / str(index),
             model_dir=model_dir,
-            objects=objects if index == 0 else None,
+            objects=objects if index == 0 and objects is not None else None,
             faults=index == 0,
         )
     verdict = "PASS" if report.ok_overall else "FAIL"

@@ -13,6 +13,9 @@ Each change is returned as one printable line. What changes, and why:
 * Serve's HTTP proxy on 127.0.0.1 and a free port;
 * scale-down delays of models that scale to zero, shortened so the twin
   sees them go within its run.
+* traces (``with_tracing``): the catalogue's ``tracing.otlp_endpoint``, the
+  stack's collector or none, -> the twin's local OTLP receiver, every request
+  sampled; a serve-ingress config also gets Serve's ``tracing_config``.
 
 A "vllm-server" catalogue (Serve places vLLM's own server, no Serve LLM) changes too:
 
@@ -38,6 +41,8 @@ from localserve.server import KV_CACHE_BYTES, MAX_MODEL_LEN
 from twin import serve_app
 from twin.checks import catalog_layout, vllm_server_replica
 from twin.cluster import LOOPBACK
+from workloads.inference_server.catalog import Tracing
+from workloads.inference_server.engine import serve_tracing_config
 
 # Eager mode: no graph capture at start-up, which costs minutes on two cores.
 TWIN_ENGINE_OVERRIDES: dict[str, str | int | float | bool] = {"enforce_eager": True, "seed": 0}
@@ -230,6 +235,43 @@ def twin_serve_config(
     return TwinServeConfig(
         config=config, api_key=key, models=models, ingress_min_replicas=ingress_min, substitutions=subs
     )
+
+
+def _catalogs(config: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Each application's catalogue, in a rendered config or a twin one (which nests it under ``args.args``)."""
+    found = []
+    for app in config.get("applications") or []:
+        args = app.get("args") or {}
+        catalog = args.get("args") if app.get("import_path") == serve_app.IMPORT_PATH else args
+        if isinstance(catalog, dict):
+            found.append(catalog)
+    return found
+
+
+def with_tracing(config: dict[str, Any], endpoint: str) -> str:
+    """Points every application's traces at ``endpoint`` (the twin's OTLP receiver), in place.
+
+    Whether or not the stack names a collector: the twin must receive the
+    spans to check them. Every request is sampled, so the one request the
+    check sends is traced by Serve too. Returns the substitution line.
+    """
+    tracing = Tracing(otlp_endpoint=endpoint, sample_ratio=1.0)
+    before: list[str] = []
+    layouts: set[str] = set()
+    for catalog in _catalogs(config):
+        rendered = catalog.get("tracing") or {}
+        before.append(str(rendered.get("otlp_endpoint") or "none"))
+        catalog["tracing"] = tracing.model_dump(mode="json")
+        layouts.add(catalog_layout(catalog))
+    line = (
+        f"tracing.otlp_endpoint {', '.join(sorted(set(before))) or 'none'} -> {endpoint} (the twin's OTLP receiver), "
+        "sample_ratio 1"
+    )
+    serve = serve_tracing_config(tracing)
+    if "serve-ingress" in layouts and serve is not None:
+        config["tracing_config"] = serve
+        line += f"; Serve's tracing_config -> {serve['exporter_import_path']} at ratio 1"
+    return line
 
 
 def deploy(config: Mapping[str, Any]) -> None:

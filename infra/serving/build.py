@@ -173,6 +173,7 @@ def build_serving(
             gcs_redis=aws.redis is not None,
             batch_service=batch_service(cfg),
             layouts=cfg.layouts(),
+            otlp_port=cfg.observability.tracing.port,
         ),
         _after(aws, *ns.ready),
     )

@@ -166,6 +166,8 @@ class ServingEndpointArgs:
     batch_service: str | None = None
     # RayService name -> its layout (serve-ingress where missing).
     layouts: Mapping[str, Layout] = field(default_factory=dict)
+    # The OTLP trace collector's port the Ray pods may reach (observability.tracing), if any.
+    otlp_port: int | None = None
 
     def layout(self, service: str) -> Layout:
         """The layout of one of the RayServices."""
@@ -194,6 +196,7 @@ class ServingEndpoint(pulumi.ComponentResource):
                 gcs_redis=args.gcs_redis,
                 batch_labels=batch,
                 layout=args.layout(service),
+                otlp_port=args.otlp_port,
             ):
                 k8s.networking.v1.NetworkPolicy(
                     policy["metadata"]["name"], metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts

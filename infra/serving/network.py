@@ -29,6 +29,9 @@ Who may reach what (the README's "Security model" has the matrix in words):
   from the head: Prometheus and Grafana (the Ray dashboard's metrics views)
   and the GCS Redis when there is one; so does the Redis cleanup Job KubeRay
   runs when a cluster of theirs is deleted.
+- With `observability.tracing` set, Ray pods also reach the OTLP collector's
+  port (any address: it may run in the cluster or outside it), where vLLM
+  and Serve's replicas send their spans.
 
 Kubelet's probes come from the pod's own node and are always allowed.
 """
@@ -107,9 +110,24 @@ def scraped_ports(layout: Layout) -> list[Port]:
     return [*ports, RAY_PORTS.vllm_metrics] if layout == "vllm-server" else ports
 
 
-def _ray_pods_policy(namespace: str, service: str, peers: ClusterPeers, layout: Layout) -> dict[str, Any]:
+def _ray_pods_policy(
+    namespace: str, service: str, peers: ClusterPeers, layout: Layout, otlp_port: int | None = None
+) -> dict[str, Any]:
     """Every pod of a RayService: its own RayService in and out, metrics to Prometheus, HTTPS out."""
     own = {"podSelector": {"matchLabels": service_pods(service)}}
+    egress: list[dict[str, Any]] = [
+        {"to": [own]},
+        # S3 (model weights), the Kubernetes API (the head's
+        # autoscaler) and, outside prod, the model hub.
+        {"to": [_ip(ANYWHERE)], "ports": _tcp(HTTPS)},
+        # AWS credentials for the model reader's pod identity.
+        {"to": [_ip(POD_IDENTITY_AGENT)], "ports": _tcp(POD_IDENTITY_AGENT_PORT)},
+    ]
+    if otlp_port is not None and otlp_port != HTTPS:
+        # The trace collector (observability.tracing), by port only: the
+        # stack names it by host, which a NetworkPolicy can not; vLLM runs on
+        # the GPU workers, Serve's replicas on the ingress and GPU workers.
+        egress.append({"to": [_ip(ANYWHERE)], "ports": _tcp(otlp_port)})
     return {
         "metadata": policy_metadata(f"{service}-ray", namespace),
         "spec": {
@@ -121,14 +139,7 @@ def _ray_pods_policy(namespace: str, service: str, peers: ClusterPeers, layout: 
                 {"from": [own]},
                 {"from": [peer(peers.prometheus)], "ports": _tcp(*(p.number for p in scraped_ports(layout)))},
             ],
-            "egress": [
-                {"to": [own]},
-                # S3 (model weights), the Kubernetes API (the head's
-                # autoscaler) and, outside prod, the model hub.
-                {"to": [_ip(ANYWHERE)], "ports": _tcp(HTTPS)},
-                # AWS credentials for the model reader's pod identity.
-                {"to": [_ip(POD_IDENTITY_AGENT)], "ports": _tcp(POD_IDENTITY_AGENT_PORT)},
-            ],
+            "egress": egress,
         },
     }
 
@@ -200,14 +211,16 @@ def ray_service_policies(
     gcs_redis: bool,
     batch_labels: Mapping[str, str] | None = None,
     layout: Layout = "serve-ingress",
+    otlp_port: int | None = None,
 ) -> list[dict[str, Any]]:
     """The policies of one RayService (all pods, heads, workers; the Redis cleanup Job's pod with a GCS Redis).
 
     `batch_labels`: the batch workers' pod labels when they send their
-    requests to this RayService.
+    requests to this RayService. `otlp_port`: the trace collector's port,
+    when the stack names one.
     """
     policies = [
-        _ray_pods_policy(namespace, service, peers, layout),
+        _ray_pods_policy(namespace, service, peers, layout, otlp_port),
         _head_policy(namespace, service, peers, gcs_redis),
         _serve_policy(namespace, service, peers, batch_labels, layout),
     ]

@@ -26,8 +26,10 @@ from workloads.inference_server.catalog import (
     Layout,
     ModelEntry,
     S3Streamer,
+    Tracing,
     VllmServerSettings,
 )
+from workloads.inference_server.engine import serve_tracing_config
 
 # The builder in workloads/ that turns the catalogue into Ray Serve LLM's app.
 IMPORT_PATH = "inference_server.app:build_app"
@@ -136,6 +138,7 @@ def catalog(
         api_keys_file=MOUNTS.api_keys_file,
         allow_hub_download=cfg.serving.allow_hub_download,
         model_cache_dir=MOUNTS.model_cache_dir,
+        tracing=Tracing.model_validate(cfg.observability.tracing.model_dump()),
         **fields,
     )
 
@@ -151,8 +154,15 @@ _UNUSED_FIELDS: dict[Layout, frozenset[str]] = {
 
 
 def catalog_args(catalog_: Catalog) -> dict[str, Any]:
-    """The application's `args`: the catalogue as JSON, as the server parses it."""
-    return catalog_.model_dump(mode="json", exclude=set(_UNUSED_FIELDS[catalog_.layout]))
+    """The application's `args`: the catalogue as JSON, as the server parses it.
+
+    `tracing` only when it is on: a stack without a collector renders the
+    same serveConfigV2 as before tracing existed (a change is applied live).
+    """
+    unused = set(_UNUSED_FIELDS[catalog_.layout])
+    if not catalog_.tracing.enabled:
+        unused.add("tracing")
+    return catalog_.model_dump(mode="json", exclude=unused)
 
 
 def serve_config(
@@ -165,18 +175,20 @@ def serve_config(
     # vllm-server: requests go straight to each replica's vLLM server, so a
     # proxy only on the head (which the serve Service leaves out) keeps
     # Serve's HTTP side as small as it goes, and none takes a GPU worker's CPU.
-    return {
+    catalog_ = catalog(cfg, models, gpu, layout)
+    config: dict[str, Any] = {
         "proxy_location": "EveryNode" if layout == "serve-ingress" else "HeadOnly",
         "http_options": {"host": "0.0.0.0", "port": RAY_PORTS.serve.number},
-        "applications": [
-            {
-                "name": service,
-                "route_prefix": "/",
-                "import_path": IMPORT_PATH,
-                "args": catalog_args(catalog(cfg, models, gpu, layout)),
-            }
-        ],
     }
+    # Serve's own request tracing where requests pass through Serve; under
+    # vllm-server no request does, and vLLM's spans are the request's.
+    tracing = serve_tracing_config(catalog_.tracing) if layout == "serve-ingress" else None
+    if tracing is not None:
+        config["tracing_config"] = tracing
+    config["applications"] = [
+        {"name": service, "route_prefix": "/", "import_path": IMPORT_PATH, "args": catalog_args(catalog_)}
+    ]
+    return config
 
 
 def serve_config_yaml(cfg: StackConfig, service: str, models: list[Model], gpu: Mapping[str, GpuPlacement]) -> str:

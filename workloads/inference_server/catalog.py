@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -39,6 +40,75 @@ _MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# How an OTLP endpoint may be written. vLLM 0.29 exports over OTLP/gRPC unless
+# OTEL_EXPORTER_OTLP_TRACES_PROTOCOL says otherwise (vllm/tracing/otel.py), and
+# its gRPC exporter reads the scheme only for TLS: https:// is TLS, http:// and
+# grpc:// are plaintext. The port is required: the gRPC channel has no
+# well-known default, and the NetworkPolicy opens exactly that port.
+OTLP_SCHEMES = ("http", "https", "grpc")
+
+
+def otlp_endpoint_problem(value: str) -> str | None:
+    """Why ``value`` is not an OTLP/gRPC collector address (scheme://host:port), or None."""
+    rule = "must be http://host:port, https://host:port or grpc://host:port (the collector's OTLP/gRPC port, e.g. 4317)"
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:
+        return f"'{value}' {rule}"
+    if parts.scheme not in OTLP_SCHEMES or not parts.hostname or port is None or port == 0:
+        return f"'{value}' {rule}"
+    if parts.username or parts.password or parts.query or parts.fragment or parts.path not in ("", "/"):
+        # A path (such as OTLP/HTTP's /v1/traces) would be dropped by the gRPC exporter without a word.
+        return f"'{value}' {rule}, with no path, query or credentials"
+    return None
+
+
+class Tracing(_Strict):
+    """OpenTelemetry traces: where vLLM (both layouts) and Ray Serve (serve-ingress) send their spans.
+
+    Off unless ``otlp_endpoint`` names a collector. vLLM exports one
+    ``llm_request`` span per finished request (attribute ``gen_ai.request.id``
+    is vLLM's request id, ``chatcmpl-<X-Request-Id>`` for a chat completion);
+    under serve-ingress Serve's replicas add theirs (``route_to_replica``,
+    ``replica_handle_request``, attribute ``request_id``). Serve's proxies are
+    not traced: Ray 2.60 gives them only its environment variables.
+    """
+
+    otlp_endpoint: str | None = Field(
+        default=None, description="The OTLP/gRPC collector, scheme://host:port (http and grpc plaintext, https TLS)."
+    )
+    sample_ratio: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description=(
+            "Share of requests Ray Serve traces (its TracingConfig.sampling_ratio, parent-based). vLLM has no "
+            "sampler option: under vllm-server it exports a span for every request; under serve-ingress its spans "
+            "go through the tracer provider Serve installs in the model replica, so this ratio applies to them too."
+        ),
+    )
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _check_endpoint(cls, value: str | None) -> str | None:
+        if value is not None:
+            problem = otlp_endpoint_problem(value)
+            if problem:
+                raise ValueError(problem)
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        """Whether spans are sent anywhere."""
+        return self.otlp_endpoint is not None
+
+    @property
+    def port(self) -> int | None:
+        """The collector's port (what the serving pods' egress must allow), when tracing is on."""
+        return urlsplit(self.otlp_endpoint).port if self.otlp_endpoint else None
 
 
 class RequestLimits(_Strict):
@@ -245,6 +315,8 @@ class ModelEntry(_Strict):
             "dtype",
             "quantization",
             "gpu_memory_utilization",
+            # The catalogue's `tracing` section sets it for every model.
+            "otlp_traces_endpoint",
         }
         clash = sorted(owned & set(value))
         if clash:
@@ -324,6 +396,7 @@ class Catalog(_Strict):
     model_cache_dir: str = "/models"
     layout: Layout = "serve-ingress"
     vllm_server: VllmServerSettings = Field(default_factory=VllmServerSettings)
+    tracing: Tracing = Field(default_factory=Tracing)
 
     @model_validator(mode="after")
     def _check_layout(self) -> Catalog:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .catalog import Catalog, GracefulShutdown, ModelEntry, S3Streamer, ServeAutoscaling
+from .catalog import Catalog, GracefulShutdown, ModelEntry, S3Streamer, ServeAutoscaling, Tracing
 
 # vLLM streams safetensors straight from S3 with this loader; nothing is
 # written to local disk and no model hub is asked.
@@ -16,6 +16,19 @@ S3_LOAD_FORMAT = "runai_streamer"
 
 # Stops any library from reaching a model hub when the catalogue forbids it.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+# Ray Serve's request tracing (serve-ingress). Ray 2.60 offers two switches:
+# the RAY_SERVE_TRACING_* environment variables of the Serve processes, and
+# the declarative `tracing_config` of serveConfigV2 (ray.serve.schema
+# TracingConfig: enabled, exporter_import_path, sampling_ratio), which the
+# controller hands to every replica it starts. The platform uses the latter:
+# it is part of the Serve config, so turning tracing on or off is an in-place
+# Serve update, while an environment variable in the pods would change the
+# RayCluster and so roll a new cluster (a NewCluster upgrade of GPU nodes).
+# Serve's exporter hook takes no arguments, so the replicas find the collector
+# in this variable, set in their runtime_env from the same catalogue.
+SERVE_TRACING_EXPORTER = "inference_server.tracing:serve_span_processors"
+SERVE_OTLP_ENDPOINT_ENV = "INFERENCE_SERVE_OTLP_ENDPOINT"
 
 
 def autoscaling_config(scaling: ServeAutoscaling) -> dict[str, Any]:
@@ -55,12 +68,39 @@ def ingress_deployment_config(catalog: Catalog) -> dict[str, Any]:
         "max_ongoing_requests": ingress.max_ongoing_requests,
         "max_replicas_per_node": ingress.max_replicas_per_node,
     }
+    actor_options: dict[str, Any] = {}
     if catalog.ingress_resource is not None:
         # Only the ingress group's nodes advertise it: a replica never takes
         # a GPU worker's CPUs, and each ingress pod's replica (and so its
         # proxy, which its readiness probe needs) stays on that pod.
-        config["ray_actor_options"] = {"resources": {catalog.ingress_resource: 1}}
+        actor_options["resources"] = {catalog.ingress_resource: 1}
+    env = serve_tracing_env(catalog.tracing)
+    if env:
+        actor_options["runtime_env"] = {"env_vars": env}
+    if actor_options:
+        config["ray_actor_options"] = actor_options
     return config
+
+
+def serve_tracing_env(tracing: Tracing) -> dict[str, str]:
+    """What a Serve replica's exporter reads (``inference_server.tracing``): the collector, when tracing is on."""
+    return {SERVE_OTLP_ENDPOINT_ENV: tracing.otlp_endpoint} if tracing.otlp_endpoint else {}
+
+
+def serve_tracing_config(tracing: Tracing) -> dict[str, Any] | None:
+    """serveConfigV2's top-level ``tracing_config`` (Ray Serve's TracingConfig), or None when tracing is off.
+
+    Serve's proxies are started before any config arrives and read only the
+    RAY_SERVE_TRACING_* environment variables, so they are not traced; the
+    ingress and model replicas are, which covers the request's hops in Serve.
+    """
+    if not tracing.enabled:
+        return None
+    return {
+        "enabled": True,
+        "exporter_import_path": SERVE_TRACING_EXPORTER,
+        "sampling_ratio": tracing.sample_ratio,
+    }
 
 
 def streamer_config(streamer: S3Streamer) -> dict[str, int]:
@@ -88,6 +128,11 @@ def engine_kwargs(entry: ModelEntry, catalog: Catalog) -> dict[str, Any]:
             kwargs["model_loader_extra_config"] = streamer_config(entry.streamer)
     elif entry.weights_kind == "hub":
         kwargs["download_dir"] = catalog.model_cache_dir
+    if catalog.tracing.otlp_endpoint is not None:
+        # vLLM's own option (ObservabilityConfig.otlp_traces_endpoint): one
+        # `llm_request` span per request, in both layouts. Not
+        # collect_detailed_traces: its per-step timings cost engine time.
+        kwargs["otlp_traces_endpoint"] = catalog.tracing.otlp_endpoint
     kwargs.update(entry.engine_overrides)
     return kwargs
 
@@ -122,7 +167,8 @@ def llm_config_kwargs(entry: ModelEntry, catalog: Catalog) -> dict[str, Any]:
         # Serve LLM assumes a GPU when no accelerator is named; the catalogue's
         # "no accelerator" means the CPU build of vLLM.
         config["accelerator_config"] = {"kind": "cpu"}
-    env = replica_env(entry, catalog)
+    # Serve's own spans of the model replica (serve-ingress only: this is Serve LLM's config).
+    env = {**replica_env(entry, catalog), **serve_tracing_env(catalog.tracing)}
     if env:
         config["runtime_env"] = {"env_vars": env}
     return config
