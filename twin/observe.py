@@ -36,7 +36,7 @@ from localserve.traffic import StreamLoad
 from twin import kuberay as mirror
 from twin import live, prometheus_operator
 from twin.cluster import FAKE_HEAD_NODE_ID, LocalCluster
-from twin.prometheus import TwinPrometheus, as_duration, duration_s
+from twin.prometheus import TwinPrometheus, as_duration, duration_s, rule_groups
 from twin.render import RayServiceSpec
 from twin.report import Report
 
@@ -253,10 +253,6 @@ class Traffic:
     server_pids: Callable[[], list[int]]
 
 
-def _scaled_for(name: str, prom: TwinPrometheus, ctx_for: Mapping[str, str]) -> float:
-    return duration_s(ctx_for[name]) * prom.factor
-
-
 def check_series(name: str, prom: TwinPrometheus, report: Report, layouts: set[str]) -> None:
     """Every metric read by a rule, alert or panel that this layout's exporters emit has a live series."""
     want, absent = expected_here(layouts)
@@ -404,19 +400,14 @@ class Observed:
 
 
 def _fors(prom: TwinPrometheus, names: Iterable[str]) -> dict[str, float]:
-    ctx_for = {rule["alert"]: rule["for"] for rule in _alert_rules(prom.objects)}
-    return {n: _scaled_for(n, prom, ctx_for) for n in names}
-
-
-def _alert_rules(objects: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    return [
-        rule
-        for obj in objects
-        if obj.get("kind") == "PrometheusRule"
-        for group in obj["spec"]["groups"]
+    """Alert name -> its `for` in seconds, as the twin's Prometheus runs it (scaled by rule_groups)."""
+    scaled = {
+        rule["alert"]: duration_s(rule["for"])
+        for group in rule_groups(prom.objects, prom.factor)
         for rule in group["rules"]
         if "alert" in rule
-    ]
+    }
+    return {n: scaled[n] for n in names}
 
 
 def check_scrape(obs: Observed, prom: TwinPrometheus, report: Report, timeout_s: float = 20.0) -> None:
