@@ -9,7 +9,7 @@ LOCAL_BACKEND ?= file://$(HOME)/.pulumi-llm-platform
 POLICY_VENV := policy/venv
 POLICY_FLAGS = --policy-pack policy --policy-pack-config policy/config/$(STACK).json
 
-.PHONY: help install install-dev up preview destroy render upgrade-status test lint unit e2e bench golden-urns clean twin local
+.PHONY: help install install-dev up preview destroy render upgrade-status test lint unit e2e bench golden-urns clean twin local pin-base lock-workloads
 
 help:
 	@echo "make up STACK=dev|prod       deploy a stack (creates the venv, logs in, selects the stack)"
@@ -21,6 +21,8 @@ help:
 	@echo "make twin STACK=dev|prod     the stack's RayServices on a local Ray cluster, checked by Ray's own code"
 	@echo "make local STACK=dev         the stack served at http://127.0.0.1:8000/v1 until Ctrl-C (MODEL=/path for your model)"
 	@echo "make bench                   serving overhead and render-scale benchmarks -> benchmarks/results/"
+	@echo "make pin-base                re-resolve the serving image's base tag to a digest (needs the registry)"
+	@echo "make lock-workloads          re-lock workloads/requirements.txt with hashes (needs PyPI)"
 
 $(VENV)/.program: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +81,7 @@ lint: $(VENV)/.dev
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/hadolint workloads/Dockerfile
+	$(BIN)/shellcheck scripts/*.sh
 	$(BIN)/actionlint
 
 unit: $(VENV)/.dev
@@ -94,10 +97,12 @@ test: lint $(VENV)/.dev
 # The local twin of every RayService of a stack: Ray's own code reads the
 # render (ray start, autoscaling config, Serve LLM's bundles), then a local
 # multi-node cluster shaped like it serves, scales and wakes (under 10 min);
+# a real Prometheus scrapes it with the render's monitors and rules, and each
+# alert fires on its own fault (twin/observe.py, about 5 min more);
 # then day 2 (twin/day2.py): a load-balancer change, an upgrade at peak, and
 # a NewCluster upgrade under load with KubeRay's sequence (about 8 min).
 twin: $(VENV)/.dev
-	PYTHONUNBUFFERED=1 $(BIN)/python -m infra.twin --stack $(STACK)
+	PYTHONUNBUFFERED=1 $(BIN)/python -m infra.twin --stack $(STACK) --monitoring
 	PYTHONUNBUFFERED=1 $(BIN)/python -m twin.day2 --stack $(STACK)
 
 # The twin left running for a person: http://127.0.0.1:8000/v1 with a key it
@@ -117,6 +122,17 @@ bench: $(VENV)/.bench
 # changed URN is a replacement unless the resource carries an alias).
 golden-urns: $(VENV)/.program
 	$(BIN)/python -m tests.golden_urns
+
+# The serving image's base by digest: resolves RAY_LLM_BASE_TAG where the
+# registry is reachable and rewrites the digest in infra/versions.py and the
+# Dockerfile default; review and commit the diff it prints.
+pin-base: $(VENV)/.program
+	PYTHON=$(BIN)/python bash scripts/pin-base.sh
+
+# What the image adds, by version and sha256 (workloads/requirements.lock),
+# after a change to workloads/requirements.txt.
+lock-workloads: $(VENV)/.program
+	$(BIN)/python scripts/lock_workloads.py
 
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache

@@ -131,6 +131,12 @@ kuberay/src-$kuberay/ray-operator/controllers/ray/common/service.go - - $(raw ra
 kuberay/src-$kuberay/ray-operator/controllers/ray/utils/constant.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/utils/constant.go) -
 kuberay/src-$kuberay/ray-operator/controllers/ray/utils/util.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/utils/util.go) -
 kuberay/src-$kuberay/ray-operator/controllers/ray/utils/validation.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/utils/validation.go) -
+kuberay/src-$kuberay/ray-operator/controllers/ray/metrics/ray_service_metrics.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/metrics/ray_service_metrics.go) -
+kuberay/src-$kuberay/helm-chart/kuberay-operator/values.yaml - - $(raw ray-project/kuberay "$kuberay" helm-chart/kuberay-operator/values.yaml) -
+kuberay/src-$kuberay/helm-chart/kuberay-operator/templates/_helpers.tpl - - $(raw ray-project/kuberay "$kuberay" helm-chart/kuberay-operator/templates/_helpers.tpl) -
+kuberay/src-$kuberay/helm-chart/kuberay-operator/templates/deployment.yaml - - $(raw ray-project/kuberay "$kuberay" helm-chart/kuberay-operator/templates/deployment.yaml) -
+kuberay/src-$kuberay/helm-chart/kuberay-operator/templates/service.yaml - - $(raw ray-project/kuberay "$kuberay" helm-chart/kuberay-operator/templates/service.yaml) -
+kuberay/src-$kuberay/helm-chart/kuberay-operator/templates/servicemonitor.yaml - - $(raw ray-project/kuberay "$kuberay" helm-chart/kuberay-operator/templates/servicemonitor.yaml) -
 aws-load-balancer-controller/src-$aws_load_balancer_controller/LICENSE - - $(raw kubernetes-sigs/aws-load-balancer-controller "$aws_load_balancer_controller" LICENSE) -
 aws-load-balancer-controller/src-$aws_load_balancer_controller/pkg/inject/pod_readiness/pod_readiness_gate.go - - $(raw kubernetes-sigs/aws-load-balancer-controller "$aws_load_balancer_controller" pkg/inject/pod_readiness/pod_readiness_gate.go) -
 aws-load-balancer-controller/src-$aws_load_balancer_controller/webhooks/core/pod_readiness_gate_mutator.go - - $(raw kubernetes-sigs/aws-load-balancer-controller "$aws_load_balancer_controller" webhooks/core/pod_readiness_gate_mutator.go) -

@@ -328,8 +328,9 @@ def head_service_address(cluster_name: str, namespace: str, port: str = DEFAULT_
 
 _KUBERAY = "kuberay/src-v1.7.0/ray-operator/controllers/ray/"
 _LBC = "aws-load-balancer-controller/src-v3.5.0/"
+_CHART = "kuberay/src-v1.7.0/helm-chart/kuberay-operator/"
 # Marker -> the folder (under the reference) its paths are in.
-MARKERS = {"_k": _KUBERAY, "_lbc": _LBC}
+MARKERS = {"_k": _KUBERAY, "_lbc": _LBC, "_chart": _CHART}
 
 
 def _k(path: str, line: int, quote: str) -> None:
@@ -338,6 +339,10 @@ def _k(path: str, line: int, quote: str) -> None:
 
 def _lbc(path: str, line: int, quote: str) -> None:
     """Marks the line of the AWS load balancer controller the code beside it ports (infra/citations.py)."""
+
+
+def _chart(path: str, line: int, quote: str) -> None:
+    """Marks the line of KubeRay's operator chart (helm-chart/kuberay-operator/) the code beside it ports."""
 
 
 def citations() -> list[Cite]:
@@ -1191,3 +1196,211 @@ def first_serve_service(cluster: RayClusterRef) -> dict[str, Any]:
     """The serve Service as the API server stores it after KubeRay's first CREATE (the LB webhook applied)."""
     _k("rayservice_controller.go", 1975, "if err := r.Create(ctx, newSvc); err != nil {")
     return lbc_mutate_service_create(build_serve_service(cluster))
+
+
+# --- the operator's own metrics (metrics/ray_service_metrics.go) -------------------
+
+
+def ray_service_conditions(*, active: str, pending: str, serve_endpoints: int) -> dict[str, bool]:
+    """``calculateConditions``: the RayService's Ready and UpgradeInProgress conditions.
+
+    ``active``/``pending``: the names of the active and pending RayClusters
+    ("" for none); ``serve_endpoints``: the ready endpoints of the serve
+    Service (``NumServeEndpoints``). Ready before the first endpoint is
+    "initializing", which is False too.
+    """
+    _k("rayservice_controller.go", 795, "if rayServiceInstance.Status.NumServeEndpoints > 0 {")
+    _k(
+        "rayservice_controller.go",
+        798,
+        'rayv1.ZeroServeEndpoints, "Number of serve endpoints dropped to 0")',
+    )
+    _k("rayservice_controller.go", 807, 'if activeClusterName != "" && pendingClusterName != "" {')
+    _k(
+        "rayservice_controller.go",
+        810,
+        "setCondition(rayServiceInstance, rayv1.UpgradeInProgress, metav1.ConditionFalse, rayv1.NoPendingCluster,",
+    )
+    return {"Ready": serve_endpoints > 0, "UpgradeInProgress": bool(active and pending)}
+
+
+def ray_service_metrics(metadata: Mapping[str, Any], conditions: Mapping[str, bool]) -> list[str]:
+    """``RayServiceMetricsManager.Collect`` for one RayService: its exposition lines (no HELP/TYPE).
+
+    Every series has the value 1; the condition's state is the ``condition``
+    label, "true" or "false" (``strconv.FormatBool``).
+    """
+    _k("metrics/ray_service_metrics.go", 29, '"kuberay_service_info",')
+    _k("metrics/ray_service_metrics.go", 35, '"kuberay_service_condition_ready",')
+    _k("metrics/ray_service_metrics.go", 37, '[]string{"name", "namespace", "uid", "condition"},')
+    _k("metrics/ray_service_metrics.go", 41, '"kuberay_service_condition_upgrade_in_progress",')
+    _k(
+        "metrics/ray_service_metrics.go",
+        84,
+        "ready := meta.IsStatusConditionTrue(service.Status.Conditions, string(rayv1.RayServiceReady))",
+    )
+    _k(
+        "metrics/ray_service_metrics.go",
+        94,
+        "upgradeInProgress := meta.IsStatusConditionTrue(service.Status.Conditions, string(rayv1.UpgradeInProgress))",
+    )
+    _k("metrics/ray_service_metrics.go", 102, "strconv.FormatBool(upgradeInProgress),")
+    base = f'name="{metadata["name"]}",namespace="{metadata["namespace"]}",uid="{metadata.get("uid", "")}"'
+    lines = [f"kuberay_service_info{{{base}}} 1"]
+    for metric, condition in (
+        ("kuberay_service_condition_ready", "Ready"),
+        ("kuberay_service_condition_upgrade_in_progress", "UpgradeInProgress"),
+    ):
+        state = "true" if conditions.get(condition) else "false"
+        lines.append(f'{metric}{{{base},condition="{state}"}} 1')
+    return lines
+
+
+# --- the operator's chart: its pod, Service and ServiceMonitor (helm-chart/kuberay-operator) ----------
+
+CHART_NAME = "kuberay-operator"
+
+
+def chart_defaults() -> dict[str, Any]:
+    """The chart's own values.yaml, as far as the objects below read it."""
+    _chart("values.yaml", 6, "nameOverride: kuberay-operator")
+    _chart("values.yaml", 9, "fullnameOverride: kuberay-operator")
+    _chart("values.yaml", 12, "componentOverride: kuberay-operator")
+    _chart("values.yaml", 175, "interval: 30s")
+    _chart("values.yaml", 335, "type: ClusterIP")
+    _chart("values.yaml", 337, "port: 8080")
+    return {
+        "nameOverride": CHART_NAME,
+        "fullnameOverride": CHART_NAME,
+        "componentOverride": CHART_NAME,
+        "labels": {},
+        "metrics": {"serviceMonitor": {"enabled": False, "interval": "30s", "honorLabels": True}},
+        "service": {"type": "ClusterIP", "port": 8080},
+    }
+
+
+@dataclass(frozen=True)
+class OperatorRelease:
+    """The operator's Helm release: its name, namespace and merged values (the chart's defaults under the render's)."""
+
+    name: str
+    namespace: str
+    values: Mapping[str, Any]
+
+    @classmethod
+    def from_release(cls, release: Mapping[str, Any]) -> OperatorRelease:
+        """From a rendered release (name, namespace, values): its values coalesced over the chart's."""
+        values = merged_values(chart_defaults(), release.get("values") or {})
+        return cls(str(release["name"]), str(release["namespace"]), values)
+
+    def chart_name(self) -> str:
+        """``kuberay-operator.name``: nameOverride, else the chart's name."""
+        _chart(
+            "templates/_helpers.tpl", 6, '{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}'
+        )
+        return str(self.values.get("nameOverride") or CHART_NAME)[:63].rstrip("-")
+
+    def fullname(self) -> str:
+        """``kuberay-operator.fullname``."""
+        _chart("templates/_helpers.tpl", 23, '{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}')
+        _chart("templates/_helpers.tpl", 26, "{{- if contains $name .Release.Name -}}")
+        _chart("templates/_helpers.tpl", 29, '{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}')
+        override = self.values.get("fullnameOverride")
+        if override:
+            return str(override)[:63].rstrip("-")
+        name = self.chart_name()
+        return (self.name if name in self.name else f"{self.name}-{name}")[:63].rstrip("-")
+
+    def pod(self) -> dict[str, Any]:
+        """The operator's pod as far as Prometheus sees it: its labels and its one container's ``http`` port."""
+        _chart("templates/deployment.yaml", 22, 'app.kubernetes.io/name: {{ include "kuberay-operator.name" . }}')
+        _chart("templates/deployment.yaml", 23, "app.kubernetes.io/instance: {{ .Release.Name }}")
+        _chart(
+            "templates/deployment.yaml", 24, 'app.kubernetes.io/component: {{ include "kuberay-operator.component" . }}'
+        )
+        _chart("templates/deployment.yaml", 148, "- name: http")
+        _chart("templates/deployment.yaml", 149, "containerPort: 8080")
+        labels = {
+            APP_NAME_LABEL: self.chart_name(),
+            "app.kubernetes.io/instance": self.name,
+            "app.kubernetes.io/component": str(self.values.get("componentOverride") or CHART_NAME)[:63].rstrip("-"),
+            **dict(self.values.get("labels") or {}),
+        }
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"{self.fullname()}-0", "namespace": self.namespace, "labels": labels},
+            "spec": {
+                "containers": [
+                    {"name": CHART_NAME, "ports": [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]}
+                ]
+            },
+        }
+
+    def service(self) -> dict[str, Any]:
+        """``templates/service.yaml``."""
+        _chart("templates/service.yaml", 4, 'name: {{ include "kuberay-operator.service.name" . }}')
+        _chart("templates/_helpers.tpl", 86, '{{- include "kuberay-operator.fullname" . }}')
+        _chart("templates/service.yaml", 11, "- port: {{ .Values.service.port }}")
+        _chart("templates/service.yaml", 12, "targetPort: http")
+        _chart("templates/service.yaml", 16, 'app.kubernetes.io/name: {{ include "kuberay-operator.name" . }}')
+        _chart("templates/service.yaml", 17, "app.kubernetes.io/instance: {{ .Release.Name }}")
+        _chart("templates/_helpers.tpl", 45, 'app.kubernetes.io/name: {{ include "kuberay-operator.name" . }}')
+        _chart("templates/_helpers.tpl", 47, "app.kubernetes.io/instance: {{ .Release.Name }}")
+        service = self.values.get("service") or {}
+        selector = {APP_NAME_LABEL: self.chart_name(), "app.kubernetes.io/instance": self.name}
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": self.fullname(), "namespace": self.namespace, "labels": dict(selector)},
+            "spec": {
+                "type": service.get("type", "ClusterIP"),
+                "ports": [
+                    {"port": int(service.get("port", 8080)), "targetPort": "http", "protocol": "TCP", "name": "http"}
+                ],
+                "selector": selector,
+            },
+        }
+
+    def service_monitor(self) -> dict[str, Any] | None:
+        """``templates/servicemonitor.yaml``: None unless ``metrics.serviceMonitor.enabled``."""
+        _chart("templates/servicemonitor.yaml", 1, "{{- if .Values.metrics.serviceMonitor.enabled }}")
+        _chart("templates/servicemonitor.yaml", 13, "- path: /metrics")
+        _chart("templates/servicemonitor.yaml", 14, "targetPort: http")
+        _chart("templates/servicemonitor.yaml", 16, "honorLabels: {{ .Values.metrics.serviceMonitor.honorLabels }}")
+        _chart("templates/servicemonitor.yaml", 19, "- {{ .Release.Namespace }}")
+        _chart("templates/servicemonitor.yaml", 22, 'app.kubernetes.io/name: {{ include "kuberay-operator.name" . }}')
+        monitor = (self.values.get("metrics") or {}).get("serviceMonitor") or {}
+        if not monitor.get("enabled"):
+            return None
+        metadata: dict[str, Any] = {"name": self.fullname(), "namespace": monitor.get("namespace") or self.namespace}
+        if monitor.get("additionalLabels"):
+            metadata["labels"] = dict(monitor["additionalLabels"])
+        return {
+            "apiVersion": "monitoring.coreos.com/v1",
+            "kind": "ServiceMonitor",
+            "metadata": metadata,
+            "spec": {
+                "endpoints": [
+                    {
+                        "path": "/metrics",
+                        "targetPort": "http",
+                        "interval": monitor.get("interval", "30s"),
+                        "honorLabels": bool(monitor.get("honorLabels")),
+                    }
+                ],
+                "namespaceSelector": {"matchNames": [self.namespace]},
+                "selector": {"matchLabels": {APP_NAME_LABEL: self.chart_name()}},
+            },
+        }
+
+
+def merged_values(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Helm's coalescing of a release's values over the chart's: maps merge key by key, the release wins."""
+    out = dict(defaults)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merged_values(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -21,6 +21,7 @@ Then, one PASS/FAIL line each:
 from __future__ import annotations
 
 import contextlib
+import http.server
 import os
 import re
 import signal
@@ -35,12 +36,13 @@ from infra.serving import alerts, dashboards
 from localserve.traffic import StreamLoad
 from twin import kuberay as mirror
 from twin import live, prometheus_operator
-from twin.cluster import FAKE_HEAD_NODE_ID, LocalCluster
+from twin.cluster import FAKE_HEAD_NODE_ID, LOOPBACK, LocalCluster
 from twin.prometheus import TwinPrometheus, as_duration, duration_s, rule_groups
 from twin.render import RayServiceSpec
 from twin.report import Report
 
 TARGETS_EVERY_S = 2.0
+RECONCILE_EVERY_S = 2.0
 STEADY_STREAMS = 2
 # Steady state lasts past the longest scaled `for` of the serving alerts, so
 # an alert whose condition held from the start would have fired.
@@ -52,7 +54,6 @@ SETTLE_S = 8.0
 
 # Exporters that do not run in the twin, by metric prefix, and why.
 ABSENT_HERE: dict[str, str] = {
-    "kuberay_": "the KubeRay operator does not run here (its upgrade sequence runs on the mirror in twin.day2)",
     "DCGM_FI_": "no GPU here for NVIDIA's DCGM exporter to read",
     "kube_": "no Kubernetes API server here for kube-state-metrics to read",
     "cluster_autoscaler_": "no node groups here for cluster-autoscaler to report",
@@ -110,6 +111,8 @@ def expected_here(layouts: set[str]) -> tuple[set[str], dict[str, str]]:
 OVERLOAD = "overload"
 KILL_SERVER = "kill-server"
 ENGINE_DEATH = "engine-death"
+UPGRADE_STUCK = "upgrade-stuck"
+NOT_READY = "not-ready"
 FAULT_OF: dict[str, str] = {
     "LlmTimeToFirstTokenHigh": OVERLOAD,
     "LlmRequestsWaiting": OVERLOAD,
@@ -117,8 +120,13 @@ FAULT_OF: dict[str, str] = {
     "LlmRequestsPreempted": OVERLOAD,
     "RayServeReplicaUnhealthy": KILL_SERVER,
     "LlmHttp5xxRatioHigh": ENGINE_DEATH,
+    "RayServiceUpgradeStuck": UPGRADE_STUCK,
+    "RayServiceNotReady": NOT_READY,
 }
-FAULTS = (OVERLOAD, KILL_SERVER, ENGINE_DEATH)
+# Not-ready last: it freezes every server the serve Service selects.
+FAULTS = (OVERLOAD, KILL_SERVER, ENGINE_DEATH, UPGRADE_STUCK, NOT_READY)
+# Alerts that must stay quiet through a fault (the old cluster keeps serving while an upgrade is stuck).
+QUIET_DURING: dict[str, tuple[str, ...]] = {UPGRADE_STUCK: ("RayServiceNotReady",)}
 # Faults a layout can not show, and why (one line in the report).
 FAULT_NOT_IN_LAYOUT: dict[tuple[str, str], str] = {
     (ENGINE_DEATH, "vllm-server"): (
@@ -151,6 +159,8 @@ class LiveTargets:
     address_dirs: list[Path]
     # Head-only metrics endpoints: port name -> the live port (the autoscaler's, the dashboard's).
     head_ports: dict[str, int] = field(default_factory=dict)
+    # The KubeRay operator's Service, its pod, and the live port of the exporter that stands in for it.
+    operator: tuple[dict[str, Any], dict[str, Any], int] | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _index: dict[str, int] = field(default_factory=dict)
@@ -166,11 +176,42 @@ class LiveTargets:
             "spec": self.service.spec,
         }
 
+    @property
+    def active(self) -> mirror.RayClusterRef:
+        """The RayService's active RayCluster, as the mirror names it."""
+        return mirror.RayClusterRef(mirror.ray_cluster_name(self.ray_service, "twin0"), self.ray_service)
+
+    def serve_endpoints(self) -> int:
+        """``NumServeEndpoints``: pods the serve Service selects whose readiness probe passes now.
+
+        The probe is the rendered one: a vllm-server pod's server answers
+        ``/health``; otherwise its Serve proxy answers ``/-/healthz``.
+        """
+        selector = mirror.first_serve_service(self.active)["spec"].get("selector") or {}
+        ready = 0
+        for pod, ports in self.pods():
+            if not mirror.selects(selector, pod["metadata"]["labels"]):
+                continue
+            if "openai" in ports:
+                ready += live.server_health(f"http://{LOOPBACK}:{ports['openai']}")
+            elif "serve" in ports:
+                ready += live.healthz(ports["serve"])
+        return ready
+
+    def probe_ports(self) -> list[int]:
+        """The live ports the serve Service's readiness probes ask (see :meth:`serve_endpoints`)."""
+        selector = mirror.first_serve_service(self.active)["spec"].get("selector") or {}
+        return [
+            ports.get("openai") or ports["serve"]
+            for pod, ports in self.pods()
+            if mirror.selects(selector, pod["metadata"]["labels"]) and ("openai" in ports or "serve" in ports)
+        ]
+
     def pods(self) -> list[tuple[dict[str, Any], dict[str, int]]]:
         """(pod as KubeRay builds it, port name -> live port) for every live node."""
         import ray
 
-        cluster = mirror.RayClusterRef(mirror.ray_cluster_name(self.ray_service, "twin0"), self.ray_service)
+        cluster = self.active
         groups = {str(g["groupName"]): g for g in self.service.worker_groups()}
         by_node: dict[str, list[dict[str, Any]]] = {}
         for replica in live.replica_addresses(self.address_dirs):
@@ -211,7 +252,15 @@ class LiveTargets:
                 return f"127.0.0.1:{live_port}" if live_port else None
 
             groups += prometheus_operator.pod_targets(pod, address_of)
-        prometheus_operator.write_sd_files(self.sd_dir, groups, [])
+        endpoints: list[dict[str, Any]] = []
+        if self.operator is not None:
+            service, pod, port = self.operator
+
+            def operator_address(_container: str, spec: Mapping[str, Any]) -> str | None:
+                return f"{LOOPBACK}:{port}" if spec.get("name") == "http" else None
+
+            endpoints = prometheus_operator.endpoint_targets(service, [pod], operator_address)
+        prometheus_operator.write_sd_files(self.sd_dir, groups, endpoints)
         self.written = len(groups)
         return self.written
 
@@ -231,6 +280,114 @@ class LiveTargets:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+
+class OperatorExporter:
+    """Stands in for the KubeRay operator's ``/metrics``: what it would export for the twin's RayService.
+
+    The RayService's status is the mirror's (twin.kuberay): Ready from the
+    live readiness of the pods the serve Service selects, UpgradeInProgress
+    from a NewCluster upgrade the mirror plays. The metric lines are
+    ``RayServiceMetricsManager``'s, from that status.
+    """
+
+    def __init__(self, targets: LiveTargets) -> None:
+        self.targets = targets
+        self.pending = ""
+        self.upgrade: mirror.NewClusterUpgrade | None = None
+        exporter = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = exporter.metrics().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        self.server = http.server.ThreadingHTTPServer((LOOPBACK, 0), Handler)
+        self.port = int(self.server.server_address[1])
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # As the operator does: the status is reconciled in a loop and /metrics reads the last one, so a
+        # scrape never waits on a probe of a frozen pod.
+        self._endpoints = 0
+        self._stop = threading.Event()
+        self._reconciler = threading.Thread(target=self._reconcile, daemon=True)
+
+    def _reconcile(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # a node going away mid-read; the next round sees it
+                self._endpoints = self.targets.serve_endpoints()
+            if self._stop.wait(RECONCILE_EVERY_S):
+                return
+
+    def conditions(self) -> dict[str, bool]:
+        """The RayService's conditions as last reconciled."""
+        return mirror.ray_service_conditions(
+            active=self.targets.active.name, pending=self.pending, serve_endpoints=self._endpoints
+        )
+
+    def metrics(self) -> str:
+        """The exposition the operator's ``/metrics`` would serve for this RayService."""
+        metadata = {**self.targets.service.metadata, "uid": "twin"}
+        return "\n".join(mirror.ray_service_metrics(metadata, self.conditions())) + "\n"
+
+    def start_stuck_upgrade(self) -> str:
+        """A NewCluster upgrade to an image whose Serve apps never become RUNNING; returns what happened."""
+        from twin.day2 import with_image
+
+        rs = self.targets.ray_service
+        upgrade = mirror.NewClusterUpgrade(
+            rs, with_image(rs), self.targets.active, mirror.first_serve_service(self.targets.active)
+        )
+        if not upgrade.needed:
+            return "an image change started no new cluster"
+        self.pending = upgrade.start("stuck").name
+        # The new image's apps fail to deploy: KubeRay keeps the pending cluster and never switches.
+        upgrade.switch({"app": "DEPLOY_FAILED"})
+        self.upgrade = upgrade
+        return f"pending RayCluster {self.pending}: {upgrade.events[-1].phase} ({upgrade.events[-1].detail})"
+
+    def end_upgrade(self) -> None:
+        """The user rolls the spec back: KubeRay deletes the pending cluster."""
+        self.pending = ""
+        self.upgrade = None
+
+    def start(self) -> None:
+        """Reconciles once, then serves on 127.0.0.1 and reconciles in threads."""
+        with contextlib.suppress(Exception):
+            self._endpoints = self.targets.serve_endpoints()
+        self._reconciler.start()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops serving and reconciling."""
+        self._stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+        self._reconciler.join(timeout=30)
+
+
+def listening_pids(port: int) -> set[int]:
+    """The processes with a socket listening on TCP ``port`` (from /proc, as ``ss -ltnp`` reads it)."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{inode}]")
+    pids: set[int] = set()
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) in inodes for fd in fd_dir.iterdir()):
+                pids.add(int(fd_dir.parent.name))
+    return pids
 
 
 def _port_of(url: str) -> int:
@@ -456,7 +613,55 @@ def _steady_load(obs: Observed, base_url: str) -> StreamLoad:
     )
 
 
-def run_faults(obs: Observed, prom: TwinPrometheus, report: Report) -> None:
+def _quiet(prom: TwinPrometheus, alerts_: Iterable[str]) -> list[str]:
+    firing = set(prom.firing())
+    return sorted(a for a in alerts_ if a in firing)
+
+
+def run_operator_fault(
+    obs: Observed, prom: TwinPrometheus, report: Report, fault: str, operator: OperatorExporter | None
+) -> None:
+    """The RayService faults: an upgrade that can not finish, and a serve Service with no ready endpoint."""
+    wanted = [a for a, f in FAULT_OF.items() if f == fault]
+    if operator is None:
+        report.fail(obs.name, f"fault {fault}: the render has no KubeRay operator ServiceMonitor to scrape")
+        return
+    fors = _fors(prom, wanted)
+    timeout = max(fors.values()) + FIRE_SLACK_S
+    quiet = QUIET_DURING.get(fault, ())
+    if fault == UPGRADE_STUCK:
+        what = operator.start_stuck_upgrade()
+        fired = wait_firing(prom, wanted, timeout)
+        loud = _quiet(prom, quiet)
+        operator.end_upgrade()
+        report_fault(obs.name, report, fault, what, fired, fors)
+        report.check(
+            obs.name,
+            not loud,
+            f"alert {', '.join(quiet)}: quiet while the upgrade is stuck (the active cluster keeps serving)"
+            if not loud
+            else f"alert {', '.join(loud)}: fired while the active cluster still served",
+        )
+        return
+    ports = operator.targets.probe_ports()
+    frozen = sorted(set().union(*(listening_pids(p) for p in ports))) if ports else []
+    if not frozen:
+        report.fail(obs.name, f"fault {fault}: no process answers the serve Service's readiness probes")
+        return
+    for pid in frozen:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGSTOP)
+    try:
+        fired = wait_firing(prom, wanted, timeout)
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+    what = f"SIGSTOP of the {len(frozen)} processes answering the serve Service's readiness probes"
+    report_fault(obs.name, report, fault, what, fired, fors)
+
+
+def run_faults(obs: Observed, prom: TwinPrometheus, report: Report, operator: OperatorExporter | None = None) -> None:
     """Each fault, and the alerts it must fire; alerts that can not fire here say why."""
     for spec in alerts.ALERTS:
         why = alert_absent_reason(spec)
@@ -470,6 +675,10 @@ def run_faults(obs: Observed, prom: TwinPrometheus, report: Report) -> None:
         if skipped:
             for alert in wanted:
                 report.note(obs.name, f"alert {alert}: fault {fault} not run in this layout: {skipped[0]}")
+            continue
+        if fault in (UPGRADE_STUCK, NOT_READY):
+            run_operator_fault(obs, prom, report, fault, operator)
+            time.sleep(SETTLE_S)
             continue
         fors = _fors(prom, wanted)
         timeout = max(fors.values()) + FIRE_SLACK_S
@@ -529,8 +738,11 @@ def run(obs: Observed, report: Report, *, faults: bool) -> None:
         report.sub(obs.name, line)
     prom.start()
     targets = LiveTargets(obs.service, obs.cluster, prom.sd_dir, obs.address_dirs, obs.head_ports)
+    operator = _operator(obs.objects, targets)
     load = _steady_load(obs, obs.traffic.base_urls()[0])
     try:
+        if operator is not None:
+            operator.start()
         targets.start()
         load.start()
         check_scrape(obs, prom, report)
@@ -539,7 +751,7 @@ def run(obs: Observed, report: Report, *, faults: bool) -> None:
         check_steady(obs.name, prom, report, load, hold)
         load.stop(timeout_s=30)
         if faults:
-            run_faults(obs, prom, report)
+            run_faults(obs, prom, report, operator)
         # After the faults: a counter exported through Ray's metrics agent
         # (vLLM's preemptions under serve-ingress) has no series until its
         # first increment, which only the overload brings.
@@ -556,4 +768,19 @@ def run(obs: Observed, report: Report, *, faults: bool) -> None:
     finally:
         load.stop(timeout_s=5)
         targets.stop()
+        if operator is not None:
+            operator.stop()
         prom.stop()
+
+
+def _operator(objects: list[dict[str, Any]], targets: LiveTargets) -> OperatorExporter | None:
+    """The exporter for the KubeRay operator's pod (the chart's, twin.prometheus.load_objects) and its Service."""
+    pods = [o for o in objects if o.get("kind") == "Pod"]
+    for service in (o for o in objects if o.get("kind") == "Service"):
+        selector = (service.get("spec") or {}).get("selector") or {}
+        pod = next((p for p in pods if selector and mirror.selects(selector, p["metadata"].get("labels") or {})), None)
+        if pod is not None:
+            exporter = OperatorExporter(targets)
+            targets.operator = (service, pod, exporter.port)
+            return exporter
+    return None

@@ -31,11 +31,16 @@ from typing import Any
 import yaml
 
 from localserve.processes import Child, child_env, free_port
+from twin import kuberay as mirror
 from twin import prometheus_operator
 
 # 10m -> 10 s: a fault is seen within seconds of its alert's own wait, scaled.
 FOR_FACTOR = 1 / 60
-SCRAPE_INTERVAL = "1s"
+# Not 1s: on a loaded two-core machine Ray's metrics agents and an
+# overloaded vLLM server take about a second to answer, and a timed-out
+# scrape drops the series, which resets every alert's `for` (seen with 1s:
+# the KV-cache alert never held, and the head's target fell out after a kill).
+SCRAPE_INTERVAL = "3s"
 EVALUATION_INTERVAL = "1s"
 READY_TIMEOUT_S = 30.0
 MONITOR_KINDS = ("PodMonitor", "ServiceMonitor")
@@ -63,9 +68,22 @@ def as_duration(seconds: float) -> str:
 
 
 def load_objects(render_dir: Path) -> list[dict[str, Any]]:
-    """Every object of the render's ``manifests.yaml``."""
+    """Every object of the render's ``manifests.yaml``, and those a mirrored chart makes of its release.
+
+    The KubeRay operator's chart makes the operator's pod, Service and
+    ServiceMonitor from the release's values (twin.kuberay.OperatorRelease):
+    its RayService metrics are what the RayService alerts read.
+    """
     docs = yaml.safe_load_all((render_dir / "manifests.yaml").read_text())
-    return [doc for doc in docs if isinstance(doc, dict)]
+    objects = [doc for doc in docs if isinstance(doc, dict)]
+    helm = render_dir / "helm.yaml"
+    releases = [d for d in yaml.safe_load_all(helm.read_text()) if isinstance(d, dict)] if helm.is_file() else []
+    for release in releases:
+        if release.get("chart") == mirror.CHART_NAME:
+            operator = mirror.OperatorRelease.from_release(release)
+            made = [operator.pod(), operator.service(), operator.service_monitor()]
+            objects += [obj for obj in made if obj is not None]
+    return objects
 
 
 def monitors(objects: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -10,14 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from infra.serving.ports import RAY_PORTS
+from localserve.otlp import OtlpReceiver
 from localserve.processes import child_env, free_port
 from twin import live, observe
 from twin.checks import ParsedStart, model_groups_for, run_static_checks, scaled, shortfall
-from twin.cluster import REPO, LocalCluster
-from twin.deploy import Fitting, ModelInfo, TwinServeConfig, deploy, twin_serve_config
+from twin.cluster import LOOPBACK, REPO, LocalCluster
+from twin.deploy import Fitting, ModelInfo, TwinServeConfig, deploy, twin_serve_config, with_tracing
 from twin.render import RayServiceSpec
 from twin.report import Report
 from twin.shape import TWIN_IDLE_TIMEOUT_S, fit_shape, pod_env
+from twin.traces import chat_sender, check_traces
 
 # KubeRay's worker readiness probe: failureThreshold 10 x periodSeconds 5.
 ENDPOINT_TIMEOUT_S = 50.0
@@ -40,6 +42,8 @@ class Session:
     model_groups: dict[str, str]
     # The head's own metrics endpoints (the autoscaler's, the dashboard's): port name -> live port.
     head_ports: dict[str, int] = field(default_factory=dict)
+    # Where the deployed config sends its traces (twin.deploy.with_tracing); None when not traced.
+    receiver: OtlpReceiver | None = None
 
     @property
     def name(self) -> str:
@@ -59,12 +63,17 @@ def prepare(
     http_port: int,
     fitting: Fitting | None = None,
     idle_timeout_s: float | None = TWIN_IDLE_TIMEOUT_S,
+    traced: bool = False,
 ) -> Session:
-    """Fits the RayService to this machine and prints every substitution; starts nothing."""
+    """Fits the RayService to this machine and prints every substitution; starts nothing but,
+    when ``traced``, the OTLP receiver the deployed config sends its traces to."""
     fitted = fit_shape(service.name, autoscaling, head, http_port, pod_env(service.cluster), idle_timeout_s)
     serve = twin_serve_config(
         service.serve_config(), model_dir=model_dir, secrets_dir=workdir / "s", http_port=http_port, fitting=fitting
     )
+    receiver = OtlpReceiver().start() if traced else None
+    if receiver is not None:
+        serve.substitutions.append(with_tracing(serve.config, receiver.endpoint))
     head_ports = {RAY_PORTS.autoscaler_metrics.name: free_port(), RAY_PORTS.dashboard_metrics.name: free_port()}
     for line in fitted.substitutions + serve.substitutions:
         report.sub(service.name, line)
@@ -83,7 +92,12 @@ def prepare(
     )
     cluster = LocalCluster(fitted.shape, workdir, env, head_proxy_port=http_port)
     return Session(
-        service=service, cluster=cluster, serve=serve, model_groups=dict(model_groups), head_ports=head_ports
+        service=service,
+        cluster=cluster,
+        serve=serve,
+        model_groups=dict(model_groups),
+        head_ports=head_ports,
+        receiver=receiver,
     )
 
 
@@ -171,6 +185,7 @@ def run_service(
         workdir=workdir,
         model_dir=model_dir,
         http_port=free_port(),
+        traced=True,
     )
     try:
         start_and_deploy(session, report)
@@ -184,6 +199,8 @@ def run_service(
     finally:
         report.step(service.name, "stopping the local cluster")
         session.cluster.stop()
+        if session.receiver is not None:
+            session.receiver.stop()
 
 
 def run_live_checks(session: Session, report: Report, stack: str | None) -> None:
@@ -198,6 +215,9 @@ def run_live_checks(session: Session, report: Report, stack: str | None) -> None
         check_loopback(session, report)
         if running:
             check_requests(session, report, sampler)
+            port = sampler.ready_port()
+            if port is not None:
+                check_session_traces(session, report, f"http://{LOOPBACK}:{port}/v1")
             check_every_worker_ready(session, report)
             check_ingress_replicas(session, report, stack)
             check_scale_to_zero(session, report, sampler)
@@ -262,6 +282,14 @@ def check_requests(session: Session, report: Report, sampler: live.EndpointSampl
         )
     status = live.status_without_key(port)
     report.check(session.name, status == 401, f"auth: a request without an API key gets {status} (want 401)")
+
+
+def check_session_traces(session: Session, report: Report, base_url: str) -> None:
+    """One chat at ``base_url`` arrives at the session's OTLP receiver as vLLM's span of it (twin.traces)."""
+    if session.receiver is None:
+        return
+    send = chat_sender(base_url, session.serve.api_key, _first_model(session))
+    check_traces(report, session.name, session.receiver, send)
 
 
 def check_every_worker_ready(session: Session, report: Report, settle_s: float = 30.0) -> None:
@@ -388,6 +416,9 @@ def run_server_checks(session: Session, report: Report) -> None:
         if running:
             for model in models:
                 check_server_requests(session, report, model, replicas.get(model.model_id) or [])
+            first = replicas.get(models[0].model_id) or []
+            if first:
+                check_session_traces(session, report, str(first[0].get("url", "")))
             check_every_server_ready(session, report, sampler)
     finally:
         sampler.stop()

@@ -20,10 +20,14 @@ import pytest
 
 from infra.render import ROOT
 from localserve.processes import Child, child_env, free_port, marked_processes, session_members
+from twin import observe
 
 pytestmark = pytest.mark.e2e
 
-TWIN_TIMEOUT_S = 600.0
+# Prod also runs the monitoring (a real Prometheus, each alert's fault): about five minutes more.
+TWIN_TIMEOUT_S = {"dev": 600.0, "prod": 1080.0}
+# CI proves the monitoring on prod, the production layout (vllm-server); `make twin` runs it on both.
+MONITORED = {"prod"}
 LOCAL_READY_TIMEOUT_S = 600.0
 
 
@@ -37,12 +41,21 @@ def test_the_twin_of_the_stack_passes(stack: str, tiny_model: Path, tmp_path: Pa
     started = time.monotonic()
     with log.open("w") as out:
         done = subprocess.run(
-            [sys.executable, "-m", "infra.twin", "--stack", stack, "--out", str(tmp_path / "render")],
+            [
+                sys.executable,
+                "-m",
+                "infra.twin",
+                "--stack",
+                stack,
+                "--out",
+                str(tmp_path / "render"),
+                *(["--monitoring"] if stack in MONITORED else []),
+            ],
             cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             stdout=out,
             stderr=subprocess.STDOUT,
-            timeout=TWIN_TIMEOUT_S + 60,
+            timeout=TWIN_TIMEOUT_S[stack] + 60,
             check=False,
         )
     took = time.monotonic() - started
@@ -51,7 +64,21 @@ def test_the_twin_of_the_stack_passes(stack: str, tiny_model: Path, tmp_path: Pa
     print(f"\n[twin {stack}] {took:.0f}s\n" + "\n".join(verdicts), flush=True)
     assert done.returncode == 0, "\n".join(output.splitlines()[-80:])
     assert not [v for v in verdicts if v.startswith("FAIL")]
-    assert took < TWIN_TIMEOUT_S, f"the {stack} twin took {took:.0f}s"
+    assert took < TWIN_TIMEOUT_S[stack], f"the {stack} twin took {took:.0f}s"
+    assert any(v.startswith("PASS") and "traces: request" in v for v in verdicts), "no trace line"
+    if stack in MONITORED:
+        # Every alert with a fault here fired on it; the rest said why not (a `--` line).
+        fired = {
+            a for a in observe.FAULT_OF if any(v.startswith("PASS") and f"alert {a}: fired" in v for v in verdicts)
+        }
+        explained = {
+            a
+            for a in observe.FAULT_OF
+            if any(f"alert {a}: fault " in line and "not run in this layout" in line for line in output.splitlines())
+        }
+        assert set(observe.FAULT_OF) <= fired | explained, sorted(set(observe.FAULT_OF) - fired - explained)
+        assert any("steady state: no alert fired" in v for v in verdicts)
+        assert any("series: all" in v for v in verdicts) and any("panels: all" in v for v in verdicts)
     if stack == "dev":
         assert any("wake (" in v for v in verdicts) and any("scale to zero (" in v for v in verdicts)
     else:
