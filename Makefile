@@ -9,7 +9,8 @@ LOCAL_BACKEND ?= file://$(HOME)/.pulumi-llm-platform
 POLICY_VENV := policy/venv
 POLICY_FLAGS = --policy-pack policy --policy-pack-config policy/config/$(STACK).json
 
-.PHONY: help install install-dev up preview destroy render upgrade-status test lint unit e2e bench golden-urns clean twin local pin-base lock-workloads
+.PHONY: help install install-dev up preview destroy render upgrade-status test lint unit e2e bench golden-urns clean twin local \
+	system-deps-test system-deps-twin pin-base lock-workloads
 
 help:
 	@echo "make up STACK=dev|prod       deploy a stack (creates the venv, logs in, selects the stack)"
@@ -91,7 +92,14 @@ unit: $(VENV)/.dev
 e2e: $(VENV)/.dev
 	E2E_REQUIRED=1 $(BIN)/python -m pytest -q -m e2e
 
-test: lint $(VENV)/.dev
+# System packages (apt-get as root, else one line naming them): scripts/system-deps.sh.
+system-deps-test:
+	@bash scripts/system-deps.sh test
+
+system-deps-twin:
+	@bash scripts/system-deps.sh twin
+
+test: system-deps-test lint $(VENV)/.dev
 	E2E=1 E2E_REQUIRED=1 $(BIN)/python -m pytest -q
 
 # The local twin of every RayService of a stack: Ray's own code reads the
@@ -101,7 +109,7 @@ test: lint $(VENV)/.dev
 # alert fires on its own fault (twin/observe.py, about 5 min more);
 # then day 2 (twin/day2.py): a load-balancer change, an upgrade at peak, and
 # a NewCluster upgrade under load with KubeRay's sequence (about 8 min).
-twin: $(VENV)/.dev
+twin: system-deps-twin $(VENV)/.dev
 	PYTHONUNBUFFERED=1 $(BIN)/python -m infra.twin --stack $(STACK) --monitoring
 	PYTHONUNBUFFERED=1 $(BIN)/python -m twin.day2 --stack $(STACK)
 
