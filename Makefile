@@ -51,8 +51,8 @@ define with_stack
 		mkdir -p "$(HOME)/.pulumi-llm-platform"; pulumi login "$(LOCAL_BACKEND)"; }
 	@pulumi stack select $(STACK) 2>/dev/null || pulumi stack init $(STACK)
 	@pulumi config get llm-platform:api_keys --stack $(STACK) >/dev/null 2>&1 || { \
-		echo "generating an API key for $(STACK): read it with 'pulumi config get llm-platform:api_keys'"; \
-		pulumi config set --secret llm-platform:api_keys "$$(openssl rand -hex 32)" --stack $(STACK); }
+		echo "generating an API key for $(STACK): read it with 'pulumi config get llm-platform:api_keys' (the key follows 'default:')"; \
+		pulumi config set --secret llm-platform:api_keys "default:$$(openssl rand -hex 32)" --stack $(STACK); }
 endef
 
 up: $(VENV)/.program $(POLICY_VENV)/.installed

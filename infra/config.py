@@ -16,9 +16,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from functools import cache
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, collapse_addresses
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 import pulumi
@@ -41,7 +42,8 @@ from infra.capacity.plan import GIB, weight_bytes_per_parameter
 from infra.capacity.rules import capacity_problems
 from infra.capacity.upgrade import Fleet, UpgradeHeadroom, UpgradeNeed, headroom_problem
 from infra.instance_types import GPU_INSTANCE_TYPES, GpuInstanceType
-from workloads.inference_server.catalog import IngressScaling, Layout, ModelEntry, RequestLimits
+from workloads.inference_server.api_keys import BATCH_WORKER_KEY_ID, FINGERPRINT_PREFIX, KeyFormatError, parse_entry
+from workloads.inference_server.catalog import IngressScaling, KeyFairness, Layout, ModelEntry, RequestLimits
 from workloads.inference_server.catalog import Tracing as CatalogTracing
 
 NAMESPACE = "llm-platform"
@@ -333,6 +335,11 @@ class Storage(_Section):
     model_bucket: str = Field(min_length=3, max_length=63, pattern=r"^[a-z0-9][a-z0-9.-]*[a-z0-9]$")
     model_cache_gib: int = Field(default=200, ge=10)
     storage_class: StorageClass = StorageClass()
+    # IAM users or roles that may write and delete weights in the model
+    # bucket, besides the principal that deploys the stack; the bucket
+    # policy denies every other principal of the account (infra/aws/policies.py
+    # model_bucket_writers_only).
+    weights_writer_arns: list[str] = Field(default_factory=list)
 
 
 class GcsFaultTolerance(_Section):
@@ -395,6 +402,10 @@ class Serving(_Section):
     # vllm-server service ignores this section.
     ingress: IngressScaling = IngressScaling()
     allow_hub_download: bool = False
+    # What one API key may hold of a replica (inference_server.fairness);
+    # the batch worker's own key is held to batch.messages_per_worker unless
+    # `per_key` names it.
+    fairness: KeyFairness = KeyFairness()
 
 
 class Model(ModelEntry):
@@ -481,6 +492,20 @@ class Tracing(CatalogTracing):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _runbook_base_url(value: str) -> str:
+    # Each alert's link is <base>/<AlertName>.md: a query or fragment would
+    # end up before the page's name, and a link without a host does not open
+    # from a page in Slack or PagerDuty.
+    parts = urlsplit(value)
+    opens = parts.scheme in ("http", "https") and parts.netloc and not (parts.query or parts.fragment)
+    if not opens or any(c.isspace() for c in value):
+        raise ValueError(
+            f"'{value}' is not a base URL for the runbooks: http(s)://host/path with no query or fragment, "
+            "where docs/runbooks/ is served (each alert links <base>/<AlertName>.md)"
+        )
+    return value
+
+
 class Observability(_Section):
     """Prometheus, Grafana, the SLOs and (optionally) traces."""
 
@@ -491,7 +516,21 @@ class Observability(_Section):
     # routes and receivers that page: PagerDuty, Opsgenie, Slack keys), kept
     # by the team's secret tooling; without it alerts only show in Alertmanager.
     alertmanager_config_secret: K8sName | None = None
+    # Where this repository's docs/runbooks/ is served, e.g.
+    # https://github.com/<org>/<repo>/blob/main/docs/runbooks: every alert's
+    # `runbook_url` is <base>/<AlertName>.md. Unset, it is the page's path in
+    # the repository, docs/runbooks/<AlertName>.md.
+    runbook_base_url: Annotated[str, AfterValidator(_runbook_base_url)] | None = None
     tracing: Tracing = Tracing()
+
+
+# NLB security policies that negotiate TLS 1.2 or 1.3 only (AWS's
+# "describe-ssl-policies" for network load balancers).
+TlsPolicy = Literal[
+    "ELBSecurityPolicy-TLS13-1-2-Res-2021-06",
+    "ELBSecurityPolicy-TLS13-1-2-2021-06",
+    "ELBSecurityPolicy-TLS13-1-3-2021-06",
+]
 
 
 class Endpoint(_Section):
@@ -507,6 +546,12 @@ class Endpoint(_Section):
     # The Route 53 hosted zone of `domain`: external-dns writes the records
     # there, and its role may change that zone only.
     hosted_zone_id: str | None = Field(default=None, pattern=r"^Z[0-9A-Z]{4,31}$")
+    # The NLB's TLS security policy (protocols and ciphers clients may
+    # negotiate) when it holds a certificate. Without one the controller
+    # falls back to ELBSecurityPolicy-2016-08, which still accepts TLS 1.0.
+    # These accept TLS 1.3 and 1.2 only; the `Res` (restricted) one only
+    # forward-secret AEAD ciphers on 1.2.
+    tls_policy: TlsPolicy = "ELBSecurityPolicy-TLS13-1-2-Res-2021-06"
 
     def service_host(self, service: str) -> str | None:
         """The DNS name of one RayService's endpoint, when a domain is set."""
@@ -897,16 +942,62 @@ def _check_names(cfg: StackConfig) -> Iterable[Problem]:
         seen.add(group.name)
 
 
+# The widest single range an allow-list may name (a /8 is already 16.7
+# million addresses), and the most public addresses a whole list may admit:
+# an allow-list names clients, and one made of halves or quarters of the
+# internet (0.0.0.0/1 and 128.0.0.0/1) is the internet.
+MIN_ALLOWED_PREFIX = 8
+MAX_ALLOWED_PUBLIC_ADDRESSES = 2 ** (32 - MIN_ALLOWED_PREFIX)
+
+
+def cidr_list_problem(cidrs: Iterable[IPv4Network]) -> str | None:
+    """Why an allow-list is too wide to be one, or None.
+
+    Each range must be /MIN_ALLOWED_PREFIX or narrower, and the ranges
+    together may admit at most MAX_ALLOWED_PUBLIC_ADDRESSES public addresses
+    (private ranges, RFC 1918 and the like, do not count: they reach the
+    load balancer only through networks the account routes).
+    """
+    cidrs = list(cidrs)
+    wide = [str(c) for c in cidrs if c.prefixlen < MIN_ALLOWED_PREFIX]
+    if wide:
+        return f"{', '.join(wide)} is wider than /{MIN_ALLOWED_PREFIX} (name the clients' own ranges)"
+    # Private ranges left out before collapsing: 10.0.0.0/8 and 11.0.0.0/8 would merge into a public /7.
+    public = sum(c.num_addresses for c in collapse_addresses(c for c in cidrs if not c.is_private))
+    if public > MAX_ALLOWED_PUBLIC_ADDRESSES:
+        return (
+            f"the ranges together admit {public} public addresses, more than one /{MIN_ALLOWED_PREFIX} "
+            f"({MAX_ALLOWED_PUBLIC_ADDRESSES}): name the clients' own ranges"
+        )
+    return None
+
+
 def _check_access(cfg: StackConfig) -> Iterable[Problem]:
-    everywhere = IPv4Network("0.0.0.0/0")
     ep = cfg.endpoint
+    for key, cidrs in (
+        ("endpoint.allowed_cidrs", ep.allowed_cidrs),
+        ("cluster.public_access_cidrs", cfg.cluster.public_access_cidrs),
+    ):
+        problem = cidr_list_problem(cidrs)
+        if problem:
+            yield Problem(key, problem)
+    if not ep.certificate_arn and ep.scheme == "internal":
+        # No TLS: requests and their API keys cross the network in clear, so
+        # only private networks may reach the endpoint (an internet-facing one
+        # needs a certificate, below). With no list the load balancer admits
+        # the VPC alone (infra/serving/endpoint.py source_ranges).
+        public = [str(c) for c in ep.allowed_cidrs if not c.is_private]
+        if public:
+            yield Problem(
+                "endpoint.allowed_cidrs",
+                f"{', '.join(public)} is not a private range: without endpoint.certificate_arn the endpoint "
+                "serves plain HTTP, and API keys must not cross public networks in clear",
+            )
     if ep.scheme == "internet-facing":
         if cfg.is_prod and not ep.allowed_cidrs:
             yield Problem(
                 "endpoint.allowed_cidrs", "prod may not use an internet-facing endpoint without an allow-list"
             )
-        if cfg.is_prod and everywhere in ep.allowed_cidrs:
-            yield Problem("endpoint.allowed_cidrs", "prod may not allow 0.0.0.0/0 on an internet-facing endpoint")
         if not ep.certificate_arn:
             yield Problem(
                 "endpoint.certificate_arn",
@@ -916,7 +1007,8 @@ def _check_access(cfg: StackConfig) -> Iterable[Problem]:
     if cl.mode == "eks":
         if not (cl.endpoint_public_access or cl.endpoint_private_access):
             yield Problem("cluster.endpoint_private_access", "the API server needs public or private access")
-        if cl.endpoint_public_access and (not cl.public_access_cidrs or everywhere in cl.public_access_cidrs):
+        # 0.0.0.0/0 (or any list as wide) is refused above, for every stack.
+        if cl.endpoint_public_access and not cl.public_access_cidrs:
             yield Problem(
                 "cluster.public_access_cidrs",
                 "a public API server endpoint needs a CIDR allow-list without 0.0.0.0/0",
@@ -1205,6 +1297,64 @@ def _check_batch(cfg: StackConfig) -> Iterable[Problem]:
         )
 
 
+def key_fairness(cfg: StackConfig) -> KeyFairness:
+    """The catalogue's per-key caps: serving.fairness, with the batch worker's key held to its own concurrency.
+
+    A worker keeps batch.messages_per_worker requests in flight, on one
+    connection pool to the serve Service: a smaller cap would refuse part of
+    every worker's own concurrency at the replica it talks to.
+    """
+    fairness = cfg.serving.fairness
+    if not cfg.batch.enabled or BATCH_WORKER_KEY_ID in fairness.per_key:
+        return fairness
+    per_key = {**fairness.per_key, BATCH_WORKER_KEY_ID: cfg.batch.messages_per_worker}
+    return fairness.model_copy(update={"per_key": per_key})
+
+
+def replica_inflight_caps(cfg: StackConfig) -> dict[str, tuple[str, int]]:
+    """RayService -> (config key, value) of the in-flight cap of the replica its guard runs in.
+
+    vllm-server: the model's max_ongoing_requests (the guard holds it, Serve
+    never sees the requests); serve-ingress: the OpenAI ingress replica's.
+    """
+    caps: dict[str, tuple[str, int]] = {}
+    for name, models in cfg.services().items():
+        if cfg.layout_for(models) == "vllm-server":
+            i = cfg.models.index(models[0])
+            caps[name] = (f"models[{i}].autoscaling.max_ongoing_requests", models[0].autoscaling.max_ongoing_requests)
+        else:
+            caps[name] = ("serving.ingress.max_ongoing_requests", cfg.serving.ingress.max_ongoing_requests)
+    return caps
+
+
+def _check_fairness(cfg: StackConfig) -> Iterable[Problem]:
+    """Every key cap stays below every replica cap, and the batch worker's covers its own concurrency."""
+    fairness = key_fairness(cfg)
+    derived = fairness is not cfg.serving.fairness
+    for key_id, cap in fairness.caps().items():
+        if key_id == "*":
+            path = "serving.fairness.max_inflight_per_key"
+        elif derived and key_id == BATCH_WORKER_KEY_ID:
+            path = "batch.messages_per_worker"
+        else:
+            path = f"serving.fairness.per_key.{key_id}"
+        for service, (replica_path, replica_cap) in replica_inflight_caps(cfg).items():
+            if cap >= replica_cap:
+                yield Problem(
+                    path,
+                    f"{cap} is not below {replica_path} ({replica_cap}) of service '{service}': one key at its cap "
+                    "would hold the whole replica and every other key would get 429",
+                )
+                break
+    batch_cap = cfg.serving.fairness.per_key.get(BATCH_WORKER_KEY_ID)
+    if cfg.batch.enabled and batch_cap is not None and batch_cap < cfg.batch.messages_per_worker:
+        yield Problem(
+            f"serving.fairness.per_key.{BATCH_WORKER_KEY_ID}",
+            f"{batch_cap} is below batch.messages_per_worker ({cfg.batch.messages_per_worker}): each batch worker "
+            "would be refused part of its own concurrency at the replica it talks to",
+        )
+
+
 def _check_limits(cfg: StackConfig) -> Iterable[Problem]:
     limit = cfg.serving.limits.max_prompt_tokens
     short = [f"'{m.name}' ({m.max_model_len})" for m in cfg.models if limit >= m.max_model_len]
@@ -1214,6 +1364,17 @@ def _check_limits(cfg: StackConfig) -> Iterable[Problem]:
             f"{limit} is not below the max_model_len of {', '.join(short)}: a prompt the server accepts "
             "would leave the model no room to answer",
         )
+    # The prompts of one request together (a /v1/completions batch) never
+    # cost more prefill than one prompt at the model's full context.
+    total = cfg.serving.limits.max_request_prompt_tokens
+    if total is not None:
+        over = [f"'{m.name}' ({m.max_model_len})" for m in cfg.models if total > m.max_model_len]
+        if over:
+            yield Problem(
+                "serving.limits.max_request_prompt_tokens",
+                f"{total} exceeds the max_model_len of {', '.join(over)}: one request's prompts together would "
+                "cost more prefill than a single prompt at the model's full context",
+            )
 
 
 # The partition of a region (the `aws` partition for every other region).
@@ -1248,6 +1409,8 @@ class ArnRule:
 ARN_RULES: dict[str, ArnRule] = {
     # An IAM user or role: what an EKS access entry takes (not an STS assumed-role session).
     "cluster.admin_principal_arns": ArnRule("iam", r"(user|role)/[\w+=,.@/-]+", "role/<name>", regional=False),
+    # The model bucket's policy names them as `aws:PrincipalArn`: a user or a role, never a session.
+    "storage.weights_writer_arns": ArnRule("iam", r"(user|role)/[\w+=,.@/-]+", "role/<name>", regional=False),
     # A key, not an alias: the EBS CSI driver's IAM grants name it as a policy resource.
     "storage.storage_class.kms_key_arn": ArnRule("kms", rf"key/{_RESOURCE_ID}", "key/<id>", regional=True),
     # The NLB's TLS listener takes an ACM certificate of its own region.
@@ -1371,6 +1534,7 @@ def check_rules(cfg: StackConfig) -> list[Problem]:
     problems += _check_prescale(cfg, gpu_groups)
     problems += _check_cold_start(cfg, gpu_groups)
     problems += _check_limits(cfg)
+    problems += _check_fairness(cfg)
     problems += _check_batch(cfg)
     problems += _check_layout(cfg)
     problems += _check_ingress(cfg)
@@ -1463,15 +1627,40 @@ def split_api_keys(value: str) -> list[str]:
 
 
 def _check_api_keys(value: str) -> list[Problem]:
-    # Never echo a key: the message names only the position and the rule.
-    keys = split_api_keys(value)
-    if not keys:
-        return [Problem(SECRET_API_KEYS, "needs at least one key")]
-    return [
-        Problem(SECRET_API_KEYS, f"key {i + 1} is shorter than {API_KEY_MIN_LENGTH} characters")
-        for i, key in enumerate(keys)
-        if len(key) < API_KEY_MIN_LENGTH
-    ]
+    """Each entry is `<id>:<secret>` (or a bare secret, whose id is its fingerprint), ids and secrets unique.
+
+    Never echo a key: a message names the position, and the id where one is written.
+    """
+    out: list[Problem] = []
+    ids: set[str] = set()
+    secrets: set[str] = set()
+    entries = split_api_keys(value)
+    if not entries:
+        return [Problem(SECRET_API_KEYS, "needs at least one key (<id>:<key>)")]
+    for i, text in enumerate(entries, start=1):
+        try:
+            key = parse_entry(text, f"key {i}")
+        except KeyFormatError as err:
+            out.append(Problem(SECRET_API_KEYS, str(err)))
+            continue
+        named = f"key {i} ('{key.id}')" if key.explicit else f"key {i}"
+        rules = [
+            (len(key.secret) < API_KEY_MIN_LENGTH, f"is shorter than {API_KEY_MIN_LENGTH} characters"),
+            (
+                key.explicit and key.id == BATCH_WORKER_KEY_ID,
+                f"uses the id '{BATCH_WORKER_KEY_ID}', the batch worker's own",
+            ),
+            (
+                key.explicit and key.id.startswith(FINGERPRINT_PREFIX),
+                f"uses an id starting '{FINGERPRINT_PREFIX}', kept for keys written without an id",
+            ),
+            (key.id in ids, "uses the id of another key"),
+            (key.secret in secrets, "repeats another key"),
+        ]
+        out += [Problem(SECRET_API_KEYS, f"{named} {message}") for broken, message in rules if broken]
+        ids.add(key.id)
+        secrets.add(key.secret)
+    return out
 
 
 # A stand-in for the API keys secret when a stack file does not carry it

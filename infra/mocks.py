@@ -207,6 +207,10 @@ class PlatformMocks(pulumi.runtime.Mocks):
     def call(self, args: pulumi.runtime.MockCallArgs) -> tuple[dict[str, Any], list[tuple[str, str]] | None]:
         if args.token == "aws:index/getCallerIdentity:getCallerIdentity":
             return {"accountId": ACCOUNT_ID, "arn": _arn("iam", "", "root"), "userId": ACCOUNT_ID}, []
+        if args.token == "aws:iam/getSessionContext:getSessionContext":
+            # The caller is the account root (above), not a role session: its issuer is itself.
+            arn = str(args.args.get("arn", ""))
+            return {"arn": arn, "issuerArn": arn, "issuerId": ACCOUNT_ID, "issuerName": "", "sessionName": ""}, []
         if args.token == "aws:index/getRegion:getRegion":
             return {"name": self.region, "region": self.region, "id": self.region}, []
         if args.token == "aws:index/getPartition:getPartition":

@@ -9,6 +9,7 @@ from infra.capacity.report import (
     cold_start_budget,
     cold_start_line,
     cold_start_output,
+    inflight_line,
     plan_stack,
     preview_line,
     stack_output,
@@ -28,6 +29,7 @@ def build_stack(loaded: LoadedConfig) -> None:
     capacity = plan_stack(cfg)
     for plan in capacity:
         pulumi.log.info(preview_line(plan))
+        pulumi.log.info(inflight_line(plan))
         pulumi.log.info(cold_start_line(cold_start_budget(cfg, plan.model)))
     # Each GPU group's headroom for a NewCluster upgrade, and its cost while it runs.
     for upgrade in upgrade_plan(cfg):

@@ -83,7 +83,21 @@ EKS_ADDONS: dict[str, str] = {
 # equal the Ray inside this image, and Ray 2.60's `llm` extra pins vLLM 0.29.0.
 RAY_VERSION = "2.60.0"
 VLLM_VERSION = "0.29.0"
-RAY_LLM_BASE_IMAGE = f"rayproject/ray-llm:{RAY_VERSION}-py311-cu128"
+RAY_LLM_BASE_TAG = f"rayproject/ray-llm:{RAY_VERSION}-py311-cu128"
+# The manifest list the tag pointed to when it was last resolved: a tag can be
+# pushed again, a digest can not. The image builds FROM this digest only (the
+# tag beside it is for people; with `name:tag@digest` the registry is asked
+# for the digest alone). `make pin-base` re-resolves the tag where the
+# registry is reachable and rewrites this line, so a base change is one
+# reviewed diff; nothing here or in CI resolves it on its own.
+# The all-zero digest is UNRESOLVED_DIGEST: the tag has not been resolved on a
+# machine that can reach Docker Hub yet. Until it is, the image builds from the
+# tag and every preview says so in one warning (infra/aws/registry.py): a
+# digest that names no manifest would fail every build of every stack.
+UNRESOLVED_DIGEST = "sha256:" + "0" * 64
+RAY_LLM_BASE_DIGEST = "sha256:0000000000000000000000000000000000000000000000000000000000000000"
+RAY_LLM_BASE_PINNED = RAY_LLM_BASE_DIGEST != UNRESOLVED_DIGEST
+RAY_LLM_BASE_IMAGE = f"{RAY_LLM_BASE_TAG}@{RAY_LLM_BASE_DIGEST}" if RAY_LLM_BASE_PINNED else RAY_LLM_BASE_TAG
 
 # The placeholder that holds warm GPU nodes before a scheduled peak
 # (the serving layer's pre-scaler); it only sleeps.

@@ -29,6 +29,7 @@ MAX_MODEL_LEN = 512
 KV_CACHE_BYTES = 64 * 1024 * 1024
 LIMIT_MAX_TOKENS = 64
 LIMIT_MAX_PROMPT_TOKENS = 200
+LOCAL_MAX_INFLIGHT_PER_KEY = 64
 
 
 class ServerStartError(RuntimeError):
@@ -66,13 +67,17 @@ def catalog_for(model_dir: Path, keys_file: Path, layout: str = "serve-ingress")
                     "min_replicas": 1,
                     "max_replicas": 1,
                     "target_ongoing_requests": 8,
-                    "max_ongoing_requests": 32,
+                    "max_ongoing_requests": 96,
                     "upscale_delay_s": 5,
                     "downscale_delay_s": 60,
                 },
             }
         ],
         "limits": {"max_tokens": LIMIT_MAX_TOKENS, "max_prompt_tokens": LIMIT_MAX_PROMPT_TOKENS},
+        # One local key is every client of the end-to-end tests and the
+        # benchmarks (up to 64 requests at once): its cap, and the replica's
+        # above it, let that through (tests/e2e/test_fairness_e2e.py sets its own).
+        "fairness": {"max_inflight_per_key": LOCAL_MAX_INFLIGHT_PER_KEY},
         "api_keys_file": str(keys_file),
         "api_keys_env": "E2E_UNUSED_KEYS",
         "allow_hub_download": False,

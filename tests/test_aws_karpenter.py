@@ -125,7 +125,8 @@ def widening(mine: dict[str, Any], upstream: dict[str, Any]) -> list[str]:
     theirs = {s["Sid"]: s for s in upstream["Statement"]}
     problems = []
     for statement in mine["Statement"]:
-        sid = statement.get("Sid")
+        # A statement split off one of upstream's (to carry a condition of its own) answers to that one.
+        sid = policies.KARPENTER_SPLIT_FROM.get(statement.get("Sid", ""), statement.get("Sid"))
         if sid not in theirs or statement["Effect"] != "Allow":
             problems.append(f"{sid}: not an upstream Allow statement")
             continue
@@ -149,11 +150,61 @@ def test_controller_policies_are_upstreams_or_narrower(stack: str) -> None:
     assert set(upstream) == set(POLICY_PARTS), "upstream's CloudFormation has other controller policies"
     problems = [f"{part}: {p}" for part in POLICY_PARTS for p in widening(mine[part], upstream[part])]
     assert not problems, "\n".join(problems)
-    # Nothing upstream grants is missing either (Karpenter would fail at run time).
+    # Nothing upstream grants is missing either (Karpenter would fail at run time):
+    # every upstream statement is here, alone or split, with all of its actions.
     for part in POLICY_PARTS:
-        assert [s["Sid"] for s in mine[part]["Statement"]] == [s["Sid"] for s in upstream[part]["Statement"]]
-        for statement, up in zip(mine[part]["Statement"], upstream[part]["Statement"], strict=True):
-            assert set(_list(statement["Action"])) == set(_list(up["Action"]))
+        merged: dict[str, set[str]] = {}
+        for statement in mine[part]["Statement"]:
+            sid = policies.KARPENTER_SPLIT_FROM.get(statement["Sid"], statement["Sid"])
+            merged.setdefault(sid, set()).update(_list(statement["Action"]))
+        assert list(merged) == [s["Sid"] for s in upstream[part]["Statement"]]
+        for up in upstream[part]["Statement"]:
+            assert merged[up["Sid"]] == set(_list(up["Action"]))
+        for split, parent in policies.KARPENTER_SPLIT_FROM.items():
+            statements = {s["Sid"]: s for s in mine[part]["Statement"]}
+            if split in statements:
+                assert set(_list(statements[split]["Action"])) == set(_list(statements[parent]["Action"]))
+
+
+def _launch_statements(stack: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    statements = {s["Sid"]: s for s in ours(stack)["NodeLifecycle"]["Statement"]}
+    return statements["AllowScopedEC2InstanceAccessActions"], statements[policies.KARPENTER_IMAGE_SID]
+
+
+@pytest.mark.parametrize("stack", ["dev", "prod"])
+def test_a_launch_may_use_only_the_node_classes_subnets_group_and_amazons_images(stack: str) -> None:
+    r = rendered(stack)
+    vpc = _outputs(r, "awsx:ec2:Vpc", by_type(r, "awsx:ec2:Vpc")[0]["name"])
+    cluster = _outputs(r, "eks:index:Cluster", by_type(r, "eks:index:Cluster")[0]["name"])
+    region = stack_config(stack).region
+    ec2 = f"arn:aws:ec2:{region}:{ACCOUNT_ID}"
+    access, images = _launch_statements(stack)
+    resources = _list(access["Resource"])
+    # Exactly the subnets and the group the EC2NodeClasses select, no other.
+    assert sorted(r for r in resources if ":subnet/" in r) == sorted(
+        f"{ec2}:subnet/{i}" for i in vpc["privateSubnetIds"]
+    )
+    assert [r for r in resources if ":security-group/" in r] == [
+        f"{ec2}:security-group/{cluster['nodeSecurityGroupId']}"
+    ]
+    selected = set()
+    for node_class in manifests_of(r, "EC2NodeClass"):
+        spec = node_class["spec"]
+        selected |= {f"{ec2}:subnet/{t['id']}" for t in spec["subnetSelectorTerms"]}
+        selected |= {f"{ec2}:security-group/{t['id']}" for t in spec["securityGroupSelectorTerms"]}
+        # Amazon's images only: every class takes its AMI by an EKS-optimized alias.
+        assert all(t["alias"].split("@")[0] in ("al2023", "bottlerocket") for t in spec["amiSelectorTerms"])
+    assert selected == {r for r in resources if ":subnet/" in r or ":security-group/" in r}
+    assert not any(":image/" in r for r in resources)
+    assert images["Resource"] == f"arn:aws:ec2:{region}::image/*"
+    assert images["Condition"] == {"StringEquals": {"ec2:Owner": ["amazon"]}}
+
+
+def test_launch_targets_must_name_a_subnet_and_a_group() -> None:
+    with pytest.raises(ValueError, match="at least one subnet"):
+        policies.KarpenterLaunchTargets(subnet_ids=[], security_group_ids=["sg-1"])
+    with pytest.raises(ValueError, match="at least one subnet"):
+        policies.KarpenterLaunchTargets(subnet_ids=["subnet-1"], security_group_ids=[])
 
 
 def test_the_comparison_catches_a_wider_policy() -> None:
@@ -213,8 +264,19 @@ def test_interruption_queue_is_encrypted_tls_only_and_fed_by_upstreams_rules() -
     assert release["values"]["settings"]["clusterName"] == cfg.cluster.name
     policy = json.loads(_one(r, "aws:sqs/queuePolicy:QueuePolicy", "karpenter-interruption")["inputs"]["policy"])
     allow, deny = policy["Statement"]
-    assert allow["Principal"]["Service"] == ["events.amazonaws.com", "sqs.amazonaws.com"]
+    # EventBridge alone, and only for this stack's rules in this account: a rule elsewhere
+    # can not feed Karpenter forged interruption warnings.
+    assert allow["Principal"] == {"Service": "events.amazonaws.com"}
     assert allow["Action"] == "sqs:SendMessage" and allow["Resource"] == _queue_arn(r)
+    rule_arns = sorted(
+        _outputs(r, "aws:cloudwatch/eventRule:EventRule", x["name"])["arn"]
+        for x in by_type(r, "aws:cloudwatch/eventRule:EventRule")
+    )
+    assert len(rule_arns) == len(aws_karpenter.INTERRUPTION_RULES)
+    assert allow["Condition"] == {
+        "StringEquals": {"aws:SourceAccount": ACCOUNT_ID},
+        "ArnEquals": {"aws:SourceArn": rule_arns},
+    }
     assert deny["Effect"] == "Deny" and deny["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
     upstream = {
         (res["Properties"]["EventPattern"]["source"][0], res["Properties"]["EventPattern"]["detail-type"][0])

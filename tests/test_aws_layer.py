@@ -241,10 +241,15 @@ def test_model_bucket_is_private_encrypted_versioned_tls_only_and_kept(stack: tu
     ownership = _one(r, "aws:s3/bucketOwnershipControls:BucketOwnershipControls", "model-bucket")["inputs"]
     assert ownership["rule"]["objectOwnership"] == "BucketOwnerEnforced"
     policy = json.loads(_one(r, "aws:s3/bucketPolicy:BucketPolicy", "model-bucket")["inputs"]["policy"])
-    (deny,) = policy["Statement"]
+    deny, writers = policy["Statement"]
     assert deny["Effect"] == "Deny" and deny["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
     arn = f"arn:aws:s3:::{cfg.storage.model_bucket}"
     assert deny["Resource"] == [arn, f"{arn}/*"]
+    # Writes by anyone but the deployer (the mocks deploy as the root) and the listed writers are denied.
+    assert writers["Effect"] == "Deny" and "s3:PutObject" in writers["Action"]
+    assert writers["Condition"]["ArnNotEquals"]["aws:PrincipalArn"] == sorted(
+        ["arn:aws:iam::123456789012:root", *cfg.storage.weights_writer_arns]
+    )
 
 
 def test_image_is_built_without_preview_and_pinned_by_digest(stack: tuple[StackConfig, Rendered]) -> None:

@@ -12,6 +12,7 @@ import pytest
 from infra.aws import provisioning
 from infra.aws.addons import EksAddons
 from infra.aws.build import build_aws
+from infra.aws.identities import uses_cluster_autoscaler
 from infra.aws.layer import KARPENTER, MANAGED_NODE_GROUPS, AwsLayer
 from infra.aws.node_groups import TAINT_EFFECTS, NodeGroup
 from infra.aws.provisioning import KarpenterNodePools, ManagedNodeGroups, node_provisioner
@@ -158,3 +159,22 @@ def test_build_aws_knows_nothing_about_node_groups() -> None:
     assert not [name for name in imported if "node_group" in name.lower() or name.endswith(".NodeGroup")]
     attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
     assert "node_groups" not in attributes
+
+
+@pytest.mark.parametrize(
+    ("stack", "edit", "runs"),
+    # On a cluster this program makes the platform part is always on (config: it may be off only
+    # on an existing cluster, where no role is made at all): the provisioner decides.
+    [("dev", None, False), ("prod", _managed, True)],
+)
+def test_cluster_autoscaler_gets_a_role_only_where_it_runs(stack: str, edit: Any, runs: bool) -> None:
+    cfg = stack_config(stack, edit)
+    layer, resources = _build(cfg)
+    # The platform installs the chart under the same condition (infra/cluster_services/build.py).
+    installed = cfg.platform.cluster_autoscaler.enabled and layer.node_provisioner == MANAGED_NODE_GROUPS
+    assert uses_cluster_autoscaler(cfg, layer.node_provisioner) == installed == runs
+    made = {r["name"] for r in resources if r["type"].startswith(("aws:iam/", "aws:eks/podIdentityAssociation"))}
+    assert ("pod-identities-cluster-autoscaler" in made) == runs
+    # The identity is still handed down (its service account's name), with a role only where it runs.
+    assert layer.cluster_autoscaler.service_account == "cluster-autoscaler"
+    assert (layer.cluster_autoscaler.role_arn is not None) == runs

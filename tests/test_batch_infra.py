@@ -22,8 +22,10 @@ from infra.render import Rendered
 from infra.scheduling import system_placement
 from infra.serving import kuberay
 from infra.serving.batch import (
+    BATCH_KEY_VOLUME,
     TRIGGER_AUTH_NAME,
     WORKER_NAME,
+    in_cluster_base_url,
     request_timeout_seconds,
     scaled_object,
     worker_env,
@@ -283,10 +285,15 @@ def test_workers_run_the_serving_image_on_system_nodes_locked_down(stack: tuple[
         "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
     }
-    (keys,) = [v for v in pod["volumes"] if v["name"] == "api-keys"]
-    assert keys["secret"]["secretName"] == "inference-api-keys"
-    assert _manifest(r, "Secret", "inference-api-keys")["metadata"]["namespace"] == cfg.serving.namespace
-    assert {"name": "api-keys", "mountPath": MOUNTS.api_keys_dir, "readOnly": True} in container["volumeMounts"]
+    # Its own key (id batch-worker) in its own Secret: never the clients' keys file.
+    (keys,) = [v for v in pod["volumes"] if v["name"] == BATCH_KEY_VOLUME]
+    assert keys["secret"]["secretName"] == "inference-batch-api-key"
+    assert not [v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "inference-api-keys"]
+    assert _manifest(r, "Secret", "inference-batch-api-key")["metadata"]["namespace"] == cfg.serving.namespace
+    assert _manifest(r, "Secret", "inference-batch-api-key")["stringData"] == "[secret]"
+    mount = {"name": BATCH_KEY_VOLUME, "mountPath": MOUNTS.batch_api_key_dir, "readOnly": True}
+    assert mount in container["volumeMounts"]
+    assert MOUNTS.batch_api_key_dir != MOUNTS.api_keys_dir
     # A request ends inside its message's visibility timeout, and a stopping pod may finish it.
     env = {e["name"]: e["value"] for e in container["env"]}
     timeout = float(env["BATCH_REQUEST_TIMEOUT_SECONDS"])
@@ -308,8 +315,10 @@ def test_worker_env_is_what_the_worker_parses_and_targets_the_batch_models_servi
         settings.base_url
         == f"http://{kuberay.serve_service_name(model.service_name)}.{cfg.serving.namespace}.svc:{port}/v1"
     )
+    # Plain HTTP on the pods' own serve port (what the Service targets), never on the HTTPS port.
+    assert port == RAY_PORTS.public(cfg.layout_of(model.service_name)).number != 443
     assert settings.model == cfg.batch.model
-    assert settings.api_keys_file == MOUNTS.api_keys_file
+    assert settings.api_keys_file == MOUNTS.batch_api_key_file
     assert settings.results_bucket == f"{QUEUE}-results"  # the bucket resource's name (mocked)
     assert settings.results_prefix == RESULTS_PREFIX
     assert settings.region == cfg.region
@@ -435,3 +444,11 @@ def test_trigger_takes_the_layers_queue_url_object() -> None:
     env = {e["name"]: e["value"] for e in worker_env(settings, queue, "http://svc.llm.svc:8000/v1")}
     assert env["BATCH_QUEUE_URL"] is url
     assert env["BATCH_REQUEST_TIMEOUT_SECONDS"] == str(request_timeout_seconds(settings)) == "870"
+
+
+def test_an_in_cluster_url_is_never_plain_http_on_the_https_port() -> None:
+    service = {"metadata": {"name": "m-serve-svc", "namespace": "llm"}, "spec": {"ports": [{"port": 8100}]}}
+    assert in_cluster_base_url(service) == "http://m-serve-svc.llm.svc:8100/v1"
+    service["spec"]["ports"][0]["port"] = 443
+    with pytest.raises(ValueError, match="m-serve-svc has port 443"):
+        in_cluster_base_url(service)

@@ -102,10 +102,17 @@ def test_the_kv_cache_must_hold_one_max_model_len_sequence() -> None:
     ]
 
 
+# A replica whose KV cache holds one or two sequences is also let hold fewer
+# requests at once (the in-flight rule, tests/test_fairness.py): these
+# tests are about the KV cache alone.
+SMALL_INFLIGHT = {"target_ongoing_requests": 8, "max_ongoing_requests": 16}
+
+
 def test_each_remedy_the_kv_rule_names_works() -> None:
     def tight(**extra: Any) -> Callable[[dict[str, Any]], None]:
         def change(raw: dict[str, Any]) -> None:
             raw["models"][0].update(gpu_memory_utilization=0.8, **extra)
+            raw["models"][0]["autoscaling"].update(SMALL_INFLIGHT)
             raw["serving"]["limits"].update(max_tokens=1024, max_prompt_tokens=2048)
 
         return change
@@ -119,7 +126,12 @@ def test_each_remedy_the_kv_rule_names_works() -> None:
 def test_the_kv_rule_follows_kv_cache_memory_bytes() -> None:
     blocks = 8192 // 16 + 1  # one sequence and vLLM's null block
     exact = {"kv_cache_memory_bytes": blocks * 16 * 131072}
-    assert problems("dev", lambda raw: raw["models"][0].update(engine_overrides=exact)) == []
+
+    def small(raw: dict[str, Any]) -> None:
+        raw["models"][0].update(engine_overrides=exact)
+        raw["models"][0]["autoscaling"].update(SMALL_INFLIGHT)
+
+    assert problems("dev", small) == []
     short = {"kv_cache_memory_bytes": blocks * 16 * 131072 - 1}
     (line,) = problems("dev", lambda raw: raw["models"][0].update(engine_overrides=short))
     assert line.startswith(

@@ -131,6 +131,42 @@ CASES: list[tuple[str, str, Edit, str | Callable[[str], str]]] = [
         "no room to answer",
     ),
     (
+        "a request's prompts together above max_model_len",
+        "prod",
+        _set("serving", "limits.max_request_prompt_tokens", 40000),
+        "config error: serving.limits.max_request_prompt_tokens: 40000 exceeds the max_model_len of "
+        "'llama-31-8b' (16384), 'llama-33-70b' (16384): one request's prompts together would cost more prefill "
+        "than a single prompt at the model's full context",
+    ),
+    (
+        "a request's prompts together below one prompt",
+        "prod",
+        _set("serving", "limits.max_request_prompt_tokens", 4096),
+        "config error: serving.limits: max_request_prompt_tokens (4096) must be at least max_prompt_tokens "
+        "(12288): a single prompt at the limit would be refused",
+    ),
+    (
+        "max_logprobs above the OpenAI ceiling",
+        "dev",
+        _set("serving", "limits.max_logprobs", 21),
+        "config error: serving.limits.max_logprobs: Input should be less than or equal to 20 (got 21)",
+    ),
+    (
+        "no prompts per request",
+        "dev",
+        _set("serving", "limits.max_prompts", 0),
+        "config error: serving.limits.max_prompts: Input should be greater than or equal to 1 (got 0)",
+    ),
+    (
+        "max_logprobs set twice",
+        "prod",
+        lambda text: text.replace(
+            "enable_prefix_caching: true", "enable_prefix_caching: true\n        max_logprobs: 20"
+        ),
+        "config error: models[1].engine_overrides: engine_overrides must not set ['max_logprobs']: "
+        "use the catalogue fields instead",
+    ),
+    (
         "tensor parallel 3",
         "prod",
         _set("models", "1.tensor_parallel_size", 3),

@@ -249,6 +249,59 @@ def test_admin_principal_arns(arn: str, problem: str) -> None:
     ]
 
 
+def test_weights_writer_arns_are_users_or_roles() -> None:
+    good = "arn:aws:iam::123456789012:role/ci/weights-upload"
+    session = "arn:aws:sts::123456789012:assumed-role/weights-upload/alice"
+    assert accepted("dev", lambda raw: raw["storage"].update(weights_writer_arns=[good])).storage.weights_writer_arns
+    assert problems("dev", lambda raw: raw["storage"].update(weights_writer_arns=[good, session])) == [
+        f"config error: storage.weights_writer_arns[1]: '{session}' is not arn:aws:iam::<account>:role/<name>"
+    ]
+
+
+# ---------------------------------------------------------------- allow-lists
+
+
+@pytest.mark.parametrize(
+    ("cidrs", "problem"),
+    [
+        # Two halves are the whole internet, whatever each looks like alone.
+        (["0.0.0.0/1", "128.0.0.0/1"], "0.0.0.0/1, 128.0.0.0/1 is wider than /8 (name the clients' own ranges)"),
+        (["0.0.0.0/0"], "0.0.0.0/0 is wider than /8 (name the clients' own ranges)"),
+        (["198.51.100.0/24", "64.0.0.0/7"], "64.0.0.0/7 is wider than /8 (name the clients' own ranges)"),
+        # Each range within the limit, together far beyond it.
+        (
+            [f"{n}.0.0.0/8" for n in (11, 12, 13)],
+            "the ranges together admit 50331648 public addresses, more than one /8 (16777216): "
+            "name the clients' own ranges",
+        ),
+    ],
+)
+def test_an_allow_list_as_wide_as_the_internet_is_refused(cidrs: list[str], problem: str) -> None:
+    assert problems("prod", lambda raw: raw["endpoint"].update(allowed_cidrs=cidrs)) == [
+        f"config error: endpoint.allowed_cidrs: {problem}"
+    ]
+
+    # The API server's public allow-list answers to the same rule.
+    def public_api(raw: dict[str, Any]) -> None:
+        raw["cluster"].update(endpoint_public_access=True, public_access_cidrs=cidrs)
+
+    assert f"config error: cluster.public_access_cidrs: {problem}" in problems("dev", public_api)
+
+
+def test_an_allow_list_of_client_ranges_passes() -> None:
+    cidrs = ["11.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "198.51.100.0/24"]
+    cfg = accepted("prod", lambda raw: raw["endpoint"].update(allowed_cidrs=cidrs))
+    assert [str(c) for c in cfg.endpoint.allowed_cidrs] == cidrs
+
+
+def test_a_plain_http_endpoint_admits_private_ranges_only() -> None:
+    assert problems("dev", lambda raw: raw["endpoint"].update(allowed_cidrs=["10.20.0.0/16", "8.8.8.0/24"])) == [
+        "config error: endpoint.allowed_cidrs: 8.8.8.0/24 is not a private range: without endpoint.certificate_arn "
+        "the endpoint serves plain HTTP, and API keys must not cross public networks in clear"
+    ]
+    assert accepted("dev", lambda raw: raw["endpoint"].update(allowed_cidrs=["10.20.0.0/16"])).endpoint.allowed_cidrs
+
+
 # ---------------------------------------------------------------- ElastiCache, VPC
 
 

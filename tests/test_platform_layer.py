@@ -233,6 +233,20 @@ def test_load_balancer_controller_knows_cluster_region_and_vpc(stack: str) -> No
     assert values["ingressClass"] == load_balancer.INGRESS_CLASS
 
 
+@pytest.mark.parametrize("stack", STACKS)
+def test_load_balancer_controller_serves_only_the_serving_namespace_without_waf_or_shield(stack: str) -> None:
+    cfg = stack_config(stack)
+    values = stack_render(stack).values("aws-load-balancer-controller")
+    # A LoadBalancer Service elsewhere in the cluster gets no load balancer from it.
+    assert values["watchNamespace"] == cfg.serving.namespace
+    # The ALB add-ons its IAM policy no longer grants are off (the chart's defaults are on).
+    assert (values["enableWaf"], values["enableWafv2"], values["enableShield"]) == (False, False, False)
+    doc = policies.load_balancer_controller("aws", cfg.region, "123456789012", cfg.cluster.name)
+    actions = {a for s in doc["Statement"] for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])}
+    assert not {a for a in actions if a.split(":")[0] in ("wafv2", "waf-regional", "waf", "shield")}
+    assert "AttachWebAclAndShield" not in {s["Sid"] for s in doc["Statement"]}
+
+
 def test_without_a_known_vpc_the_controller_is_not_given_one() -> None:
     values = render_platform(stack_config("dev"), vpc_id=None).values("aws-load-balancer-controller")
     assert "vpcId" not in values
@@ -609,7 +623,13 @@ def test_external_dns_writes_the_serve_services_names_into_the_one_zone() -> Non
     # The serve Services carry the hostname annotation; nothing else is a source.
     assert values["sources"] == ["service"]
     assert values["domainFilters"] == [cfg.endpoint.domain]
-    assert values["extraArgs"] == {"zone-id-filter": ZONE}
+    # Only the serving namespace's load balancers: a Service in another namespace names no record.
+    assert values["extraArgs"] == {
+        "zone-id-filter": ZONE,
+        "namespace": cfg.serving.namespace,
+        "service-type-filter": "LoadBalancer",
+    }
+    assert not values.get("namespaced")  # its Role would need the serving namespace before it exists
     # Records it owns (TXT owner = this cluster) follow their Services; others' are never touched.
     assert (values["policy"], values["registry"], values["txtOwnerId"]) == ("sync", "txt", cfg.cluster.name)
     assert values["nodeSelector"] == system_placement(cfg).node_selector()

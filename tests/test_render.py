@@ -14,6 +14,7 @@ import yaml
 from infra.capacity.report import (
     cold_start_budget,
     cold_start_line,
+    inflight_line,
     plan_stack,
     preview_line,
     upgrade_line,
@@ -151,14 +152,15 @@ def test_ray_services_run_the_workloads_builder_from_the_built_image(stack: str)
 def test_the_render_prints_each_models_plan_and_cold_start_budget(stack: str, tmp_path: Path) -> None:
     done = render_cli("--stack", stack, "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
-    kinds = ("capacity ", "cold start ", "upgrade headroom ")
+    kinds = ("capacity ", "in flight ", "cold start ", "upgrade headroom ")
     printed = [line for line in done.stdout.splitlines() if line.startswith(kinds)]
     cfg = stack_config(stack)
     expected = []
     for plan in plan_stack(cfg):
-        expected += [preview_line(plan), cold_start_line(cold_start_budget(cfg, plan.model))]
+        # The plan, what the replica's in-flight cap asks of its KV cache, the cold start.
+        expected += [preview_line(plan), inflight_line(plan), cold_start_line(cold_start_budget(cfg, plan.model))]
     # Then each GPU group's room for a NewCluster upgrade.
     expected += [upgrade_line(u) for u in upgrade_plan(cfg)]
     assert printed == expected
-    assert len(printed) == 2 * len(cfg.models) + len({m.gpu_group for m in cfg.models})
+    assert len(printed) == 3 * len(cfg.models) + len({m.gpu_group for m in cfg.models})
     assert render_stack(stack).log == expected

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,6 @@ from inference_server.catalog import Catalog, ModelEntry, RequestLimits, ServeAu
 from inference_server.engine import S3_LOAD_FORMAT, llm_config_kwargs
 from inference_server.guard import (
     MIN_BODY_BYTES,
-    ApiGuard,
     ApiKeys,
     PromptSize,
     bearer_token,
@@ -26,6 +24,8 @@ from inference_server.guard import (
     prompt_sizes,
 )
 from pydantic import ValidationError
+
+from tests.guard_calls import CHAT, Recorder, call, make_guard
 
 WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
 
@@ -280,114 +280,11 @@ def test_body_cap_is_derived_from_the_prompt_limit_with_a_floor() -> None:
 
 # ---------------------------------------------------------------- the guard middleware
 
-UNSET: Any = object()
-MODELS = ("m", "org/name")
-
-
-class Recorder:
-    """A downstream ASGI app that records what reached it and answers with a canned response."""
-
-    def __init__(self, status: int = 200, body: bytes = b"ok", chunks: int = 1) -> None:
-        self.calls: list[tuple[str, bytes]] = []
-        self.status, self.body, self.chunks = status, body, chunks
-        self.disconnected = False
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        body = b""
-        if scope["type"] == "http":
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    self.disconnected = True
-                    break
-                body += message.get("body", b"")
-                if not message.get("more_body"):
-                    break
-        self.calls.append((scope.get("path", ""), body))
-        headers = [(b"content-type", b"application/json"), (b"x-request-id", b"rid-1")]
-        await send({"type": "http.response.start", "status": self.status, "headers": headers})
-        step = max(1, -(-len(self.body) // self.chunks))
-        parts = [self.body[i : i + step] for i in range(0, len(self.body), step)] or [b""]
-        for i, part in enumerate(parts):
-            await send({"type": "http.response.body", "body": part, "more_body": i < len(parts) - 1})
-
-
-@dataclass
-class Answer:
-    status: int
-    headers: dict[bytes, bytes]
-    raw: bytes
-    receives: int
-
-    @property
-    def error(self) -> dict[str, Any]:
-        doc = json.loads(self.raw)
-        assert set(doc) == {"error"} and set(doc["error"]) == {"message", "type", "param", "code"}, doc
-        assert int(self.headers[b"content-length"]) == len(self.raw)
-        return dict(doc["error"])
-
-
-def call(
-    guard: ApiGuard,
-    path: str,
-    *,
-    key: str | None = "k1",
-    body: Any = UNSET,
-    raw: bytes | None = None,
-    method: str = "POST",
-    chunks: list[bytes] | None = None,
-    content_type: str | None = "application/json",
-    content_length: bool = True,
-    headers: tuple[tuple[bytes, bytes], ...] = (),
-    forbid_reading: bool = False,
-) -> Answer:
-    if raw is None:
-        raw = json.dumps(body).encode() if body is not UNSET else b""
-    parts = chunks if chunks is not None else [raw]
-    messages = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1} for i, p in enumerate(parts)]
-    head: list[tuple[bytes, bytes]] = list(headers)
-    if content_type is not None:
-        head.append((b"content-type", content_type.encode()))
-    if content_length and chunks is None:
-        head.append((b"content-length", str(len(raw)).encode()))
-    if key is not None:
-        head.append((b"authorization", f"Bearer {key}".encode()))
-    scope = {"type": "http", "method": method, "path": path, "headers": head, "root_path": ""}
-    sent: list[dict[str, Any]] = []
-    receives = 0
-
-    async def receive() -> dict[str, Any]:
-        nonlocal receives
-        assert not forbid_reading, "the body was read"
-        receives += 1
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    asyncio.run(guard(scope, receive, send))
-    start = sent[0]
-    assert start["type"] == "http.response.start"
-    payload = b"".join(m.get("body", b"") for m in sent[1:])
-    return Answer(start["status"], dict(start.get("headers") or []), payload, receives)
-
-
-def make_guard(counter: Any = None, downstream: Recorder | None = None, **limits: Any) -> tuple[ApiGuard, Recorder]:
-    downstream = downstream or Recorder()
-    keys = ApiKeys(None, "K", environ={"K": "k1,k2"})
-    guard = ApiGuard(
-        downstream, keys=keys, limits=RequestLimits(**limits), model_ids=MODELS, count_prompt_tokens=counter
-    )
-    return guard, downstream
-
 
 def assert_no_internals(error: dict[str, Any]) -> None:
     text = json.dumps(error).lower()
     for word in ("traceback", "exception", "internal", "serializable", "object of type", "ray.llm", "vllm"):
         assert word not in text, error
-
-
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize("key", [None, "", "nope", "k1k2"])
@@ -600,11 +497,11 @@ def test_an_unknown_model_by_path_gets_an_openai_404() -> None:
     assert len(downstream.calls) == 2
 
 
-@pytest.mark.parametrize("param", ["max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of"])
+@pytest.mark.parametrize("param", ["max_tokens", "max_completion_tokens", "min_tokens", "n"])
 @pytest.mark.parametrize("value", ["100000", "3", 100000.0, 2.0, True, [1], {"a": 1}])
 def test_integer_parameters_must_be_json_integers(param: str, value: Any) -> None:
     guard, downstream = make_guard(max_tokens=100)
-    answer = call(guard, "/v1/completions", body={"model": "m", "prompt": "x", param: value})
+    answer = call(guard, "/v1/chat/completions", body={**CHAT, param: value})
     assert answer.status == 400
     error = answer.error
     assert (error["param"], error["code"]) == (param, "invalid_type")
@@ -614,7 +511,7 @@ def test_integer_parameters_must_be_json_integers(param: str, value: Any) -> Non
 
 def test_null_integer_parameters_mean_the_default() -> None:
     guard, _ = make_guard()
-    body = {"model": "m", "prompt": "x", "max_tokens": None, "n": None, "best_of": None}
+    body = {"model": "m", "prompt": "x", "max_tokens": None, "n": None}
     assert call(guard, "/v1/completions", body=body).status == 200
 
 
@@ -627,7 +524,7 @@ def test_guard_refuses_too_many_output_tokens(param: str) -> None:
     assert downstream.calls == []
 
 
-@pytest.mark.parametrize("param", ["n", "best_of"])
+@pytest.mark.parametrize("param", ["n"])
 def test_choices_are_capped(param: str) -> None:
     guard, downstream = make_guard(max_tokens=64, max_n=4)
     answer = call(guard, "/v1/completions", body={"model": "m", "prompt": "x", "max_tokens": 8, param: 64})
@@ -661,7 +558,7 @@ def test_the_default_budget_is_max_tokens_times_max_n() -> None:
 
 
 def test_guard_checks_token_id_prompts_exactly() -> None:
-    guard, _ = make_guard(max_prompt_tokens=10)
+    guard, _ = make_guard(max_prompt_tokens=10, max_request_prompt_tokens=20)
     assert call(guard, "/v1/completions", body={"prompt": list(range(10))}).status == 200
     answer = call(guard, "/v1/completions", body={"prompt": list(range(11))})
     assert answer.status == 400 and answer.error["code"] == "context_length_exceeded"
@@ -701,10 +598,10 @@ def test_prompt_sizes() -> None:
 def test_guard_counts_exactly_only_between_the_cheap_bounds() -> None:
     counted: list[str] = []
 
-    async def counter(path: str, body: dict[str, Any]) -> int:
+    async def counter(path: str, body: dict[str, Any]) -> list[int]:
         counted.append(path)
         text = body["prompt"] if "prompt" in body else body["messages"][0]["content"]
-        return len(text.split())
+        return [len(text.split())]
 
     guard, _ = make_guard(counter, max_prompt_tokens=50, prompt_bytes_per_token=8)
     assert call(guard, "/v1/completions", body={"prompt": "a b c"}).status == 200
@@ -723,13 +620,23 @@ def test_guard_counts_exactly_only_between_the_cheap_bounds() -> None:
     assert len(counted) == 2
 
 
-def test_guard_defers_to_the_engine_when_counting_fails() -> None:
-    async def broken(path: str, body: dict[str, Any]) -> int:
+def test_a_prompt_that_can_not_be_counted_is_not_served() -> None:
+    # An uncounted prompt is the bypass the limits close: 503 when the engine
+    # could not count it, 400 when its tokenizer refused the prompt.
+    async def broken(path: str, body: dict[str, Any]) -> list[int]:
         raise RuntimeError("engine unavailable")
 
+    async def refusing(path: str, body: dict[str, Any]) -> list[int] | None:
+        return None
+
     guard, downstream = make_guard(broken, max_prompt_tokens=5)
-    assert call(guard, "/v1/completions", body={"prompt": "word " * 10}).status == 200
-    assert len(downstream.calls) == 1
+    answer = call(guard, "/v1/completions", body={"prompt": "word " * 10})
+    assert answer.status == 503 and answer.error["code"] == "prompt_not_measured"
+    assert answer.error["type"] == "server_error"
+    guard, downstream = make_guard(refusing, max_prompt_tokens=5)
+    answer = call(guard, "/v1/completions", body={"prompt": "word " * 10})
+    assert answer.status == 400 and answer.error["code"] == "invalid_prompt"
+    assert downstream.calls == []
 
 
 def test_other_routes_and_methods_pass_through() -> None:

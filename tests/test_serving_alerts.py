@@ -24,6 +24,7 @@ from infra.serving import alerts, dashboards
 from infra.serving.ports import RAY_PORTS
 from tests.harness import REFERENCE, manifests_of, reference_dir, render_stack
 from tests.harness import stack_config as config
+from tests.promql import metrics_in
 
 RULES_DIR = Path(__file__).parent / "rules"
 # The rules the promtool cases in tests/rules/ are written against.
@@ -33,86 +34,6 @@ ALERT_NAMES = [a.name for a in alerts.ALERTS]
 RECORDED = {r.record for r in alerts.RECORDING_RULES}
 # Names vLLM removed; they must not come back anywhere.
 REMOVED_BY_VLLM = ("gpu_cache_usage_perc", "time_per_output_token_seconds")
-
-# --- A PromQL reader: the metric names an expression selects. ---
-
-_TOKEN = re.compile(
-    r"""
-      (?P<space>\s+|\#[^\n]*)
-    | (?P<string>"(?:\\.|[^"\\])*"|'(?:\\.|[^'\\])*'|`[^`]*`)
-    | (?P<duration>(?:\d+(?:ms|[smhdwy]))+(?![\w:]))
-    | (?P<number>0[xX][0-9a-fA-F]+|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|(?i:inf|nan)(?![\w:]))
-    | (?P<name>[A-Za-z_:][\w:]*)
-    | (?P<punct>=~|!~|==|!=|>=|<=|[-+*/%^=<>(){}\[\],:@])
-    """,
-    re.VERBOSE,
-)
-# Keywords that take a parenthesised list of label names.
-_LABEL_LIST_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right"}
-_KEYWORDS = _LABEL_LIST_KEYWORDS | {"and", "or", "unless", "bool", "offset", "atan2"}
-_CLOSING = {"(": ")", "{": "}", "[": "]"}
-
-
-def _tokens(expr: str) -> Iterator[tuple[str, str]]:
-    pos = 0
-    while pos < len(expr):
-        match = _TOKEN.match(expr, pos)
-        if match is None:
-            raise ValueError(f"cannot read PromQL at {expr[pos:]!r}")
-        assert match.lastgroup is not None
-        if match.lastgroup != "space":
-            yield match.lastgroup, match.group()
-        pos = match.end()
-
-
-def _skip(tokens: list[tuple[str, str]], start: int) -> int:
-    """The index after the bracket that closes the one at `start`."""
-    opening = tokens[start][1]
-    depth = 0
-    for i in range(start, len(tokens)):
-        text = tokens[i][1] if tokens[i][0] == "punct" else ""
-        depth += (text == opening) - (text == _CLOSING[opening])
-        if depth == 0:
-            return i + 1
-    raise ValueError(f"unclosed {opening!r}")
-
-
-def _selector_name(tokens: list[tuple[str, str]]) -> str | None:
-    """A `__name__="..."` matcher inside a `{...}` selector."""
-    for i, (kind, text) in enumerate(tokens):
-        if kind == "name" and text == "__name__":
-            if tokens[i + 1][1] != "=" or tokens[i + 2][0] != "string":
-                raise ValueError("a __name__ matcher must be an exact string; name the metric")
-            return str(tokens[i + 2][1][1:-1])
-    return None
-
-
-def _metrics_in(expr: str) -> set[str]:
-    """Metric names (or recorded series) an expression selects; label matchers,
-    strings, ranges, function names, keywords and grouping labels are skipped."""
-    tokens = list(_tokens(expr))
-    parens = [text for kind, text in tokens if kind == "punct" and text in "()"]
-    if parens.count("(") != parens.count(")"):
-        raise ValueError("unbalanced parentheses")
-    names: set[str] = set()
-    i = 0
-    while i < len(tokens):
-        kind, text = tokens[i]
-        following = tokens[i + 1][1].lower() if i + 1 < len(tokens) else ""
-        if kind == "punct" and text in ("{", "["):
-            end = _skip(tokens, i)
-            if text == "{" and (name := _selector_name(tokens[i + 1 : end - 1])) is not None:
-                names.add(name)
-            i = end
-        elif kind == "name" and text.lower() in _LABEL_LIST_KEYWORDS and following == "(":
-            i = _skip(tokens, i + 1)
-        elif kind == "name" and (following in ("(", "by", "without") or text.lower() in _KEYWORDS):
-            i += 1  # a function, an aggregation (`sum by (a) (...)` too) or a keyword
-        else:
-            if kind == "name":
-                names.add(text)
-            i += 1
-    return names
 
 
 @pytest.mark.parametrize(
@@ -131,13 +52,13 @@ def _metrics_in(expr: str) -> set[str]:
     ],
 )
 def test_the_metric_parser_finds_what_it_should(expr: str, names: set[str]) -> None:
-    assert _metrics_in(expr) == names
+    assert metrics_in(expr) == names
 
 
 @pytest.mark.parametrize("expr", ['{__name__=~"ray_.*"}', "sum(rate(x[5m])", "a ? b"])
 def test_the_metric_parser_refuses_what_it_cannot_read(expr: str) -> None:
     with pytest.raises(ValueError):
-        _metrics_in(expr)
+        metrics_in(expr)
 
 
 # --- The inventory and the rules. ---
@@ -191,7 +112,7 @@ def test_every_expression_reads_only_its_declared_known_metrics(stack: str) -> N
     declared = {a.name: a.metrics for a in alerts.ALERTS} | {r.record: r.metrics for r in alerts.RECORDING_RULES}
     for rule in _rules(_rule(stack)):
         name = rule.get("alert") or rule["record"]
-        used = _metrics_in(rule["expr"])
+        used = metrics_in(rule["expr"])
         assert used == set(declared[name]), f"{name}: reads {sorted(used)}, declares {sorted(declared[name])}"
         allowed = alerts.KNOWN_METRICS if "record" in rule else alerts.KNOWN_METRICS | RECORDED
         assert used <= allowed, f"{name}: not in the metric inventory: {sorted(used - allowed)}"
@@ -212,7 +133,7 @@ def _dashboard_exprs(node: Any) -> Iterator[str]:
 def test_dashboards_read_recorded_series_or_known_metrics() -> None:
     exprs = [e for body in dashboards.dashboards().values() for e in _dashboard_exprs(json.loads(body))]
     assert exprs
-    used = set().union(*(_metrics_in(e) for e in exprs))
+    used = set().union(*(metrics_in(e) for e in exprs))
     assert used <= RECORDED | set(dashboards.DASHBOARD_METRICS), sorted(used - RECORDED)
     assert set(dashboards.DASHBOARD_METRICS) <= alerts.KNOWN_METRICS
 
@@ -486,7 +407,7 @@ def test_promtool_cases_name_only_alerts_and_metrics_that_exist() -> None:
     assert {c["alertname"] for c in _alert_cases()} <= set(ALERT_NAMES)
     for test in _case_tests():
         for series in test["input_series"]:
-            name = _metrics_in(series["series"])
+            name = metrics_in(series["series"])
             assert name <= alerts.KNOWN_METRICS | RECORDED, series["series"]
 
 
@@ -508,10 +429,16 @@ def _readme_text(template: str) -> str:
 
 
 def alert_table() -> str:
-    """The README's alert table (`for` with the default SLOs)."""
+    """The README's alert table (`for` with the default SLOs), each alert linked to its runbook."""
     ctx = alerts.RuleContext(slo=Slo(), namespace=CASE_NAMESPACE)
-    rows = [f"| `{a.name}` | {a.severity} | {a.rule(ctx)['for']} | {_readme_text(a.summary)} |" for a in alerts.ALERTS]
-    return "\n".join(["| alert | severity | for | summary |", "|---|---|---|---|", *rows])
+    # The runbook link relative to the file holding the table, as the page's own link would be.
+    runbooks = Path(os.path.relpath(ROOT / alerts.RUNBOOK_DIR, README.parent)).as_posix()
+    rows = [
+        f"| `{a.name}` | {a.severity} | {a.rule(ctx)['for']} | {_readme_text(a.summary)} "
+        f"| [runbook]({runbooks}/{a.name}.md) |"
+        for a in alerts.ALERTS
+    ]
+    return "\n".join(["| alert | severity | for | summary | runbook |", "|---|---|---|---|---|", *rows])
 
 
 def test_readme_alert_table_is_generated_from_the_list() -> None:

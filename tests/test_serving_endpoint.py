@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from ipaddress import IPv4Network
 from typing import Any
 
 import pytest
 
 from infra import versions
+from infra.config import Endpoint
 from infra.serving import kuberay
 from infra.serving.dashboards import dashboards
 from infra.serving.endpoint import (
@@ -18,6 +20,7 @@ from infra.serving.endpoint import (
     load_balancer_service,
     public_service_name,
     serve_service_spec,
+    source_ranges,
 )
 from infra.serving.ports import HTTPS_PORT, RAY_PORTS
 from infra.serving.ray_service import SERVICE_LABEL
@@ -66,6 +69,21 @@ def test_prod_endpoint_is_an_internet_facing_tls_nlb_limited_to_the_allowed_cidr
         # Prod serves in the vllm-server layout: straight to each replica's vLLM server.
         assert (port["port"], port["targetPort"]) == (HTTPS_PORT, RAY_PORTS.openai.name)
         assert annotations[f"{LB_ANNOTATION}-ssl-ports"] == port["name"]
+        # TLS 1.2 and 1.3 only: the controller's default policy (2016-08) still takes TLS 1.0.
+        assert annotations[f"{LB_ANNOTATION}-ssl-negotiation-policy"] == cfg.endpoint.tls_policy
+        assert cfg.endpoint.tls_policy == "ELBSecurityPolicy-TLS13-1-2-Res-2021-06"
+
+
+def test_the_tls_policy_is_one_of_tls_12_and_13_and_only_with_a_certificate() -> None:
+    prod = config("prod").endpoint
+    chosen = prod.model_copy(update={"tls_policy": "ELBSecurityPolicy-TLS13-1-3-2021-06"})
+    annotations = load_balancer_service("a", "llm", chosen)["metadata"]["annotations"]
+    assert annotations[f"{LB_ANNOTATION}-ssl-negotiation-policy"] == "ELBSecurityPolicy-TLS13-1-3-2021-06"
+    # Plain HTTP has no listener to negotiate on.
+    annotations = load_balancer_service("a", "llm", config("dev").endpoint)["metadata"]["annotations"]
+    assert f"{LB_ANNOTATION}-ssl-negotiation-policy" not in annotations
+    with pytest.raises(ValueError, match="tls_policy"):
+        Endpoint.model_validate({**prod.model_dump(mode="json"), "tls_policy": "ELBSecurityPolicy-2016-08"})
 
 
 @pytest.mark.parametrize("stack", STACKS)
@@ -92,9 +110,21 @@ def test_dev_endpoint_is_internal_plain_http_on_the_serve_port() -> None:
         annotations = svc["metadata"]["annotations"]
         assert annotations[f"{LB_ANNOTATION}-scheme"] == "internal"
         assert f"{LB_ANNOTATION}-ssl-cert" not in annotations
-        assert "loadBalancerSourceRanges" not in svc["spec"]
+        # No allow-list of its own: the VPC alone, not the controller's default of 0.0.0.0/0
+        # (which an internal NLB would apply to everything routed into the VPC).
+        assert not config("dev").endpoint.allowed_cidrs
+        assert svc["spec"]["loadBalancerSourceRanges"] == [str(config("dev").network.vpc_cidr)]
         (port,) = svc["spec"]["ports"]
         assert (port["port"], port["targetPort"]) == (RAY_PORTS.serve.number, RAY_PORTS.serve.name)
+
+
+def test_source_ranges_are_the_allow_list_else_the_vpc() -> None:
+    dev = config("dev").endpoint
+    assert source_ranges(dev, "10.0.0.0/16") == ["10.0.0.0/16"]
+    listed = dev.model_copy(update={"allowed_cidrs": [IPv4Network("10.20.0.0/16")]})
+    assert source_ranges(listed, "10.0.0.0/16") == ["10.20.0.0/16"]
+    # Called without a VPC (a hand-made manifest), nothing is added.
+    assert "loadBalancerSourceRanges" not in load_balancer_service("a", "llm", dev)["spec"]
 
 
 def test_each_service_gets_its_own_name_under_the_domain() -> None:

@@ -243,20 +243,36 @@ def test_upgrade_strategy_is_explicit_and_from_config(stack: str) -> None:
     assert ray_service_manifest(ray_service_args(cfg, name))["spec"]["upgradeStrategy"] == {"type": "None"}
 
 
-def test_api_keys_are_a_secret_mounted_read_only_where_the_catalogue_says() -> None:
+@pytest.mark.parametrize("layout", ["vllm-server", "serve-ingress"])
+def test_api_keys_are_a_secret_mounted_read_only_only_where_a_guard_runs(layout: str) -> None:
+    # The guard runs in each vllm-server replica (GPU groups) or in the OpenAI
+    # ingress (ingress group); the head answers no request and gets no key.
     rendered = render_stack("prod")
     secrets = {s["metadata"]["name"]: s for s in manifests_of(rendered, "Secret")}
     keys = secrets["inference-api-keys"]
     assert keys["stringData"] == "[secret]"
     assert "render-placeholder-key" not in json.dumps(rendered.manifests)
-    for rs in ray_services("prod"):
+    cfg = config("prod")
+    cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"layout": layout})})
+    for name in cfg.services():
+        rs = ray_service_manifest(ray_service_args(cfg, name))
         cluster = rs["spec"]["rayClusterConfig"]
-        templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
-        for template in templates:
+        head = cluster["headGroupSpec"]["template"]
+        assert "api-keys" not in {v["name"] for v in head["spec"]["volumes"]}
+        assert "api-keys" not in {m["name"] for m in _container(head).get("volumeMounts", [])}
+        guarded = {g["groupName"] for g in cluster["workerGroupSpecs"]}
+        if layout == "serve-ingress":
+            guarded = {INGRESS_GROUP}
+        assert guarded
+        for worker in cluster["workerGroupSpecs"]:
+            template = worker["template"]
             volumes = {v["name"]: v for v in template["spec"]["volumes"]}
-            assert volumes["api-keys"]["secret"]["secretName"] == "inference-api-keys"
             mounts = {m["name"]: m for m in _container(template)["volumeMounts"]}
-            assert mounts["api-keys"] == {"name": "api-keys", "mountPath": MOUNTS.api_keys_dir, "readOnly": True}
+            if worker["groupName"] in guarded:
+                assert volumes["api-keys"]["secret"]["secretName"] == "inference-api-keys"
+                assert mounts["api-keys"] == {"name": "api-keys", "mountPath": MOUNTS.api_keys_dir, "readOnly": True}
+            else:
+                assert "api-keys" not in volumes and "api-keys" not in mounts, worker["groupName"]
         args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
         assert args["api_keys_file"] == f"{MOUNTS.api_keys_dir}/{MOUNTS.api_keys_key}"
 
@@ -264,7 +280,11 @@ def test_api_keys_are_a_secret_mounted_read_only_where_the_catalogue_says() -> N
 def test_api_key_file_has_one_key_per_line() -> None:
     from infra.serving.namespace import api_keys_file
 
-    assert api_keys_file("a" * 24 + ", " + "b" * 24) == "a" * 24 + "\n" + "b" * 24 + "\n"
+    # A key written without an id gets its fingerprint, written out; the batch worker's own key comes last.
+    from workloads.inference_server.api_keys import fingerprint
+
+    assert api_keys_file("a" * 24 + ", team:" + "b" * 24) == f"{fingerprint('a' * 24)}:{'a' * 24}\nteam:{'b' * 24}\n"
+    assert api_keys_file("team:" + "b" * 24, "c" * 48).splitlines()[-1] == "batch-worker:" + "c" * 48
 
 
 @pytest.mark.parametrize("stack", STACKS)

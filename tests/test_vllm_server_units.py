@@ -14,6 +14,8 @@ from inference_server.catalog import Catalog
 from inference_server.vllm_guard import DRAIN_FILE_ENV, NODE_DRAIN_FILE_ENV, SETTINGS_ENV, VllmServerGuard
 from pydantic import ValidationError
 
+from tests.guard_calls import Downstream, send_to
+
 
 def catalog(**overrides: Any) -> dict[str, Any]:
     model: dict[str, Any] = {
@@ -60,16 +62,6 @@ def test_serve_ingress_still_takes_what_vllm_server_refuses() -> None:
 # ---------------------------------------------------------------- guard in vLLM's server
 
 
-class Downstream:
-    def __init__(self) -> None:
-        self.paths: list[str] = []
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        self.paths.append(scope["path"])
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
-
-
 def guard(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[VllmServerGuard, Downstream, Path]:
     keys = tmp_path / "keys"
     keys.write_text("k1\n")
@@ -79,25 +71,6 @@ def guard(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[VllmServerGu
     monkeypatch.setenv(DRAIN_FILE_ENV, str(drain))
     downstream = Downstream()
     return VllmServerGuard(downstream), downstream, drain
-
-
-def send_to(app: Any, path: str, *, method: str = "POST", key: str | None = "k1", body: Any = None) -> tuple[int, Any]:
-    raw = json.dumps(body).encode() if body is not None else b""
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-    if key:
-        headers.append((b"authorization", f"Bearer {key}".encode()))
-    scope = {"type": "http", "method": method, "path": path, "headers": headers, "root_path": ""}
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    asyncio.run(app(scope, receive, send))
-    payload = b"".join(m.get("body", b"") for m in sent[1:])
-    return sent[0]["status"], json.loads(payload) if payload else None
 
 
 def test_the_server_guard_refuses_to_start_without_its_settings(monkeypatch: pytest.MonkeyPatch) -> None:

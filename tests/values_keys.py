@@ -64,6 +64,11 @@ SUBCHART_KEYS: dict[str, dict[tuple[str, ...], str]] = {
         # grafana 12.11.1 (kube-prometheus-stack 88.5.3's dependency): a Role
         # in Grafana's namespace instead of a cluster-wide ClusterRole.
         ("grafana", "rbac", "namespaced"): "grafana 12.11.1",
+        # The RoleBinding names the program's Role (configmaps only); no chart Role.
+        ("grafana", "rbac", "useExistingRole"): "grafana 12.11.1",
+        # What the sidecars watch: `both` (ConfigMaps and Secrets) by default.
+        ("grafana", "sidecar", "dashboards", "resource"): "grafana 12.11.1",
+        ("grafana", "sidecar", "datasources", "resource"): "grafana 12.11.1",
     },
 }
 

@@ -65,12 +65,21 @@ class ModelInfo:
     address_dir: Path | None = None
 
 
+# The twin's KV cache: about 20 of the overload fault's sequences (twin.observe), well under the
+# in-flight cap our stacks let one replica hold (max_ongoing_requests, 48 and up), so that the
+# overload fills it, preempts and keeps more than the SLO's 20 requests waiting through the guard's
+# caps, as long prompts do on a GPU (at 40 sequences the queue only touched 20 in passing).
+TWIN_KV_CACHE_BYTES = KV_CACHE_BYTES // 4
+# The twin's other clients: the overload comes from many keys, each within its key's in-flight cap.
+CLIENT_KEYS = 32
+
+
 @dataclass(frozen=True)
 class Fitting:
     """How the models are fitted to this machine."""
 
     max_model_len: int = MAX_MODEL_LEN
-    kv_cache_bytes: int = KV_CACHE_BYTES
+    kv_cache_bytes: int = TWIN_KV_CACHE_BYTES
     # None keeps the rendered delays (the local run); the twin shortens them to see scale-down.
     downscale_delay_s: float | None = TWIN_DOWNSCALE_DELAY_S
 
@@ -84,6 +93,8 @@ class TwinServeConfig:
     models: list[ModelInfo]
     ingress_min_replicas: dict[str, int | None]
     substitutions: list[str] = field(default_factory=list)
+    # The keys of the twin's other clients (CLIENT_KEYS), in the same keys file.
+    client_keys: list[str] = field(default_factory=list)
 
 
 def _model(
@@ -178,9 +189,11 @@ def twin_serve_config(
     fitting = fitting or Fitting()
     subs: list[str] = []
     key = api_key or "twin-" + secrets.token_hex(16)
+    clients = ["twin-" + secrets.token_hex(16) for _ in range(CLIENT_KEYS)]
     keys_file = secrets_dir / "api-keys"
     secrets_dir.mkdir(parents=True, exist_ok=True)
-    keys_file.write_text(f"# API keys, one a line\n{key}\n")
+    lines = [f"twin:{key}", *(f"client-{i:02d}:{k}" for i, k in enumerate(clients))]
+    keys_file.write_text("# API keys, one a line: <id>:<key>\n" + "\n".join(lines) + "\n")
     keys_file.chmod(0o600)
     http = config.setdefault("http_options", {})
     subs.append(f"http_options {http.get('host', '0.0.0.0')}:{http.get('port', 8000)} -> {LOOPBACK}:{http_port}")
@@ -214,7 +227,8 @@ def twin_serve_config(
             if placement is not None:
                 placements[str(entry.get("model_id"))] = placement
         subs.append(
-            f"app {name}: api_keys_file {catalog.get('api_keys_file')} -> a temporary file with a generated key"
+            f"app {name}: api_keys_file {catalog.get('api_keys_file')} -> a temporary file with generated keys "
+            f"(twin, and client-00..{CLIENT_KEYS - 1:02d} for the overload's many clients)"
         )
         catalog["api_keys_file"] = str(keys_file)
         catalog["model_cache_dir"] = str(secrets_dir / "models")
@@ -233,7 +247,12 @@ def twin_serve_config(
             app["args"]["ray_actor_options"] = actor_options
         app["import_path"] = serve_app.IMPORT_PATH
     return TwinServeConfig(
-        config=config, api_key=key, models=models, ingress_min_replicas=ingress_min, substitutions=subs
+        config=config,
+        api_key=key,
+        models=models,
+        ingress_min_replicas=ingress_min,
+        substitutions=subs,
+        client_keys=clients,
     )
 
 

@@ -408,6 +408,11 @@ class Traffic:
     base_urls: Callable[[], list[str]]
     # The processes a fault kills: the replica's server (pid) per base URL (vllm-server) or the replica actors.
     server_pids: Callable[[], list[int]]
+    # The twin's other clients' keys, and the guard's in-flight caps (inference_server.fairness): per key,
+    # and per replica. The overload sends from as many keys as its streams need, up to the replica's cap.
+    client_keys: list[str] = field(default_factory=list)
+    per_key_cap: int = 1
+    replica_cap: int = 1
 
 
 def check_series(name: str, prom: TwinPrometheus, report: Report, layouts: set[str]) -> None:
@@ -661,6 +666,31 @@ def run_operator_fault(
     report_fault(obs.name, report, fault, what, fired, fors)
 
 
+def overload(traffic: Traffic, base_url: str) -> list[StreamLoad]:
+    """The overload fault's clients: as many streams as the replica may hold, each key within its own cap.
+
+    More would only be refused with 429 by the guard (inference_server.fairness) and spin on two cores.
+    """
+    streams = min(OVERLOAD_STREAMS, traffic.replica_cap)
+    keys = traffic.client_keys[: -(-streams // max(traffic.per_key_cap, 1))]
+    loads = []
+    for index, key in enumerate(keys):
+        share = streams // len(keys) + (index < streams % len(keys))
+        loads.append(
+            StreamLoad(
+                base_url=base_url,
+                api_key=key,
+                streams=min(share, traffic.per_key_cap),
+                max_tokens=OVERLOAD_MAX_TOKENS,
+                prompt=OVERLOAD_PROMPT,
+                distinct=True,
+                model=traffic.model_id,
+                timeout_s=300,
+            )
+        )
+    return loads
+
+
 def run_faults(obs: Observed, prom: TwinPrometheus, report: Report, operator: OperatorExporter | None = None) -> None:
     """Each fault, and the alerts it must fire; alerts that can not fire here say why."""
     for spec in alerts.ALERTS:
@@ -684,22 +714,20 @@ def run_faults(obs: Observed, prom: TwinPrometheus, report: Report, operator: Op
         timeout = max(fors.values()) + FIRE_SLACK_S
         urls = obs.traffic.base_urls()
         if fault == OVERLOAD:
-            load = StreamLoad(
-                base_url=urls[0],
-                api_key=obs.traffic.api_key,
-                streams=OVERLOAD_STREAMS,
-                max_tokens=OVERLOAD_MAX_TOKENS,
-                prompt=OVERLOAD_PROMPT,
-                distinct=True,
-                model=obs.traffic.model_id,
-                timeout_s=300,
-            )
-            load.start()
+            loads = overload(obs.traffic, urls[0])
+            for load in loads:
+                load.start()
             fired = wait_firing(prom, wanted, timeout)
-            load.stop(timeout_s=1)
-            what = f"{OVERLOAD_STREAMS} streams of long prompts to one replica"
-            done = load.done()
-            extra = f"; {sum(o.ok for o in done)} served, {sum(not o.ok for o in done)} failed{load.last_error()}"
+            for load in loads:
+                load.stop(timeout_s=1)
+            streams = sum(load.streams for load in loads)
+            what = (
+                f"{streams} streams of long prompts to one replica from {len(loads)} keys (the guard lets one "
+                f"replica hold {obs.traffic.replica_cap}, one key {obs.traffic.per_key_cap})"
+            )
+            done = [o for load in loads for o in load.done()]
+            errors = next((e for load in loads if (e := load.last_error())), "")
+            extra = f"; {sum(o.ok for o in done)} served, {sum(not o.ok for o in done)} failed{errors}"
             report_fault(obs.name, report, fault, what, fired, fors, extra=extra)
         elif fault == KILL_SERVER:
             pids = obs.traffic.server_pids()

@@ -20,6 +20,7 @@ from twin.render import RayServiceSpec
 from twin.report import Report
 from twin.shape import TWIN_IDLE_TIMEOUT_S, fit_shape, pod_env
 from twin.traces import chat_sender, check_traces
+from workloads.inference_server.catalog import Catalog
 
 # KubeRay's worker readiness probe: failureThreshold 10 x periodSeconds 5.
 ENDPOINT_TIMEOUT_S = 50.0
@@ -571,13 +572,21 @@ def observed(session: Session, objects: list[dict[str, Any]], workdir: Path) -> 
             if r.get("pid")
         ]
 
+    app = next(a for a in session.serve.config.get("applications") or [] if a.get("name") == model.app)
+    catalog = Catalog.model_validate(app["args"]["args"])
     return observe.Observed(
         name=session.name,
         service=session.service,
         cluster=session.cluster,
         layouts={m.layout for m in session.serve.models},
         traffic=observe.Traffic(
-            model_id=model.model_id, api_key=session.serve.api_key, base_urls=base_urls, server_pids=server_pids
+            model_id=model.model_id,
+            api_key=session.serve.api_key,
+            base_urls=base_urls,
+            server_pids=server_pids,
+            client_keys=session.serve.client_keys,
+            per_key_cap=catalog.fairness.max_inflight_per_key,
+            replica_cap=catalog.replica_inflight_cap(),
         ),
         address_dirs=folders,
         head_ports=session.head_ports,

@@ -18,6 +18,7 @@ from infra.aws.identities import (
     keda_operator_identity,
     load_balancer_controller_identity,
     model_reader_identity,
+    uses_cluster_autoscaler,
 )
 from infra.aws.kubernetes import KubernetesAccess, KubernetesAccessArgs
 from infra.aws.layer import AwsLayer, BatchQueue, ExternalDnsAccess, RedisEndpoint
@@ -74,7 +75,12 @@ def build_aws(cfg: StackConfig) -> AwsLayer:
 
 
 def _shared(cfg: StackConfig, tags: dict[str, str]) -> _Shared:
-    bucket = ModelBucket("model-bucket", ModelBucketArgs(bucket_name=cfg.storage.model_bucket, tags=tags))
+    bucket = ModelBucket(
+        "model-bucket",
+        ModelBucketArgs(
+            bucket_name=cfg.storage.model_bucket, tags=tags, writer_arns=tuple(cfg.storage.weights_writer_arns)
+        ),
+    )
     image = ServingImage(
         "serving-image",
         RegistryArgs(repository_name=cfg.image.repository_name, reference=cfg.image.reference, tags=tags),
@@ -130,7 +136,7 @@ def _new_cluster(cfg: StackConfig, nodes: NodeProvisioner, shared: _Shared, tags
         ),
     )
     provisioned = _provision(cfg, nodes, network, cluster, tags)
-    identities = _pod_identities(cfg, cluster, shared)
+    identities = _pod_identities(cfg, cluster, shared, nodes)
     workload_addons = EksAddons(
         "workload-addons",
         AddonsArgs(cluster_name=cluster.name, names=WORKLOAD_ADDONS),
@@ -184,7 +190,7 @@ def _provision(
     )
 
 
-def _pod_identities(cfg: StackConfig, cluster: EksCluster, shared: _Shared) -> PodIdentities:
+def _pod_identities(cfg: StackConfig, cluster: EksCluster, shared: _Shared, nodes: NodeProvisioner) -> PodIdentities:
     return PodIdentities(
         "pod-identities",
         IdentitiesArgs(
@@ -198,6 +204,7 @@ def _pod_identities(cfg: StackConfig, cluster: EksCluster, shared: _Shared) -> P
             ebs_kms_key_arn=cfg.storage.storage_class.kms_key_arn,
             batch=shared.batch,
             hosted_zone_id=external_dns_zone(cfg),
+            cluster_autoscaler=uses_cluster_autoscaler(cfg, nodes.name),
         ),
     )
 

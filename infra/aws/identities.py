@@ -9,7 +9,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.aws import policies
-from infra.aws.layer import BatchQueue, ExternalDnsAccess, PodIdentity
+from infra.aws.layer import MANAGED_NODE_GROUPS, BatchQueue, ExternalDnsAccess, PodIdentity
 from infra.config import StackConfig
 
 KUBE_SYSTEM = "kube-system"
@@ -138,6 +138,19 @@ class IdentitiesArgs:
     # The Route 53 zone of the endpoint's domain, when external-dns writes
     # its records: external-dns then gets a role that may change that zone.
     hosted_zone_id: str | None = None
+    # Whether cluster-autoscaler runs (managed GPU node groups, and the
+    # platform part on): only then does it get a role. A role nobody uses
+    # is still one more principal that may change the Auto Scaling groups.
+    cluster_autoscaler: bool = True
+
+
+def uses_cluster_autoscaler(cfg: StackConfig, node_provisioner: str) -> bool:
+    """cluster-autoscaler runs only on managed node groups, and only when the platform installs it.
+
+    The same test the platform layer applies before installing it
+    (infra/cluster_services/build.py).
+    """
+    return cfg.platform.cluster_autoscaler.enabled and node_provisioner == MANAGED_NODE_GROUPS
 
 
 # (partition, region, account, cluster) -> policy document
@@ -145,8 +158,8 @@ PolicyFn = Callable[[str, str, str, str], policies.Policy]
 
 
 class PodIdentities(pulumi.ComponentResource):
-    """Least-privilege roles for the model reader, cluster-autoscaler, the load balancer controller
-    and the EBS CSI driver, each bound to one service account by a Pod Identity association.
+    """Least-privilege roles for the model reader, cluster-autoscaler (where it runs), the load balancer
+    controller and the EBS CSI driver, each bound to one service account by a Pod Identity association.
 
     Every role's trust policy admits only its own cluster, namespace and
     service account; every permission names the ARNs it needs.
@@ -168,14 +181,16 @@ class PodIdentities(pulumi.ComponentResource):
         self._account = aws.get_caller_identity_output().account_id
         self.associations = []
         self.model_reader = self._model_reader(name)
-        self.cluster_autoscaler = cluster_autoscaler_identity(
-            self._role(
-                f"{name}-cluster-autoscaler",
-                cluster_autoscaler_identity(),
-                "Scales this cluster's node groups",
-                inline=self._scoped(policies.cluster_autoscaler),
+        self.cluster_autoscaler = cluster_autoscaler_identity()
+        if args.cluster_autoscaler:
+            self.cluster_autoscaler = cluster_autoscaler_identity(
+                self._role(
+                    f"{name}-cluster-autoscaler",
+                    cluster_autoscaler_identity(),
+                    "Scales this cluster's node groups",
+                    inline=self._scoped(policies.cluster_autoscaler),
+                )
             )
-        )
         self.load_balancer_controller = self._load_balancer_controller(name)
         self.ebs_csi = self._ebs_csi(name)
         self.keda_operator = keda_operator_identity()

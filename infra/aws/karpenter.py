@@ -9,7 +9,8 @@ version (infra/versions.py KARPENTER), scoped to this cluster:
   nodes' role and the interruption queue (infra/aws/policies.py);
 - a role for the nodes it launches, with an EKS access entry of type
   EC2_LINUX so those nodes may join;
-- the interruption queue (SSE, TLS only) and the EventBridge rules that
+- the interruption queue (SSE, TLS only, written to only by the
+  EventBridge rules of this stack in this account) and the rules that
   feed it: spot interruption warnings, rebalance recommendations, instance
   state changes, AWS Health scheduled changes and capacity reservation
   interruptions. Karpenter cordons and drains a node it is warned about
@@ -154,12 +155,7 @@ class KarpenterController(pulumi.ComponentResource):
             tags=args.tags,
             opts=child,
         )
-        aws.sqs.QueuePolicy(
-            f"{name}-interruption",
-            queue_url=queue.id,
-            policy=pulumi.Output.json_dumps(queue.arn.apply(policies.karpenter_interruption_queue)),
-            opts=child,
-        )
+        rule_arns = []
         for rule_name, source, detail_type in INTERRUPTION_RULES:
             rule = aws.cloudwatch.EventRule(
                 f"{name}-{rule_name}",
@@ -175,6 +171,18 @@ class KarpenterController(pulumi.ComponentResource):
                 target_id="KarpenterInterruptionQueueTarget",
                 opts=child,
             )
+            rule_arns.append(rule.arn)
+        # Only these rules, in this account, may send (policies.karpenter_interruption_queue).
+        aws.sqs.QueuePolicy(
+            f"{name}-interruption",
+            queue_url=queue.id,
+            policy=pulumi.Output.json_dumps(
+                pulumi.Output.all(queue.arn, self._account, *rule_arns).apply(
+                    lambda a: policies.karpenter_interruption_queue(a[0], a[1], a[2:])
+                )
+            ),
+            opts=child,
+        )
         return queue
 
     def _controller_role(
@@ -194,9 +202,13 @@ class KarpenterController(pulumi.ComponentResource):
             opts=child,
             tags=args.tags,
         )
+        # RunInstances may use only what the EC2NodeClasses select (infra/cluster_services/karpenter.py).
+        launch = pulumi.Output.all(
+            pulumi.Output.from_input(args.subnet_ids), pulumi.Output.from_input(args.security_group_id)
+        ).apply(lambda a: policies.KarpenterLaunchTargets(subnet_ids=list(a[0]), security_group_ids=[a[1]]))
         documents = pulumi.Output.all(
-            self._partition, self._account, args.cluster_name, queue_arn, node_role_arn
-        ).apply(lambda a: policies.karpenter_controller(a[0], region, a[1], a[2], a[3], a[4]))
+            self._partition, self._account, args.cluster_name, queue_arn, node_role_arn, launch
+        ).apply(lambda a: policies.karpenter_controller(a[0], region, a[1], a[2], a[3], a[4], a[5]))
         for part in (
             "NodeLifecycle",
             "IAMIntegration",

@@ -9,7 +9,8 @@ with a condition where IAM offers one.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 from typing import Any
@@ -40,7 +41,12 @@ EBS_CSI_MANAGED_POLICY = "arn:{partition}:iam::aws:policy/service-role/AmazonEBS
 #   balancers (NodeSecurityGroupRules) is the nodes' group
 #   (`${node_security_group}`) when it is known;
 # - listeners and rules carry no controller tag of their own; they are
-#   reached through the load balancers they belong to (ListenersAndRules).
+#   reached through the load balancers they belong to (ListenersAndRules);
+# - no WAF, WAF Regional or Shield calls: those act on any web ACL and
+#   protection of the account (`*`), only ALBs use them, and the platform
+#   serves through NLBs; the chart switches the three add-ons off
+#   (infra/cluster_services/load_balancer.py ADDONS_OFF) so the controller
+#   never makes those calls.
 LOAD_BALANCER_CONTROLLER_POLICY_VERSION = "3.5.0"
 LOAD_BALANCER_CONTROLLER_POLICY_FILE = Path(__file__).with_name("load_balancer_controller_policy.json")
 LOAD_BALANCER_CONTROLLER_POLICY: Policy = json.loads(LOAD_BALANCER_CONTROLLER_POLICY_FILE.read_text())
@@ -244,6 +250,45 @@ def bucket_tls_only(bucket_arn: str) -> Policy:
     )
 
 
+# What replaces or removes an object's content: a write (every part of a
+# multipart upload is authorized as PutObject), a delete, a delete of one
+# version (in a versioned bucket that brings an older object back), and the
+# writes S3 replication makes on a replication role's behalf.
+OBJECT_WRITES = (
+    "s3:PutObject",
+    "s3:DeleteObject",
+    "s3:DeleteObjectVersion",
+    "s3:ReplicateObject",
+    "s3:ReplicateDelete",
+)
+
+
+def private_bucket(bucket_arn: str, writers: Sequence[str] = ()) -> Policy:
+    """The policy of a private bucket: TLS only and, when `writers` are named, writes by them alone.
+
+    With writers, every principal whose `aws:PrincipalArn` (a role session's
+    role, a user, the account root) is not one of them is denied
+    OBJECT_WRITES, whatever its own IAM policies grant: `s3:PutObject` on
+    `*` in some role of the account no longer replaces the weights. Reads
+    are untouched (the model reader's role grants them), and so is the
+    bucket's configuration, policy included: an administrator who may
+    change the policy can always change who writes.
+    """
+    document = bucket_tls_only(bucket_arn)
+    if writers:
+        document["Statement"].append(
+            {
+                "Sid": "DenyObjectWritesByOthers",
+                "Effect": "Deny",
+                "Principal": "*",
+                "Action": list(OBJECT_WRITES),
+                "Resource": f"{bucket_arn}/*",
+                "Condition": {"ArnNotEquals": {"aws:PrincipalArn": sorted(set(writers))}},
+            }
+        )
+    return document
+
+
 def batch_worker(queue_arn: str, results_bucket_arn: str, results_prefix: str) -> Policy:
     """What a batch worker does: take requests from its queue and write answers under the results prefix.
 
@@ -327,6 +372,27 @@ def queue_tls_only(queue_arn: str) -> Policy:
 # makes, and that its controller's permissions are conditioned on.
 KARPENTER_NODEPOOL_TAG = "karpenter.sh/nodepool"
 KARPENTER_NODECLASS_TAG = "karpenter.k8s.aws/ec2nodeclass"
+# Who may own the images Karpenter launches from. The EC2NodeClasses take
+# their AMIs by alias only (infra/versions.py KARPENTER_AMI_ALIASES: the
+# EKS-optimized AL2023 and Bottlerocket releases), and Amazon owns those.
+KARPENTER_IMAGE_OWNERS: tuple[str, ...] = ("amazon",)
+# The statement that carries upstream's image grant of
+# AllowScopedEC2InstanceAccessActions, split off to hold its owner condition.
+KARPENTER_IMAGE_SID = "AllowAmazonImagesForInstanceAccessActions"
+KARPENTER_SPLIT_FROM: dict[str, str] = {KARPENTER_IMAGE_SID: "AllowScopedEC2InstanceAccessActions"}
+
+
+@dataclass(frozen=True)
+class KarpenterLaunchTargets:
+    """Where Karpenter's EC2NodeClasses put nodes: the subnets and security groups they select by id."""
+
+    subnet_ids: Sequence[str]
+    security_group_ids: Sequence[str]
+
+    def __post_init__(self) -> None:
+        # An empty list would leave RunInstances without a subnet or group it may use.
+        if not self.subnet_ids or not self.security_group_ids:
+            raise ValueError("Karpenter's launch targets need at least one subnet and one security group")
 
 
 def _karpenter_owned(cluster: str) -> tuple[dict[str, str], dict[str, str], dict[str, str], dict[str, str]]:
@@ -345,8 +411,19 @@ def _karpenter_created(ec2: str) -> list[str]:
     return [f"{ec2}:{kind}/*" for kind in kinds]
 
 
-def _karpenter_node_lifecycle(ec2: str, cluster: str) -> list[Policy]:
-    """Launch, tag and terminate only what carries this cluster's ownership tags."""
+def _arns(ec2: str, kind: str, ids: Sequence[str]) -> list[str]:
+    return [f"{ec2}:{kind}/{i}" for i in ids]
+
+
+def _karpenter_node_lifecycle(ec2: str, cluster: str, launch: KarpenterLaunchTargets) -> list[Policy]:
+    """Launch, tag and terminate only what carries this cluster's ownership tags.
+
+    Upstream lets a launch use any image, subnet and security group of the
+    region. Ours names the subnets and the security group the EC2NodeClasses
+    select by id, and takes images from Amazon only (a separate statement:
+    the condition key `ec2:Owner` is on images, and the images' snapshots
+    stay as upstream has them, since a snapshot alone launches nothing).
+    """
     owned, nodepool, requested, requested_nodepool = _karpenter_owned(cluster)
     created = _karpenter_created(ec2)
     region_wide = ec2.rsplit(":", 1)[0] + ":"  # arn:<partition>:ec2:<region>: (images and snapshots have no account)
@@ -356,13 +433,18 @@ def _karpenter_node_lifecycle(ec2: str, cluster: str) -> list[Policy]:
             "Effect": "Allow",
             "Action": ["ec2:RunInstances", "ec2:CreateFleet"],
             "Resource": [
-                f"{region_wide}:image/*",
                 f"{region_wide}:snapshot/*",
-                *(
-                    f"{ec2}:{kind}/*"
-                    for kind in ("security-group", "subnet", "capacity-reservation", "placement-group")
-                ),
+                *_arns(ec2, "security-group", launch.security_group_ids),
+                *_arns(ec2, "subnet", launch.subnet_ids),
+                *(f"{ec2}:{kind}/*" for kind in ("capacity-reservation", "placement-group")),
             ],
+        },
+        {
+            "Sid": KARPENTER_IMAGE_SID,
+            "Effect": "Allow",
+            "Action": ["ec2:RunInstances", "ec2:CreateFleet"],
+            "Resource": f"{region_wide}:image/*",
+            "Condition": {"StringEquals": {"ec2:Owner": list(KARPENTER_IMAGE_OWNERS)}},
         },
         {
             "Sid": "AllowScopedEC2LaunchTemplateAccessActions",
@@ -521,7 +603,13 @@ def _karpenter_resource_discovery(partition: str, region: str, account: str) -> 
 
 
 def karpenter_controller(
-    partition: str, region: str, account: str, cluster: str, queue_arn: str, node_role_arn: str
+    partition: str,
+    region: str,
+    account: str,
+    cluster: str,
+    queue_arn: str,
+    node_role_arn: str,
+    launch: KarpenterLaunchTargets,
 ) -> dict[str, Policy]:
     """The Karpenter controller's permissions, one document per upstream managed policy.
 
@@ -529,8 +617,10 @@ def karpenter_controller(
     Karpenter's getting-started CloudFormation at the pinned version
     (infra/versions.py KARPENTER; a test compares them statement by
     statement), narrowed: every EC2 ARN names this account instead of `*`,
-    PassRole names the one role Karpenter's nodes run with, and the queue
-    actions name the one interruption queue. Kept as separate documents
+    PassRole names the one role Karpenter's nodes run with, the queue
+    actions name the one interruption queue, and a launch may use only the
+    subnets and security groups of `launch` and Amazon's images (one
+    upstream statement split in two: KARPENTER_SPLIT_FROM). Kept as separate documents
     because, like upstream, they are managed policies: a role's inline
     policies share one 10,240-character limit that these would exceed.
     """
@@ -538,7 +628,7 @@ def karpenter_controller(
     cluster_arn = f"arn:{partition}:eks:{region}:{account}:cluster/{cluster}"
     profiles = f"arn:{partition}:iam::{account}:instance-profile/*"
     return {
-        "NodeLifecycle": _doc(*_karpenter_node_lifecycle(ec2, cluster)),
+        "NodeLifecycle": _doc(*_karpenter_node_lifecycle(ec2, cluster, launch)),
         "IAMIntegration": _doc(*_karpenter_iam_integration(profiles, region, cluster, node_role_arn)),
         "EKSIntegration": _doc(
             {
@@ -569,8 +659,16 @@ def karpenter_controller(
     }
 
 
-def karpenter_interruption_queue(queue_arn: str) -> Policy:
-    """EventBridge (and SQS itself) may send to the interruption queue; nothing may use it without TLS."""
+def karpenter_interruption_queue(queue_arn: str, account: str, rule_arns: Sequence[str]) -> Policy:
+    """Only this stack's EventBridge rules may send to the interruption queue; nothing may use it without TLS.
+
+    Upstream lets the EventBridge and SQS services send without a condition,
+    so a rule in any account could feed Karpenter forged interruption
+    warnings (and have it drain nodes). Here the sender must be EventBridge
+    acting for one of the rules that feed the queue, in this account
+    (`aws:SourceArn`, `aws:SourceAccount`: the confused-deputy conditions
+    AWS documents for service principals).
+    """
     tls_only: Policy = queue_tls_only(queue_arn)["Statement"][0]
     return {
         "Version": VERSION,
@@ -579,9 +677,13 @@ def karpenter_interruption_queue(queue_arn: str) -> Policy:
             {
                 "Sid": "InterruptionEvents",
                 "Effect": "Allow",
-                "Principal": {"Service": ["events.amazonaws.com", "sqs.amazonaws.com"]},
+                "Principal": {"Service": "events.amazonaws.com"},
                 "Action": "sqs:SendMessage",
                 "Resource": queue_arn,
+                "Condition": {
+                    "StringEquals": {"aws:SourceAccount": account},
+                    "ArnEquals": {"aws:SourceArn": sorted(rule_arns)},
+                },
             },
             tls_only,
         ],

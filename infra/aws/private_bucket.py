@@ -1,14 +1,16 @@
 """A private S3 bucket: the one recipe behind the model bucket and the batch results bucket.
 
 Private (every public access blocked, ACLs off), encrypted at rest, TLS
-only, and kept: the bucket is protected (a `pulumi destroy` stops on it) and
-retained on delete (leaving the stack does not delete it), and so is its
+only, written only by the principals named when it names any, and kept:
+the bucket is protected (a `pulumi destroy` stops on it) and retained on
+delete (leaving the stack does not delete it), and so is its
 key when it has one. What differs between buckets is an argument:
 the name, the encryption, versioning and an expiry rule.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -44,6 +46,9 @@ class PrivateBucketArgs:
     versioning: bool = False
     expiry: Expiry | None = None
     tags: dict[str, str] = field(default_factory=dict)
+    # IAM principals (users, roles) that alone may write and delete objects
+    # (policies.private_bucket); None: whoever the account's IAM lets.
+    writers: pulumi.Input[Sequence[str]] | None = None
 
 
 class PrivateBucket:
@@ -78,10 +83,13 @@ class PrivateBucket:
             self._enable_versioning()
         if args.expiry is not None:
             self._expire(args.expiry)
+        writers = pulumi.Output.from_input(args.writers if args.writers is not None else [])
         aws.s3.BucketPolicy(
             name,
             bucket=self.bucket.id,
-            policy=pulumi.Output.json_dumps(self.bucket.arn.apply(policies.bucket_tls_only)),
+            policy=pulumi.Output.json_dumps(
+                pulumi.Output.all(self.bucket.arn, writers).apply(lambda a: policies.private_bucket(a[0], a[1]))
+            ),
             # S3 rejects a policy while the public access block is being set.
             opts=pulumi.ResourceOptions(parent=owner, depends_on=[public_access]),
         )

@@ -15,9 +15,13 @@ import pulumi_docker_build as docker_build
 from infra import versions
 
 WORKLOADS = Path(__file__).resolve().parents[2] / "workloads"
-CACHE_TAG = "buildcache"
 UNTAGGED_EXPIRY_DAYS = 7
 KEEP_IMAGES = 30
+# Build caches kept: one per dependency set (cache_tag), the newest first.
+KEEP_CACHES = 10
+# What the dependency layers are built from: a change to any of these starts
+# a new cache (the package's own sources only change the top layers).
+CACHE_INPUTS = ("Dockerfile", "requirements.lock")
 
 
 def _dockerignore(root: Path) -> list[tuple[bool, str]]:
@@ -64,6 +68,24 @@ def content_hash(root: Path = WORKLOADS) -> str:
     return digest.hexdigest()
 
 
+def cache_tag(root: Path = WORKLOADS) -> str:
+    """`deps-<16 hex>`: the build cache of one base digest, Dockerfile and lock; written once, never moved.
+
+    The cache repository's tags are immutable, like the image repository's:
+    a cache manifest, once pushed, is what every later build with the same
+    dependencies reads, and nobody can push over it. A build whose cache
+    already exists reads it and its own export is refused, which the build
+    ignores (`ignore_error`). BuildKit checks each cached layer against the
+    digest the cache manifest names, so the manifest is the only thing to
+    trust, and its tag can not be rewritten.
+    """
+    digest = hashlib.sha256(versions.RAY_LLM_BASE_IMAGE.encode() + b"\0")
+    for name in CACHE_INPUTS:
+        path = root / name
+        digest.update(name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"") + b"\0")
+    return f"deps-{digest.hexdigest()[:16]}"
+
+
 def image_tag(root: Path = WORKLOADS) -> str:
     """`<ray version>-<12 hex of the content hash>`: names what is inside, never moves."""
     return f"{versions.RAY_VERSION}-{content_hash(root)[:12]}"
@@ -98,13 +120,15 @@ def lifecycle_policy() -> str:
 
 
 def _cache_lifecycle_policy() -> str:
-    # Each build moves the cache tag; the manifests it leaves are garbage.
+    # One tag per dependency set, never moved: keep the newest few (an old
+    # set is rebuilt from scratch if it ever comes back); untagged manifests
+    # are left by a refused export.
     return json.dumps(
         {
             "rules": [
                 {
                     "rulePriority": 1,
-                    "description": "expire superseded cache manifests",
+                    "description": "expire untagged cache manifests",
                     "selection": {
                         "tagStatus": "untagged",
                         "countType": "sinceImagePushed",
@@ -112,7 +136,13 @@ def _cache_lifecycle_policy() -> str:
                         "countNumber": 1,
                     },
                     "action": {"type": "expire"},
-                }
+                },
+                {
+                    "rulePriority": 2,
+                    "description": f"keep the last {KEEP_CACHES} build caches",
+                    "selection": {"tagStatus": "any", "countType": "imageCountMoreThan", "countNumber": KEEP_CACHES},
+                    "action": {"type": "expire"},
+                },
             ]
         },
         sort_keys=True,
@@ -134,8 +164,8 @@ class ServingImage(pulumi.ComponentResource):
     """The ECR repository and the serving image, exported as `repository@sha256:...`.
 
     The repository's tags are immutable and scanned on push; the build cache
-    lives in a second, mutable repository, because a registry cache rewrites
-    one tag on every build, which an immutable repository refuses. The image
+    lives in a second repository, immutable too, one tag per dependency set
+    (`cache_tag`). The base is pulled by digest (infra/versions.py). The image
     is not built during preview (the CUDA base image is many GB); the
     reference is pinned to the digest the push returned, never to a tag.
     """
@@ -177,12 +207,12 @@ class ServingImage(pulumi.ComponentResource):
         return repository
 
     def _cache_repository(self, name: str, args: RegistryArgs) -> aws.ecr.Repository:
-        """The build cache's repository: mutable (the cache tag moves on every build), superseded manifests expire."""
+        """The build cache's repository: immutable tags (`cache_tag`), the newest caches kept."""
         child = pulumi.ResourceOptions(parent=self)
         cache = aws.ecr.Repository(
             f"{name}-cache",
             name=f"{args.repository_name}-cache",
-            image_tag_mutability="MUTABLE",
+            image_tag_mutability="IMMUTABLE",
             encryption_configurations=[aws.ecr.RepositoryEncryptionConfigurationArgs(encryption_type="KMS")],
             force_delete=True,
             tags=args.tags,
@@ -195,7 +225,14 @@ class ServingImage(pulumi.ComponentResource):
         """Builds workloads/ for linux/amd64 (never during preview) and pushes it as `<repository>:<tag>`."""
         token = aws.ecr.get_authorization_token_output(registry_id=self.repository.registry_id)
         registry = self.repository_url.apply(lambda url: url.split("/", 1)[0])
-        cache_ref = self.cache_repository.repository_url.apply(lambda url: f"{url}:{CACHE_TAG}")
+        cache = cache_tag(args.context)
+        cache_ref = self.cache_repository.repository_url.apply(lambda url: f"{url}:{cache}")
+        if not versions.RAY_LLM_BASE_PINNED:
+            pulumi.log.warn(
+                f"the serving image builds FROM {versions.RAY_LLM_BASE_IMAGE} by its tag, which can be pushed again: "
+                "run `make pin-base` where Docker Hub is reachable and commit the digest it writes",
+                resource=self,
+            )
         return docker_build.Image(
             name,
             context=docker_build.BuildContextArgs(location=str(args.context)),
@@ -221,6 +258,10 @@ class ServingImage(pulumi.ComponentResource):
                         # ECR stores a cache only as an OCI image manifest.
                         image_manifest=True,
                         oci_media_types=True,
+                        # The tag exists when an earlier build made this
+                        # cache: the immutable repository refuses the export,
+                        # and the image is pushed all the same.
+                        ignore_error=True,
                     )
                 )
             ],

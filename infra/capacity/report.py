@@ -22,6 +22,7 @@ from infra.capacity.plan import (
     plan_replica,
 )
 from infra.capacity.prices import ON_DEMAND_AS_OF, ON_DEMAND_SOURCE, SPOT_AS_OF, SPOT_SOURCE
+from infra.capacity.rules import MAX_INFLIGHT_KV_ROUNDS, inflight_tokens
 from infra.capacity.upgrade import UpgradeCost, UpgradeNeed, upgrade_cost
 from infra.config import GpuNodeGroupSettings, Model, StackConfig, model_cold_start, upgrade_need
 from infra.instance_types import GpuInstanceType
@@ -289,6 +290,24 @@ def preview_line(p: ModelPlan) -> str:
     )
 
 
+def inflight_ratio(p: ModelPlan) -> float:
+    """The replica's in-flight cap at the typical sequence, in KV caches (infra/capacity/rules.py bounds it)."""
+    return inflight_tokens(p.model, p.replica) / max(1, p.replica.kv_tokens)
+
+
+def inflight_line(p: ModelPlan) -> str:
+    """One line for the preview's log: what the replica's in-flight cap asks of its KV cache."""
+    r = p.replica
+    cap = p.model.autoscaling.max_ongoing_requests
+    running = min(r.planning_sequences, r.max_num_seqs)
+    return (
+        f"in flight {p.name}: at most {cap} requests per replica (autoscaling.max_ongoing_requests) x "
+        f"{r.planning_context_tokens:,} typical tokens = {inflight_tokens(p.model, r):,} tokens, "
+        f"{inflight_ratio(p):.1f} x the KV cache's {r.kv_tokens:,} (at most {MAX_INFLIGHT_KV_ROUNDS}): about "
+        f"{running} run at once at that length, the rest wait in vLLM's queue"
+    )
+
+
 def _model_output(p: ModelPlan) -> dict[str, Any]:
     r, cost = p.replica, p.cost
     return {
@@ -307,6 +326,8 @@ def _model_output(p: ModelPlan) -> dict[str, Any]:
         "max_model_len_sequences": r.max_model_len_sequences,
         "recommended_max_num_seqs": r.recommended_max_num_seqs,
         "max_num_seqs": r.max_num_seqs,
+        "max_ongoing_requests": p.model.autoscaling.max_ongoing_requests,
+        "inflight_kv_ratio": round(inflight_ratio(p), 2),
         "estimated_decode_tokens_per_second": round(p.decode.tokens_per_second) if p.decode else None,
         "usd_per_hour": None if cost.usd_per_hour is None else round(cost.usd_per_hour, 4),
         "estimated_usd_per_million_output_tokens": (

@@ -14,6 +14,7 @@ from infra.capacity.plan import (
     GIB,
     INT_OVERRIDES,
     KV_CACHE_DTYPES,
+    PLANNING_CONTEXT_SHARE,
     Device,
     EngineSettings,
     ReplicaPlan,
@@ -94,6 +95,39 @@ def kv_message(name: str, plan: ReplicaPlan) -> str:
     )
 
 
+# How many KV caches' worth of typical sequences one replica may be let hold
+# at once. Requests the KV cache can not hold wait in vLLM's queue, which has
+# no bound of its own: past this many, the last request let in waits through
+# as many rounds of generation before its first token, and the client is
+# better told 429 (with Retry-After) and sent to a replica with room.
+MAX_INFLIGHT_KV_ROUNDS = 8
+
+
+def inflight_tokens(entry: ModelEntry, plan: ReplicaPlan) -> int:
+    """The KV tokens a replica's in-flight cap asks for at the plan's typical sequence (PLANNING_CONTEXT_SHARE)."""
+    return entry.autoscaling.max_ongoing_requests * plan.planning_context_tokens
+
+
+def inflight_problems(name: str, entry: ModelEntry, plan: ReplicaPlan) -> Iterable[tuple[str, str]]:
+    """The replica's in-flight cap (max_ongoing_requests) fits MAX_INFLIGHT_KV_ROUNDS of its KV cache.
+
+    The cap is what a replica is let hold at once: Serve holds each
+    serve-ingress replica to it, the guard each vllm-server replica
+    (inference_server.fairness), where Serve never sees the requests.
+    """
+    cap, wanted = entry.autoscaling.max_ongoing_requests, inflight_tokens(entry, plan)
+    if wanted > MAX_INFLIGHT_KV_ROUNDS * plan.kv_tokens:
+        room = max(1, MAX_INFLIGHT_KV_ROUNDS * plan.kv_tokens // plan.planning_context_tokens)
+        yield (
+            "autoscaling.max_ongoing_requests",
+            f"'{name}': {cap} requests in flight x {plan.planning_context_tokens:,} typical tokens "
+            f"({PLANNING_CONTEXT_SHARE:.0%} of max_model_len) = {wanted:,} tokens, more than "
+            f"{MAX_INFLIGHT_KV_ROUNDS} x the {plan.kv_tokens:,} the KV cache holds: the rest would wait in vLLM's "
+            f"unbounded queue for rounds of generation before a first token; set at most {room}, or give the KV "
+            "cache more memory",
+        )
+
+
 def capacity_problems(
     name: str, entry: ModelEntry, geometry: Geometry, parameters_billion: float, gpu: GpuInstanceType | None
 ) -> list[tuple[str, str]]:
@@ -108,4 +142,6 @@ def capacity_problems(
     # Weights beyond the GPU are the weights rule's to report.
     if plan.weight_bytes_per_gpu < gpu.gpu_memory_bytes * entry.gpu_memory_utilization and not plan.fits_one_sequence:
         problems.append(("max_model_len", kv_message(name, plan)))
+    elif plan.fits_one_sequence:
+        problems += inflight_problems(name, entry, plan)
     return problems

@@ -3,7 +3,8 @@
 Each RayService answers at `<service>.<domain>`: its serve Service carries the
 `external-dns.alpha.kubernetes.io/hostname` annotation (infra/serving/endpoint.py)
 and external-dns points that name at the Service's network load balancer
-(an alias record). It reads Services only, writes into the configured zone
+(an alias record). It reads the serving namespace's LoadBalancer Services
+only, writes into the configured zone
 only (the zone filter here, the role's policy in the AWS layer), and owns
 what it writes through TXT records named for this cluster: `sync` removes a
 record whose Service is gone, never one another owner made.
@@ -20,23 +21,34 @@ import pulumi
 
 from infra import versions
 from infra.aws.layer import ExternalDnsAccess
-from infra.cluster_services.chart_release import ChartRelease, ChartReleaseArgs
+from infra.cluster_services.chart_release import PSA_RESTRICTED, ChartRelease, ChartReleaseArgs
 from infra.cluster_services.parts import PartContext
 from infra.scheduling import Placement
 
 RELEASE_NAME = "external-dns"
 # The chart's pods already run as a non-root user with no capabilities and
-# RuntimeDefault seccomp: the namespace enforces Pod Security `restricted`.
-PSA_RESTRICTED = {
-    "pod-security.kubernetes.io/enforce": "restricted",
-    "pod-security.kubernetes.io/warn": "restricted",
-}
+# RuntimeDefault seccomp: the namespace enforces Pod Security `restricted`
+# (chart_release.PSA_RESTRICTED).
 
 
 def external_dns_values(
-    *, domain: str, access: ExternalDnsAccess, owner: str, region: str, system: Placement
+    *, domain: str, access: ExternalDnsAccess, owner: str, region: str, system: Placement, source_namespace: str
 ) -> dict[str, Any]:
-    """The chart values: Route 53 through the pod identity, serve Services only, one domain, one zone."""
+    """The chart values: Route 53 through the pod identity, one namespace's load balancers, one domain, one zone.
+
+    `source_namespace`: the serving namespace. external-dns writes whatever
+    hostname a Service's annotation asks for (inside the domain filter), so
+    reading every namespace would let anyone who may create a Service
+    anywhere point a name of the zone at an address of their choosing; it
+    reads LoadBalancer Services of the serving namespace only (`--namespace`,
+    `--service-type-filter`). The namespace is passed as an argument rather
+    than with the chart's `namespaced`: that would put the chart's Role into
+    the serving namespace, which the serving layer creates after the platform
+    is installed. The chart's ClusterRole stays, read-only (Services, Pods,
+    EndpointSlices, Nodes); with the type filter external-dns watches
+    Services alone (source/service.go: the Pod, EndpointSlice and Node
+    informers are made only for NodePort and ClusterIP).
+    """
     values: dict[str, Any] = {
         "fullnameOverride": RELEASE_NAME,
         "serviceAccount": {"create": True, "name": access.identity.service_account},
@@ -45,7 +57,11 @@ def external_dns_values(
         "env": [{"name": "AWS_DEFAULT_REGION", "value": region}],
         "sources": ["service"],
         "domainFilters": [domain],
-        "extraArgs": {"zone-id-filter": access.hosted_zone_id},
+        "extraArgs": {
+            "zone-id-filter": access.hosted_zone_id,
+            "namespace": source_namespace,
+            "service-type-filter": "LoadBalancer",
+        },
         "policy": "sync",
         "registry": "txt",
         "txtOwnerId": owner,
@@ -74,7 +90,12 @@ def build(name: str, ctx: PartContext, opts: pulumi.ResourceOptions) -> ChartRel
         release_name=RELEASE_NAME,
         namespace=access.identity.namespace,
         values=external_dns_values(
-            domain=domain, access=access, owner=ctx.cfg.cluster.name, region=ctx.cfg.region, system=ctx.aws.system
+            domain=domain,
+            access=access,
+            owner=ctx.cfg.cluster.name,
+            region=ctx.cfg.region,
+            system=ctx.aws.system,
+            source_namespace=ctx.cfg.serving.namespace,
         ),
         namespace_labels=PSA_RESTRICTED,
     )

@@ -15,7 +15,7 @@ import pulumi
 
 from infra import versions
 from infra.aws.layer import PodIdentity
-from infra.cluster_services.chart_release import PSA_RESTRICTED_WARN, ChartRelease, ChartReleaseArgs
+from infra.cluster_services.chart_release import PSA_RESTRICTED, ChartRelease, ChartReleaseArgs
 from infra.cluster_services.parts import PartContext
 from infra.scheduling import Placement
 
@@ -50,6 +50,8 @@ def build(name: str, ctx: PartContext, opts: pulumi.ResourceOptions) -> ChartRel
         release_name=RELEASE_NAME,
         namespace=operator.namespace,
         values=keda_values(system=ctx.aws.system, operator=operator),
-        namespace_labels=PSA_RESTRICTED_WARN,
+        # KEDA's chart pods pass `restricted` (chart values securityContext and
+        # podSecurityContext: non-root, no capabilities, RuntimeDefault seccomp).
+        namespace_labels=PSA_RESTRICTED,
     )
     return ChartRelease(name, args, opts)

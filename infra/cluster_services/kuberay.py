@@ -10,7 +10,7 @@ from typing import Any
 import pulumi
 
 from infra import versions
-from infra.cluster_services.chart_release import PSA_RESTRICTED_WARN, ChartRelease, ChartReleaseArgs
+from infra.cluster_services.chart_release import PSA_RESTRICTED, ChartRelease, ChartReleaseArgs
 from infra.cluster_services.layer import PlatformPods
 from infra.cluster_services.parts import PartContext
 from infra.scheduling import Placement
@@ -48,6 +48,8 @@ def build(name: str, ctx: PartContext, opts: pulumi.ResourceOptions) -> ChartRel
         release_name=RELEASE_NAME,
         namespace=NAMESPACE,
         values=kuberay_values(system=ctx.aws.system),
-        namespace_labels=PSA_RESTRICTED_WARN,
+        # The operator's chart 1.7.0 pod passes `restricted` (its container securityContext
+        # drops every capability, runs non-root with RuntimeDefault seccomp).
+        namespace_labels=PSA_RESTRICTED,
     )
     return ChartRelease(name, args, opts)

@@ -15,6 +15,11 @@ from infra.scheduling import Placement
 RELEASE_NAME = "aws-load-balancer-controller"
 # The IngressClass the chart creates; the serving layer's Ingress names it.
 INGRESS_CLASS = "alb"
+# The controller's ALB add-ons, all on by default. The platform serves
+# through NLBs, which have none of them, and the controller's IAM policy
+# grants no WAF or Shield call (infra/aws/load_balancer_controller_policy.json):
+# switched off, the controller never tries one.
+ADDONS_OFF = {"enableWaf": False, "enableWafv2": False, "enableShield": False}
 
 
 def load_balancer_values(
@@ -24,8 +29,16 @@ def load_balancer_values(
     vpc_id: pulumi.Input[str] | None,
     identity: PodIdentity,
     system: Placement,
+    watch_namespace: str,
 ) -> dict[str, Any]:
-    """The chart values: cluster, region, VPC and the pod identity's account."""
+    """The chart values: cluster, region, VPC, the pod identity's account and the one namespace it serves.
+
+    `watch_namespace`: the serving namespace, the only one whose Services
+    (and Ingresses) get load balancers. The controller may create and delete
+    this cluster's load balancers and open the nodes' security group; left
+    watching every namespace, anyone who may create a LoadBalancer Service
+    anywhere in the cluster could use those rights.
+    """
     values: dict[str, Any] = {
         "fullnameOverride": RELEASE_NAME,
         "clusterName": cluster_name,
@@ -33,6 +46,8 @@ def load_balancer_values(
         "serviceAccount": {"create": True, "name": identity.service_account},
         "ingressClass": INGRESS_CLASS,
         "createIngressClassResource": True,
+        "watchNamespace": watch_namespace,
+        **ADDONS_OFF,
         **system.pod_scheduling(),
         "serviceMonitor": {"enabled": True},
     }
@@ -52,6 +67,7 @@ def build(name: str, ctx: PartContext, opts: pulumi.ResourceOptions) -> ChartRel
         vpc_id=ctx.aws.vpc_id,
         identity=identity,
         system=ctx.aws.system,
+        watch_namespace=ctx.cfg.serving.namespace,
     )
     args = ChartReleaseArgs(
         component_type="llm-platform:platform:LoadBalancerController",

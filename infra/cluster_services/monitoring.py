@@ -124,25 +124,43 @@ def _prometheus(obs: Observability, storage_class: str, scheduling: dict[str, An
     }
 
 
+def grafana_sidecar_role_name(release_name: str = RELEASE_NAME) -> str:
+    """The Role Grafana's account gets in this namespace instead of the chart's."""
+    return f"{grafana_service_name(release_name)}-configmaps"
+
+
+def grafana_sidecar_rules() -> list[dict[str, list[str]]]:
+    """What the dashboard and datasource sidecars need: read ConfigMaps, nothing else."""
+    return [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]}]
+
+
 def _grafana_sidecar() -> dict[str, Any]:
-    """Dashboards from ConfigMaps in this namespace only, with RBAC to match.
+    """Dashboards and datasources from ConfigMaps in this namespace only, with RBAC to match.
 
     The grafana subchart's default RBAC is a ClusterRole that reads every
     ConfigMap and Secret in the cluster (its sidecars may watch any
-    namespace). The serving layer puts its dashboards here, so the sidecar
-    searches only here and `rbac.namespaced` turns the ClusterRole into a
-    Role in this namespace: Grafana's account can no longer read the
-    serving namespace's API keys or Redis password.
+    namespace); `rbac.namespaced` alone still makes a Role that reads every
+    Secret of this namespace (grafana 12.11.1 templates/role.yaml grants
+    configmaps and secrets whenever a sidecar is on), the admin password and
+    Alertmanager's routes among them. So the sidecars watch ConfigMaps only
+    (`resource: configmap`; the serving dashboards and the chart's
+    Prometheus datasource are ConfigMaps), search only here, and the
+    RoleBinding the chart makes points at `grafana_sidecar_role_name`, a Role
+    this program makes with `grafana_sidecar_rules` (`rbac.useExistingRole`:
+    the chart then renders no Role of its own). Grafana reads its own admin
+    Secret through the pod's environment, not the API.
     """
     return {
-        "rbac": {"namespaced": True},
+        "rbac": {"namespaced": True, "useExistingRole": grafana_sidecar_role_name()},
         "sidecar": {
             "dashboards": {
                 "enabled": True,
                 "label": DASHBOARD_LABEL[0],
                 "labelValue": DASHBOARD_LABEL[1],
                 "searchNamespace": NAMESPACE,
-            }
+                "resource": "configmap",
+            },
+            "datasources": {"resource": "configmap"},
         },
     }
 
@@ -216,7 +234,19 @@ class Monitoring(ChartRelease):
                 additional_secret_outputs=["stringData", "data"],
             ),
         )
-        return [secret]
+        # Before the release: the chart's RoleBinding names this Role.
+        role = k8s.rbac.v1.Role(
+            f"{name}-grafana-sidecar",
+            metadata=k8s.meta.v1.ObjectMetaArgs(
+                name=grafana_sidecar_role_name(args.release_name), namespace=args.namespace
+            ),
+            rules=[
+                k8s.rbac.v1.PolicyRuleArgs(api_groups=r["apiGroups"], resources=r["resources"], verbs=r["verbs"])
+                for r in grafana_sidecar_rules()
+            ],
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[ns] if ns else []),
+        )
+        return [secret, role]
 
 
 def build(name: str, ctx: PartContext, opts: pulumi.ResourceOptions) -> Monitoring:

@@ -12,7 +12,9 @@ metrics agent gives them under serve-ingress.
 The PrometheusRule is rendered from the last two; the tests hold every
 expression to the inventory, every alert to a `promtool test rules` case that
 fires it, and the README's alert table to `ALERTS`. Adding an alert is one
-`AlertSpec` here plus its case in `tests/rules/serving-alerts.yaml`.
+`AlertSpec` here, its case in `tests/rules/serving-alerts.yaml` and its
+runbook, `docs/runbooks/<AlertName>.md`, which the alert's `runbook_url`
+annotation names.
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ UPGRADE_STUCK_MINUTES = PULUMI_WAIT_BIG_SECONDS // 60
 # the dead-letter queue's name ends the same way in every cluster.
 DEAD_LETTER_QUEUE_SUFFIX = queue_names("")[1]
 DEAD_LETTER_METRIC = f"s[0-9]+-aws-sqs-.+{DEAD_LETTER_QUEUE_SUFFIX}"
+# Every alert's runbook, in this repository: <RUNBOOK_DIR>/<AlertName>.md.
+RUNBOOK_DIR = "docs/runbooks"
+
+
+def runbook_url(alert: str, base_url: str | None = None) -> str:
+    """Where an alert's runbook opens: under `observability.runbook_base_url` (where the team serves
+    docs/runbooks/), else the page's path in the repository, which an operator can still find."""
+    return f"{(base_url or RUNBOOK_DIR).rstrip('/')}/{alert}.md"
 
 
 @dataclass(frozen=True)
@@ -288,10 +298,11 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
 
 @dataclass(frozen=True)
 class RuleContext:
-    """What an alert's thresholds and selectors are filled from."""
+    """What an alert's thresholds, selectors and runbook link are filled from."""
 
     slo: Slo
     namespace: str
+    runbook_base_url: str | None = None
 
 
 # A rule field: fixed text, or text made from the stack's SLOs and namespace.
@@ -307,7 +318,7 @@ def _text(value: Text, ctx: RuleContext) -> str:
 class AlertSpec:
     """One alert. `metrics` are the names its expression reads (inventory
     metrics or recording rules); `summary` and `description` are Prometheus
-    templates."""
+    templates; its runbook is `docs/runbooks/<name>.md`."""
 
     name: str
     expr: Text
@@ -323,7 +334,13 @@ class AlertSpec:
             "expr": _text(self.expr, ctx),
             "for": _text(self.for_, ctx),
             "labels": {"severity": self.severity},
-            "annotations": {"summary": self.summary, "description": _text(self.description, ctx)},
+            "annotations": {
+                "summary": self.summary,
+                "description": _text(self.description, ctx),
+                # The annotation kube-prometheus' alerts use; Alertmanager
+                # templates and Grafana link it.
+                "runbook_url": runbook_url(self.name, ctx.runbook_base_url),
+            },
         }
 
 
@@ -524,13 +541,15 @@ def recording_rules() -> list[dict[str, Any]]:
     return [r.rule() for r in RECORDING_RULES]
 
 
-def alert_rules(slo: Slo, namespace: str) -> list[dict[str, Any]]:
-    """The serving alerts; thresholds from the config's SLOs."""
-    ctx = RuleContext(slo=slo, namespace=namespace)
+def alert_rules(slo: Slo, namespace: str, runbook_base_url: str | None = None) -> list[dict[str, Any]]:
+    """The serving alerts; thresholds from the config's SLOs, runbooks under `runbook_base_url`."""
+    ctx = RuleContext(slo=slo, namespace=namespace, runbook_base_url=runbook_base_url)
     return [a.rule(ctx) for a in ALERTS]
 
 
-def prometheus_rule(slo: Slo, namespace: str, labels: dict[str, str]) -> dict[str, Any]:
+def prometheus_rule(
+    slo: Slo, namespace: str, labels: dict[str, str], runbook_base_url: str | None = None
+) -> dict[str, Any]:
     """The PrometheusRule object."""
     return {
         "apiVersion": "monitoring.coreos.com/v1",
@@ -539,7 +558,7 @@ def prometheus_rule(slo: Slo, namespace: str, labels: dict[str, str]) -> dict[st
         "spec": {
             "groups": [
                 {"name": RECORDING_GROUP, "interval": RECORDING_INTERVAL, "rules": recording_rules()},
-                {"name": ALERT_GROUP, "rules": alert_rules(slo, namespace)},
+                {"name": ALERT_GROUP, "rules": alert_rules(slo, namespace, runbook_base_url)},
             ]
         },
     }
@@ -644,6 +663,8 @@ class ServingAlertsArgs:
     prometheus_selector_labels: dict[str, str]
     # The RayServices in the vllm-server layout (their vLLM registries are scraped directly).
     vllm_servers: list[str] = field(default_factory=list)
+    # `observability.runbook_base_url`: where the alerts' runbook links point.
+    runbook_base_url: str | None = None
 
 
 class ServingAlerts(pulumi.ComponentResource):
@@ -652,7 +673,7 @@ class ServingAlerts(pulumi.ComponentResource):
     def __init__(self, name: str, args: ServingAlertsArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("llm-platform:serving:Alerts", name, None, opts)
         k8s_opts = pulumi.ResourceOptions(parent=self)
-        objects = [prometheus_rule(args.slo, args.namespace, args.prometheus_selector_labels)]
+        objects = [prometheus_rule(args.slo, args.namespace, args.prometheus_selector_labels, args.runbook_base_url)]
         objects += pod_monitors(args.namespace, args.prometheus_selector_labels, args.vllm_servers)
         for obj in objects:
             k8s.apiextensions.CustomResource(

@@ -34,12 +34,13 @@ from infra.serving.pod_security import (
     container_security_context,
     pod_security_context,
 )
-from infra.serving.ports import RAY_PORTS, Port
+from infra.serving.ports import HTTPS_PORT, RAY_PORTS, Port
 from infra.serving.serve_config import MOUNTS
 from workloads.inference_server.batch_settings import env_names
 
 WORKER_NAME = "batch-worker"
 WORKER_CONTAINER = "worker"
+BATCH_KEY_VOLUME = "batch-api-key"
 TRIGGER_AUTH_NAME = "batch-queue-reader"
 KEDA_API_VERSION = "keda.sh/v1alpha1"
 # The worker's image user (the Ray image's `ray` user and `users` group).
@@ -86,11 +87,19 @@ def request_timeout_seconds(settings: Batch) -> int:
 def in_cluster_base_url(serve_service: dict[str, Any]) -> str:
     """The OpenAI base URL of a serve Service from inside the cluster.
 
-    The Service's first port: with a certificate the load balancer ends TLS
-    and the Service's port (443) carries plain HTTP to the serve port, so the
-    scheme is http either way; the traffic stays in the cluster.
+    KubeRay's serve Service is a ClusterIP on the pods' own port (Serve's
+    proxy, or under vllm-server each replica's vLLM server): plain HTTP
+    inside the cluster, which no TLS ends. TLS is the load balancer's, on
+    its own Service (infra/serving/endpoint.py). An http URL on the HTTPS
+    port would be a Service that carries plain HTTP where clients and tools
+    expect TLS; it is refused rather than written.
     """
     meta, port = serve_service["metadata"], serve_service["spec"]["ports"][0]["port"]
+    if port == HTTPS_PORT:
+        raise ValueError(
+            f"serve Service {meta['name']} has port {port}: the batch workers speak plain HTTP to it, "
+            "so it must be the pods' own serve port, not the HTTPS port"
+        )
     return f"http://{meta['name']}.{meta['namespace']}.svc:{port}/v1"
 
 
@@ -104,7 +113,8 @@ def worker_env(settings: Batch, queue: BatchQueue, base_url: str) -> list[dict[s
         "results_prefix": queue.results_prefix,
         "model": settings.model,
         "base_url": base_url,
-        "api_keys_file": MOUNTS.api_keys_file,
+        # The worker's own key (id batch-worker), never the clients' keys file.
+        "api_keys_file": MOUNTS.batch_api_key_file,
         # Each worker keeps its share of the backlog in flight at once.
         "concurrency": str(settings.messages_per_worker),
         "request_timeout_seconds": str(request_timeout_seconds(settings)),
@@ -125,7 +135,7 @@ def _worker_container(settings: Batch, queue: BatchQueue, image: pulumi.Input[st
         },
         "securityContext": container_security_context(read_only_root=True),
         "volumeMounts": [
-            {"name": "api-keys", "mountPath": MOUNTS.api_keys_dir, "readOnly": True},
+            {"name": BATCH_KEY_VOLUME, "mountPath": MOUNTS.batch_api_key_dir, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
@@ -139,10 +149,10 @@ def worker_deployment(
     service_account: str,
     image: pulumi.Input[str],
     system: Placement,
-    api_keys_secret: str,
+    api_key_secret: str,
     base_url: str,
 ) -> dict[str, Any]:
-    """The worker Deployment: non-root, read-only root, the API keys mounted read-only."""
+    """The worker Deployment: non-root, read-only root, its own API key mounted read-only."""
     labels = worker_labels()
     return {
         "metadata": {
@@ -169,7 +179,7 @@ def worker_deployment(
                     "securityContext": pod_security_context(RUN_AS_USER, RUN_AS_GROUP),
                     "containers": [_worker_container(settings, queue, image, base_url)],
                     "volumes": [
-                        {"name": "api-keys", "secret": {"secretName": api_keys_secret, "defaultMode": 0o444}},
+                        {"name": BATCH_KEY_VOLUME, "secret": {"secretName": api_key_secret, "defaultMode": 0o444}},
                         {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
                     ],
                 },
@@ -270,7 +280,8 @@ class BatchWorkersArgs:
     namespace: str
     image: pulumi.Input[str]
     system: Placement
-    api_keys_secret: str
+    # The worker's own key (infra/serving/namespace.py), not the clients' keys file.
+    api_key_secret: str
     # The serve Service of the RayService that serves settings.model.
     serve_service: dict[str, Any]
     # The cluster's VPC: the workers reach AWS APIs outside it only.
@@ -304,7 +315,7 @@ class BatchWorkers(pulumi.ComponentResource):
             service_account=args.identity.service_account,
             image=args.image,
             system=args.system,
-            api_keys_secret=args.api_keys_secret,
+            api_key_secret=args.api_key_secret,
             base_url=in_cluster_base_url(args.serve_service),
         )
         deployment = k8s.apps.v1.Deployment(

@@ -9,6 +9,7 @@ from infra.cluster_services.layer import PlatformLayer
 from infra.config import StackConfig
 from infra.serving import kuberay
 from infra.serving.alerts import ServingAlerts, ServingAlertsArgs
+from infra.serving.autoscaler_scope import AutoscalerScopeArgs, RayAutoscalerScope
 from infra.serving.autoscaling import ServingAutoscaling, ServingAutoscalingArgs
 from infra.serving.batch import BatchWorkers, BatchWorkersArgs
 from infra.serving.dashboards import ServingDashboards, ServingDashboardsArgs
@@ -54,13 +55,14 @@ def _ray_services(
     platform: PlatformLayer,
     ns: ServingNamespace,
     autoscaling: ServingAutoscaling,
+    scope: RayAutoscalerScope,
 ) -> dict[str, VllmRayService]:
     """One RayService per `service`, after the namespace, the priority classes and the ray.io CRDs.
 
     The load balancer controller's webhook must see the serve Service KubeRay creates.
     """
     namespace = cfg.serving.namespace
-    after = [*ns.ready, *autoscaling.priority_classes, platform.ray_crds, platform.load_balancer_controller]
+    after = [*ns.ready, *autoscaling.priority_classes, platform.ray_crds, platform.load_balancer_controller, scope]
     return {
         name: VllmRayService(
             name,
@@ -96,6 +98,8 @@ def _batch_workers(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer, ns:
     service = batch_service(cfg)
     if service is None:
         raise ValueError("batch is enabled but no model serves batch.model")
+    if ns.batch_api_key_secret is None:
+        raise ValueError("batch is enabled but the serving namespace made no key for the batch workers")
     BatchWorkers(
         "batch-workers",
         BatchWorkersArgs(
@@ -105,7 +109,7 @@ def _batch_workers(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer, ns:
             namespace=namespace,
             image=aws.image,
             system=aws.system,
-            api_keys_secret=ns.api_keys_secret,
+            api_key_secret=ns.batch_api_key_secret,
             serve_service=serve_service_spec(service, namespace, cfg.layout_of(service)),
             vpc_cidr=str(cfg.network.vpc_cidr),
             serve_port=RAY_PORTS.public(cfg.layout_of(service)),
@@ -123,6 +127,7 @@ def _observability(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer, ns:
             slo=cfg.observability.slo,
             prometheus_selector_labels=dict(platform.prometheus_selector_labels),
             vllm_servers=[name for name, layout in cfg.layouts().items() if layout == "vllm-server"],
+            runbook_base_url=cfg.observability.runbook_base_url,
         ),
         _after(aws, *ns.ready, platform.monitoring_crds),
     )
@@ -141,11 +146,8 @@ def build_serving(
     """Declare the serving layer on the cluster the AWS layer made or found."""
     namespace = cfg.serving.namespace
     services = cfg.services()
-    ns = ServingNamespace(
-        "serving",
-        ServingNamespaceArgs(namespace=namespace, model_reader=aws.model_reader, api_keys=api_keys, redis=aws.redis),
-        _after(aws, *aws.cluster_ready),
-    )
+    ns_args = ServingNamespaceArgs(namespace, aws.model_reader, api_keys, aws.redis, batch_key=cfg.batch.enabled)
+    ns = ServingNamespace("serving", ns_args, _after(aws, *aws.cluster_ready))
     autoscaling = ServingAutoscaling(
         "serving-autoscaling",
         ServingAutoscalingArgs(
@@ -159,7 +161,9 @@ def build_serving(
         ),
         _after(aws, *ns.ready, platform.keda_crds),
     )
-    ray_services = _ray_services(cfg, aws, platform, ns, autoscaling)
+    # Before any RayCluster exists: each autoscaler may change only its own cluster.
+    scope = RayAutoscalerScope("ray-autoscaler-scope", AutoscalerScopeArgs(namespace=namespace), _after(aws, *ns.ready))
+    ray_services = _ray_services(cfg, aws, platform, ns, autoscaling, scope)
     if cfg.batch.enabled:
         _batch_workers(cfg, aws, platform, ns)
     _observability(cfg, aws, platform, ns)

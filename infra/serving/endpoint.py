@@ -109,10 +109,34 @@ def serve_service_spec(name: str, namespace: str, layout: Layout = "serve-ingres
     }
 
 
+def source_ranges(endpoint: Endpoint, vpc_cidr: str | None) -> list[str]:
+    """The client ranges the load balancer admits: `endpoint.allowed_cidrs`, else the VPC alone.
+
+    With no source ranges the load balancer controller opens the NLB's
+    security group to 0.0.0.0/0, internal scheme or not (v3.5.0
+    pkg/service/model_build_managed_sg.go buildCIDRsFromSourceRanges): an
+    internal NLB then answers anything routed into the VPC (peerings,
+    transit gateways, VPNs). Without a list of its own an endpoint admits
+    the VPC it lives in and nothing else.
+    """
+    if endpoint.allowed_cidrs:
+        return [str(c) for c in endpoint.allowed_cidrs]
+    return [vpc_cidr] if vpc_cidr else []
+
+
 def load_balancer_service(
-    name: str, namespace: str, endpoint: Endpoint, layout: Layout = "serve-ingress"
+    name: str,
+    namespace: str,
+    endpoint: Endpoint,
+    layout: Layout = "serve-ingress",
+    *,
+    vpc_cidr: str | None = None,
 ) -> dict[str, Any]:
-    """The RayService's network load balancer (IP targets): metadata and spec of our Service."""
+    """The RayService's network load balancer (IP targets): metadata and spec of our Service.
+
+    `vpc_cidr`: the cluster's VPC, the clients admitted when the endpoint
+    names none (source_ranges).
+    """
     annotations = {
         f"{LB_ANNOTATION}-nlb-target-type": "ip",
         f"{LB_ANNOTATION}-scheme": endpoint.scheme,
@@ -123,6 +147,9 @@ def load_balancer_service(
     if endpoint.certificate_arn:
         annotations[f"{LB_ANNOTATION}-ssl-cert"] = endpoint.certificate_arn
         annotations[f"{LB_ANNOTATION}-ssl-ports"] = port["name"]
+        # Pinned: without it the controller uses its default,
+        # ELBSecurityPolicy-2016-08, which still negotiates TLS 1.0 and 1.1.
+        annotations[f"{LB_ANNOTATION}-ssl-negotiation-policy"] = endpoint.tls_policy
     host = endpoint.service_host(name)
     if host:
         annotations[EXTERNAL_DNS_ANNOTATION] = host
@@ -132,8 +159,9 @@ def load_balancer_service(
         "selector": serving_workers(name),
         "ports": [port],
     }
-    if endpoint.allowed_cidrs:
-        spec["loadBalancerSourceRanges"] = [str(c) for c in endpoint.allowed_cidrs]
+    ranges = source_ranges(endpoint, vpc_cidr)
+    if ranges:
+        spec["loadBalancerSourceRanges"] = ranges
     return {
         "metadata": {
             "name": public_service_name(name),
@@ -206,7 +234,9 @@ class ServingEndpoint(pulumi.ComponentResource):
         self.services = {}
         for service, resource in args.ray_services.items():
             layout = args.layout(service)
-            manifest = load_balancer_service(service, args.namespace, args.endpoint, layout)
+            manifest = load_balancer_service(
+                service, args.namespace, args.endpoint, layout, vpc_cidr=args.peers.vpc_cidr
+            )
             # After the RayService is Ready, so its serving pods exist when
             # Pulumi waits for this Service's endpoints and address.
             svc = k8s.core.v1.Service(

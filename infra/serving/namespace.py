@@ -14,12 +14,14 @@ from typing import Any
 
 import pulumi
 import pulumi_kubernetes as k8s
+import pulumi_random as random
 
 from infra.aws.layer import PodIdentity, RedisEndpoint
 from infra.cluster_services.layer import PlatformPods
 from infra.config import split_api_keys
 from infra.serving.pod_security import restricted_namespace_labels
 from infra.serving.serve_config import MOUNTS
+from workloads.inference_server.api_keys import BATCH_WORKER_KEY_ID, ApiKey, keys_file, parse_entry
 
 # The AWS load balancer controller gives every pod of this namespace behind an
 # IP-target load balancer a readiness gate: a new Ray pod counts as Ready only
@@ -28,6 +30,8 @@ from infra.serving.serve_config import MOUNTS
 READINESS_GATE_LABELS = {"elbv2.k8s.aws/pod-readiness-gate-inject": "enabled"}
 
 REDIS_PASSWORD_KEY = "password"
+# The batch worker's generated key: 48 letters and digits, about 285 bits.
+BATCH_KEY_LENGTH = 48
 PART_OF = {"app.kubernetes.io/part-of": "llm-platform"}
 NAMESPACE_LABEL = "kubernetes.io/metadata.name"
 DNS_PORT = 53
@@ -73,9 +77,23 @@ def namespace_policies(namespace: str, dns: PlatformPods = KUBE_DNS) -> list[dic
     ]
 
 
-def api_keys_file(keys: str) -> str:
-    """The mounted file: one key per line (config takes commas or newlines)."""
-    return "\n".join(split_api_keys(keys)) + "\n"
+def api_keys_file(keys: str, batch_key: str | None = None) -> str:
+    """The guards' keys file: `<id>:<key>` a line, each id written out, the batch worker's own key last.
+
+    The config takes commas or newlines, and keys without an id: theirs is
+    the key's fingerprint (workloads/inference_server/api_keys.py), written
+    here so the file shows every id. The config rules have refused any
+    entry that does not parse.
+    """
+    entries = [parse_entry(text, f"key {i}") for i, text in enumerate(split_api_keys(keys), start=1)]
+    if batch_key is not None:
+        entries.append(ApiKey(BATCH_WORKER_KEY_ID, batch_key))
+    return keys_file(entries)
+
+
+def batch_api_key_file(batch_key: str) -> str:
+    """The batch worker's own keys file: its one key."""
+    return keys_file([ApiKey(BATCH_WORKER_KEY_ID, batch_key)])
 
 
 @dataclass(frozen=True)
@@ -86,6 +104,9 @@ class ServingNamespaceArgs:
     model_reader: PodIdentity
     api_keys: pulumi.Output[str]
     redis: RedisEndpoint | None
+    # Batch workers run: they get a key of their own (id `batch-worker`), in a
+    # Secret only they mount, which the guards' keys file lists too.
+    batch_key: bool = False
 
 
 class ServingNamespace(pulumi.ComponentResource):
@@ -94,6 +115,7 @@ class ServingNamespace(pulumi.ComponentResource):
     namespace: str
     service_account: str
     api_keys_secret: str
+    batch_api_key_secret: str | None
     redis_secret: str | None
 
     def __init__(self, name: str, args: ServingNamespaceArgs, opts: pulumi.ResourceOptions | None = None) -> None:
@@ -132,13 +154,10 @@ class ServingNamespace(pulumi.ComponentResource):
             opts=in_ns,
         )
 
-        self.api_keys_secret = "inference-api-keys"
-        # The config secret stays a secret through apply; the outputs are marked too.
-        keys_file = {MOUNTS.api_keys_key: args.api_keys.apply(api_keys_file)}
-        keys = self._secret(f"{name}-api-keys", self.api_keys_secret, args, keys_file, in_ns)
+        keys = self._api_key_secrets(name, args, in_ns)
 
         # What a RayService must wait for: its pods mount these.
-        self.ready: list[pulumi.Resource] = [ns, *policies, sa, keys]
+        self.ready: list[pulumi.Resource] = [ns, *policies, sa, *keys]
         self.redis_secret = None
         if args.redis is not None:
             self.redis_secret = "ray-gcs-redis"
@@ -150,8 +169,36 @@ class ServingNamespace(pulumi.ComponentResource):
                 "namespace": self.namespace,
                 "service_account": self.service_account,
                 "api_keys_secret": self.api_keys_secret,
+                "batch_api_key_secret": self.batch_api_key_secret,
             }
         )
+
+    def _api_key_secrets(
+        self, name: str, args: ServingNamespaceArgs, opts: pulumi.ResourceOptions
+    ) -> list[pulumi.Resource]:
+        """The guards' keys Secret and, with batch workers, their own key: generated, in a Secret of its own."""
+        self.api_keys_secret = "inference-api-keys"
+        self.batch_api_key_secret = None
+        if not args.batch_key:
+            # The config secret stays a secret through apply; the outputs are marked too.
+            guard_file = args.api_keys.apply(api_keys_file)
+            return [
+                self._secret(f"{name}-api-keys", self.api_keys_secret, args, {MOUNTS.api_keys_key: guard_file}, opts)
+            ]
+        token = random.RandomPassword(
+            f"{name}-batch-api-key-token",
+            length=BATCH_KEY_LENGTH,
+            special=False,
+            opts=pulumi.ResourceOptions(parent=self, additional_secret_outputs=["result"]),
+        )
+        batch_key: pulumi.Output[str] = pulumi.Output.secret(token.result)
+        self.batch_api_key_secret = "inference-batch-api-key"
+        batch_file = {MOUNTS.api_keys_key: batch_key.apply(batch_api_key_file)}
+        guard_file = pulumi.Output.all(args.api_keys, batch_key).apply(lambda ks: api_keys_file(ks[0], ks[1]))
+        return [
+            self._secret(f"{name}-api-keys", self.api_keys_secret, args, {MOUNTS.api_keys_key: guard_file}, opts),
+            self._secret(f"{name}-batch-api-key", self.batch_api_key_secret, args, batch_file, opts),
+        ]
 
     def _secret(
         self,

@@ -15,6 +15,7 @@ from typing import Any
 
 import pulumi
 import pulumi_kubernetes as k8s
+import pulumi_random as random
 
 from infra import versions
 from infra.aws.layer import RedisEndpoint
@@ -275,6 +276,7 @@ def _ports(ports: list[Port]) -> list[dict[str, object]]:
 
 
 def _api_keys_volume(args: VllmRayServiceArgs) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The API keys, for the pods a guard runs in (guard_runs_on): never the head, which answers no request."""
     volume = {"name": "api-keys", "secret": {"secretName": args.api_keys_secret, "defaultMode": 0o444}}
     mount = {"name": "api-keys", "mountPath": MOUNTS.api_keys_dir, "readOnly": True}
     return volume, mount
@@ -314,9 +316,21 @@ def drain_and_spread(args: VllmRayServiceArgs, group: dict[str, Any]) -> dict[st
     return group
 
 
+def guard_runs_on(layout: Layout) -> frozenset[str]:
+    """The groups whose pods run the API-key guard, and so mount the keys: "ingress" and/or "gpu".
+
+    serve-ingress: the OpenAI ingress replicas, on the ingress group (the
+    models' replicas answer only the ingress). vllm-server: each model
+    replica's own vLLM server, on the GPU groups. Never the head: it holds
+    the GCS, the Serve controller and a proxy that routes to the replicas,
+    and its job API runs arbitrary code, so a key there serves nobody and
+    is one more place to read it from.
+    """
+    return frozenset({"gpu"}) if layout == "vllm-server" else frozenset({"ingress"})
+
+
 def _head(args: VllmRayServiceArgs) -> dict[str, Any]:
     cfg = args.cfg
-    keys_volume, keys_mount = _api_keys_volume(args)
     resources = {"cpu": cfg.ray.head_cpu, "memory": cfg.ray.head_memory}
     return {
         "rayStartParams": {
@@ -341,10 +355,9 @@ def _head(args: VllmRayServiceArgs) -> dict[str, Any]:
                         "ports": _ports(RAY_PORTS.head(args.layout)),
                         "env": head_env(args),
                         "resources": {"requests": resources, "limits": resources},
-                        "volumeMounts": [keys_mount],
                     }
                 ],
-                "volumes": [keys_volume, autoscaler_token_volume()],
+                "volumes": [autoscaler_token_volume()],
             },
         },
     }
@@ -453,14 +466,14 @@ def _gpu_volumes(args: VllmRayServiceArgs, shape: GpuShape, models: list[Model])
     return volumes
 
 
-def _gpu_mounts(models: list[Model], keys_mount: dict[str, Any]) -> list[dict[str, Any]]:
+def _gpu_mounts(models: list[Model], keys_mount: dict[str, Any] | None) -> list[dict[str, Any]]:
     mounts = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": ENGINE_CACHE_VOLUME, "mountPath": MOUNTS.cache_dir},
     ]
     if uses_hub(models):
         mounts.append({"name": "model-cache", "mountPath": MOUNTS.model_cache_dir})
-    return [*mounts, keys_mount]
+    return [*mounts, keys_mount] if keys_mount is not None else mounts
 
 
 def vllm_readiness_probe() -> dict[str, Any]:
@@ -504,6 +517,7 @@ def _gpu_group(args: VllmRayServiceArgs, model: Model) -> dict[str, Any]:
     placement = args.gpu[model.gpu_group]
     shape = gpu_shape(model, placement)
     keys_volume, keys_mount = _api_keys_volume(args)
+    keys = "gpu" in guard_runs_on(args.layout)
     scaling = model.autoscaling
     limits = {
         "cpu": str(shape.cpu),
@@ -535,8 +549,8 @@ def _gpu_group(args: VllmRayServiceArgs, model: Model) -> dict[str, Any]:
                 # EKS Pod Identity binds the model bucket role to this account.
                 "serviceAccountName": args.model_reader_service_account,
                 "priorityClassName": args.serving_priority_class,
-                "containers": [_gpu_container(args, limits, _gpu_mounts([model], keys_mount))],
-                "volumes": [*_gpu_volumes(args, shape, [model]), keys_volume],
+                "containers": [_gpu_container(args, limits, _gpu_mounts([model], keys_mount if keys else None))],
+                "volumes": [*_gpu_volumes(args, shape, [model]), *([keys_volume] if keys else [])],
             },
         },
     }
@@ -582,6 +596,37 @@ def autoscaler_env(timeouts: ColdStartTimeouts) -> list[dict[str, str]]:
     ]
 
 
+# Ray's token authentication (Ray 2.52 and later): with RAY_AUTH_MODE=token the
+# GCS, raylets and workers refuse gRPC without the token, and the dashboard
+# (8265: the job API, which runs arbitrary code) and the dashboard agent
+# (52365) answer 401 without `Authorization: Bearer <token>` and 403 with a
+# wrong one (ray/_private/authentication/http_token_authentication.py). The
+# probes' routes stay open: /api/healthz, /api/gcs_healthz,
+# /api/local_raylet_healthz, /-/healthz. KubeRay 1.7 turns it on from
+# `authOptions` (common/pod.go configureTokenAuth, SetContainerTokenAuthEnvVars):
+# RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from the Secret's `auth_token` key
+# (utils.RAY_AUTH_TOKEN_SECRET_KEY) on the Ray container of the head and of
+# every worker, on the autoscaler sidecar and on the wait-gcs-ready init
+# container; its operator reads the same Secret for its own dashboard calls
+# (utils.GetRayDashboardClientFunc). With `secretName` KubeRay makes no Secret
+# of its own: the program makes one per RayService (VllmRayService), so
+# the token is in Pulumi's state as a secret and nowhere else, and only that
+# RayService's pods get it.
+RAY_AUTH_MODE = "token"
+RAY_AUTH_TOKEN_KEY = "auth_token"
+RAY_AUTH_TOKEN_LENGTH = 48
+
+
+def ray_auth_secret_name(service: str) -> str:
+    """The Secret holding one RayService's Ray auth token."""
+    return f"{service}-ray-auth"
+
+
+def auth_options(service: str) -> dict[str, str]:
+    """`rayClusterConfig.authOptions`: token authentication, with the token from the program's Secret."""
+    return {"mode": RAY_AUTH_MODE, "secretName": ray_auth_secret_name(service)}
+
+
 def ray_service_manifest(args: VllmRayServiceArgs) -> dict[str, Any]:
     """The RayService object."""
     if len(args.name) > RAY_SERVICE_NAME_MAX:
@@ -601,6 +646,7 @@ def ray_service_manifest(args: VllmRayServiceArgs) -> dict[str, Any]:
         },
         "headGroupSpec": _head(args),
         "workerGroupSpecs": [drain_and_spread(args, g) for g in worker_groups(args)],
+        "authOptions": auth_options(args.name),
     }
     if args.redis is not None:
         if args.redis_secret is None:
@@ -653,12 +699,38 @@ class VllmRayService(pulumi.ComponentResource):
         super().__init__("llm-platform:serving:VllmRayService", name, None, opts)
         self.name = args.name
         manifest = ray_service_manifest(args)
+        auth = self._auth_secret(name, args)
         self.ray_service = k8s.apiextensions.CustomResource(
             name,
             api_version=manifest["apiVersion"],
             kind=manifest["kind"],
             metadata=manifest["metadata"],
             spec=manifest["spec"],
-            opts=pulumi.ResourceOptions(parent=self),
+            # KubeRay reads the token when it builds the first pod.
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[auth]),
         )
         self.register_outputs({"name": self.name, "ray_service": self.ray_service.id})
+
+    def _auth_secret(self, name: str, args: VllmRayServiceArgs) -> k8s.core.v1.Secret:
+        """The Ray auth token (authOptions.secretName): generated here, kept in Pulumi's state as a secret."""
+        token = random.RandomPassword(
+            f"{name}-ray-auth-token",
+            length=RAY_AUTH_TOKEN_LENGTH,
+            # Sent in an HTTP header and an environment variable: letters and digits only.
+            special=False,
+            opts=pulumi.ResourceOptions(parent=self),
+        )
+        generated: pulumi.Output[str] = token.result
+        # Marked secret here too, not only by the provider: never in a plain output or the render.
+        value: pulumi.Output[str] = pulumi.Output.secret(generated)
+        return k8s.core.v1.Secret(
+            f"{name}-ray-auth",
+            metadata=k8s.meta.v1.ObjectMetaArgs(
+                name=ray_auth_secret_name(args.name),
+                namespace=args.namespace,
+                labels={**PART_OF, "app.kubernetes.io/name": args.name},
+            ),
+            type="Opaque",
+            string_data={RAY_AUTH_TOKEN_KEY: value},
+            opts=pulumi.ResourceOptions(parent=self, additional_secret_outputs=["stringData", "data"]),
+        )

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from infra.capacity import cold_start
-from infra.config import Model, StackConfig
+from infra.config import Model, StackConfig, key_fairness
 from infra.instance_types import host_io
 from infra.scheduling import GpuPlacement
 from infra.serving.drain import WAIT_LOOP_SECONDS, drain
@@ -41,6 +41,8 @@ class Mounts:
 
     api_keys_dir: str = "/etc/inference/api-keys"
     api_keys_key: str = "keys"  # the Secret's data key, one API key per line
+    # The batch worker's own key (its Secret has the same data key).
+    batch_api_key_dir: str = "/etc/inference/batch-api-key"
     model_cache_dir: str = "/models"
     # vLLM's, Inductor's and Triton's caches (ray_service.engine_cache_env).
     cache_dir: str = "/var/cache/llm"
@@ -49,6 +51,11 @@ class Mounts:
     def api_keys_file(self) -> str:
         """The file the server reads the keys from."""
         return str(PurePosixPath(self.api_keys_dir) / self.api_keys_key)
+
+    @property
+    def batch_api_key_file(self) -> str:
+        """The file the batch worker reads its key from."""
+        return str(PurePosixPath(self.batch_api_key_dir) / self.api_keys_key)
 
 
 MOUNTS = Mounts()
@@ -139,6 +146,7 @@ def catalog(
         allow_hub_download=cfg.serving.allow_hub_download,
         model_cache_dir=MOUNTS.model_cache_dir,
         tracing=Tracing.model_validate(cfg.observability.tracing.model_dump()),
+        fairness=key_fairness(cfg),
         **fields,
     )
 

@@ -24,10 +24,11 @@ from twin import observe
 
 pytestmark = pytest.mark.e2e
 
-# Prod also runs the monitoring (a real Prometheus, each alert's fault): about five minutes more.
-TWIN_TIMEOUT_S = {"dev": 600.0, "prod": 1080.0}
-# CI proves the monitoring on prod, the production layout (vllm-server); `make twin` runs it on both.
-MONITORED = {"prod"}
+# The monitoring run (a real Prometheus, each alert's fault: about five minutes more) is `make twin`'s;
+# with TWIN_MONITORING=1 this test runs it on prod, the production layout, and checks its lines. The
+# suite leaves it out to stay within its time budget.
+MONITORED = {"prod"} if os.environ.get("TWIN_MONITORING") == "1" else set()
+TWIN_TIMEOUT_S = {"dev": 600.0, "prod": 1080.0 if "prod" in MONITORED else 600.0}
 LOCAL_READY_TIMEOUT_S = 600.0
 
 

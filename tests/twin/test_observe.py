@@ -59,3 +59,21 @@ def test_every_metric_read_is_in_the_inventory() -> None:
         "ray_serve_num_http_requests_total",
         "http_requests_total",
     }
+
+
+@pytest.mark.parametrize(("per_key", "replica", "keys"), [(8, 64, 8), (8, 48, 6), (3, 10, 4), (8, 500, 20)])
+def test_the_overload_fills_the_replica_with_every_key_within_its_cap(per_key: int, replica: int, keys: int) -> None:
+    traffic = observe.Traffic(
+        model_id="m",
+        api_key="main",
+        base_urls=list,
+        server_pids=list,
+        client_keys=[f"k{i}" for i in range(32)],
+        per_key_cap=per_key,
+        replica_cap=replica,
+    )
+    loads = observe.overload(traffic, "http://127.0.0.1:1/v1")
+    assert sum(load.streams for load in loads) == min(replica, observe.OVERLOAD_STREAMS)
+    assert len(loads) == keys and len({load.api_key for load in loads}) == keys
+    assert all(0 < load.streams <= per_key for load in loads)
+    assert all(load.distinct and load.api_key != "main" for load in loads)

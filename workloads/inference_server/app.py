@@ -23,16 +23,18 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import cache
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_openai_app
 from ray.serve.llm.deployment import LLMServer as _RayLLMServer
 from ray.serve.llm.ingress import OpenAiIngress
 
-from .catalog import Catalog, RequestLimits
+from .catalog import Catalog, KeyFairness, RequestLimits, ServeAutoscaling
 from .engine import ingress_deployment_config, llm_config_kwargs
+from .fairness import KeyAccounting, RayKeyMetrics
 from .guard import ApiGuard, ApiKeys, tokenize_requests
 
 logger = logging.getLogger(__name__)
@@ -51,14 +53,19 @@ class GuardSettings(BaseModel):
     limits: RequestLimits
     # The served model names: a request for any other gets an OpenAI-shaped 404 from the guard.
     model_ids: list[str] = []
+    fairness: KeyFairness = Field(default_factory=KeyFairness)
+    # The guard's replica's max_ongoing_requests (Catalog.replica_inflight_cap).
+    replica_inflight_cap: int = Field(default=ServeAutoscaling().max_ongoing_requests, ge=1)
 
     @classmethod
-    def from_catalog(cls, catalog: Catalog) -> GuardSettings:
+    def from_catalog(cls, catalog: Catalog, *, direct_streaming: bool = False) -> GuardSettings:
         return cls(
             api_keys_file=catalog.api_keys_file,
             api_keys_env=catalog.api_keys_env,
             limits=catalog.limits,
             model_ids=[m.model_id for m in catalog.models],
+            fairness=catalog.fairness,
+            replica_inflight_cap=catalog.replica_inflight_cap(direct_streaming=direct_streaming),
         )
 
     def keys(self) -> ApiKeys:
@@ -82,15 +89,32 @@ def _tokenize_request(model_id: str, path: str, body: dict[str, Any]) -> list[An
     return tokenize_requests(path, body, model_id, TokenizeChatRequest, TokenizeCompletionRequest)
 
 
+@cache
+def _key_metrics() -> RayKeyMetrics:
+    """The per-key counters, once per replica process, exported by Ray's metrics agent."""
+    return RayKeyMetrics()
+
+
 def _install_guard(app: Any, settings: GuardSettings, counter: Any) -> None:
-    """Put the guard outermost on a FastAPI app, even one whose stack is built."""
+    """Put the guard, and the per-key accounting around it, outermost on a FastAPI app, even a built one."""
     app.middleware_stack = None  # let Starlette rebuild the stack with the guard
+    keys = settings.keys()
     app.add_middleware(
         ApiGuard,
-        keys=settings.keys(),
+        keys=keys,
         limits=settings.limits,
         model_ids=settings.model_ids,
         count_prompt_tokens=counter,
+    )
+    # Added last, so outermost: it sees the guard's refusals too, and one keys file serves both.
+    app.add_middleware(
+        KeyAccounting,
+        keys=keys,
+        fairness=settings.fairness,
+        replica_cap=settings.replica_inflight_cap,
+        model_ids=settings.model_ids,
+        default_model=settings.model_ids[0] if len(settings.model_ids) == 1 else None,
+        metrics=_key_metrics(),
     )
 
 
@@ -101,7 +125,8 @@ class GuardedOpenAiIngress(OpenAiIngress):
         super().__init__(llm_deployments, model_cards, **kwargs)
         self._guard_settings = GuardSettings.model_validate(guard)
 
-    async def _count_prompt_tokens(self, path: str, body: dict[str, Any]) -> int | None:
+    async def _count_prompt_tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """One exact count per prompt, by the model's LLMServer; None when it answered with an error."""
         model_id = await self._get_model_id(body.get("model"))
         counts = []
         for request in _tokenize_request(model_id, path, body):
@@ -111,7 +136,7 @@ class GuardedOpenAiIngress(OpenAiIngress):
                     return None
                 counts.append(count)
                 break
-        return max(counts) if counts else None
+        return counts
 
     async def __serve_build_asgi_app__(self) -> Any:
         # Serve calls this hook once per replica, after __init__ and before
@@ -142,7 +167,8 @@ class LLMServer(_RayLLMServer):
             state = getattr(engine, "_app_state", None)
             engine._oai_serving_tokenization = getattr(state, "serving_tokenization", None)
 
-    async def _count_prompt_tokens(self, path: str, body: dict[str, Any]) -> int | None:
+    async def _count_prompt_tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """One exact count per prompt, by this server's engine; None when it answered with an error."""
         counts = []
         for request in _tokenize_request(self._llm_config.model_id, path, body):
             async for response in self.engine.tokenize(request):
@@ -151,7 +177,7 @@ class LLMServer(_RayLLMServer):
                     return None
                 counts.append(count)
                 break
-        return max(counts) if counts else None
+        return counts
 
     async def __serve_build_asgi_app__(self) -> Any:
         # Called by Serve only when this deployment is the ingress (direct streaming).
@@ -180,7 +206,8 @@ def llm_configs(catalog: Catalog, *, direct_streaming: bool = False) -> list[LLM
         kwargs["server_cls"] = LLMServer
         if direct_streaming:
             # The model server is the ingress: it carries the guard itself.
-            kwargs["experimental_configs"] = {GUARD_CONFIG_KEY: GuardSettings.from_catalog(catalog).model_dump()}
+            settings = GuardSettings.from_catalog(catalog, direct_streaming=True)
+            kwargs["experimental_configs"] = {GUARD_CONFIG_KEY: settings.model_dump()}
         configs.append(LLMConfig(**kwargs))
     return configs
 

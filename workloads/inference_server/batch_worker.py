@@ -51,7 +51,7 @@ import httpx
 from pydantic import ValidationError
 
 from .batch_settings import MAX_RECEIVE_BATCH, REQUEST_ID_PATTERN, BatchRequest, WorkerSettings
-from .guard import parse_keys_file
+from .guard import parse_keys_file  # the secrets of [<id>:]<secret> lines
 
 logger = logging.getLogger("inference_server.batch_worker")
 
@@ -129,8 +129,10 @@ class KeySource(Protocol):
 class ApiKeyFile:
     """The API keys in the mounted key file, read again whenever the file changes.
 
-    The file is the same Secret the server reads (one key a line, ``#``
-    comments). The worker sends the first key that the server has not
+    The file is the worker's own Secret: its key, ``batch-worker:<secret>``,
+    which the server's keys file lists too, so the access log and the per-key
+    metrics tell batch traffic from clients' (``[<id>:]<secret>`` a line,
+    ``#`` comments; :mod:`.api_keys`). The worker sends the first key that the server has not
     refused. A 401 marks the key refused and makes the next request read the
     file again, so a rotation works in either order: when the worker's copy
     of the Secret changes first, the other key still in the file is tried;

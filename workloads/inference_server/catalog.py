@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .api_keys import KEY_ID_RULE, valid_key_id
+
 WeightsKind = Literal["s3", "local", "hub"]
 
 # How requests reach the engines (see VllmServerSettings and app.py):
@@ -139,6 +141,38 @@ class RequestLimits(_Strict):
             "bytes is refused unread by the tokenizer. Text averages 3-5 bytes a token; it also sizes the body cap."
         ),
     )
+    # vLLM takes up to 1,024 prompts in one /v1/completions request
+    # (VLLM_MAX_COMPLETION_PROMPTS) and prefills each; these two keep one
+    # request's prefill to what a single prompt at the limit costs.
+    max_prompts: int = Field(
+        default=16, ge=1, le=1024, description="Most prompts one /v1/completions request may carry."
+    )
+    max_request_prompt_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Most prompt tokens one request may carry over all its prompts, counted after the chat template. "
+            "None: max_prompt_tokens, so a batch of prompts costs no more prefill than one prompt at the limit."
+        ),
+    )
+    max_logprobs: int = Field(
+        default=5,
+        ge=0,
+        le=20,
+        description=(
+            "Largest logprobs, top_logprobs and prompt_logprobs accepted; also the engine's max_logprobs, so the "
+            "guard and the engine hold one value (20 is the OpenAI API's own ceiling)."
+        ),
+    )
+    max_prompt_logprob_tokens: int = Field(
+        default=2048,
+        gt=0,
+        description=(
+            "Most prompt tokens one request may ask logprobs for (prompt_logprobs, or echo with logprobs). The API "
+            "server builds max_logprobs + 1 entries for each on its one event loop, stalling every other stream; "
+            "a value above the request's prompt tokens changes nothing."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_output_budget(self) -> RequestLimits:
@@ -147,7 +181,19 @@ class RequestLimits(_Strict):
                 f"max_request_output_tokens ({self.max_request_output_tokens}) must be at least max_tokens "
                 f"({self.max_tokens}): a single choice at the default length would be refused"
             )
+        if self.max_request_prompt_tokens is not None and self.max_request_prompt_tokens < self.max_prompt_tokens:
+            raise ValueError(
+                f"max_request_prompt_tokens ({self.max_request_prompt_tokens}) must be at least max_prompt_tokens "
+                f"({self.max_prompt_tokens}): a single prompt at the limit would be refused"
+            )
         return self
+
+    @property
+    def request_prompt_token_budget(self) -> int:
+        """The most prompt tokens one request may carry over all its prompts."""
+        if self.max_request_prompt_tokens is not None:
+            return self.max_request_prompt_tokens
+        return self.max_prompt_tokens
 
     @property
     def output_token_budget(self) -> int:
@@ -241,6 +287,47 @@ class GracefulShutdown(_Strict):
     wait_loop_s: float = Field(default=2, ge=0, description="Serve's graceful_shutdown_wait_loop_s.")
 
 
+class KeyFairness(_Strict):
+    """What one API key may hold of a replica: requests in flight at once, and how long a refused client waits.
+
+    The guard counts a generation request from the moment it is let in until
+    its answer ends (a stream: its last chunk, or the client going away).
+    Over its key's cap, or over the replica's own cap (the serving replica's
+    ``max_ongoing_requests``), a request gets 429 with ``Retry-After``
+    (``inference_server.fairness``). The caps hold per guard: a vllm-server
+    replica, or a serve-ingress OpenAI ingress replica.
+    """
+
+    max_inflight_per_key: int = Field(
+        default=8, ge=1, le=4096, description="Requests one key may have in flight at one replica."
+    )
+    per_key: dict[str, int] = Field(
+        default_factory=dict,
+        description="Key id -> its own in-flight cap, in place of max_inflight_per_key (e.g. the batch worker's).",
+    )
+    retry_after_s: int = Field(
+        default=1, ge=1, le=600, description="The Retry-After a refused request gets, in seconds."
+    )
+
+    @field_validator("per_key")
+    @classmethod
+    def _check_per_key(cls, value: dict[str, int]) -> dict[str, int]:
+        for key_id, cap in value.items():
+            if not valid_key_id(key_id):
+                raise ValueError(f"per_key: '{key_id}' is not a key id ({KEY_ID_RULE})")
+            if cap < 1:
+                raise ValueError(f"per_key.{key_id}: {cap} must be at least 1")
+        return value
+
+    def cap_for(self, key_id: str) -> int:
+        """The in-flight cap of the key ``key_id``."""
+        return self.per_key.get(key_id, self.max_inflight_per_key)
+
+    def caps(self) -> dict[str, int]:
+        """Every cap the config names: the default under "*", then each key's own."""
+        return {"*": self.max_inflight_per_key, **self.per_key}
+
+
 class S3Streamer(_Strict):
     """How vLLM's runai_streamer reads S3 weights (its `model_loader_extra_config`).
 
@@ -317,6 +404,8 @@ class ModelEntry(_Strict):
             "gpu_memory_utilization",
             # The catalogue's `tracing` section sets it for every model.
             "otlp_traces_endpoint",
+            # limits.max_logprobs sets it: the guard and the engine hold one value.
+            "max_logprobs",
         }
         clash = sorted(owned & set(value))
         if clash:
@@ -397,6 +486,7 @@ class Catalog(_Strict):
     layout: Layout = "serve-ingress"
     vllm_server: VllmServerSettings = Field(default_factory=VllmServerSettings)
     tracing: Tracing = Field(default_factory=Tracing)
+    fairness: KeyFairness = Field(default_factory=KeyFairness)
 
     @model_validator(mode="after")
     def _check_layout(self) -> Catalog:
@@ -442,3 +532,16 @@ class Catalog(_Strict):
             if entry.model_id == model_id:
                 return entry
         raise KeyError(model_id)
+
+    def replica_inflight_cap(self, *, direct_streaming: bool = False) -> int:
+        """Requests the guard lets its replica hold at once: that replica's ``max_ongoing_requests``.
+
+        Under vllm-server (and Serve LLM's direct streaming) the guard runs in
+        the model's replica and Serve never sees its requests, so the guard
+        is what holds the model's ``max_ongoing_requests``. Under serve-ingress
+        it runs in the OpenAI ingress replica (``ingress.max_ongoing_requests``),
+        while Serve holds each model replica to its own.
+        """
+        if self.layout == "vllm-server" or direct_streaming:
+            return self.models[0].autoscaling.max_ongoing_requests
+        return self.ingress.max_ongoing_requests

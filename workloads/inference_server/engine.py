@@ -119,6 +119,9 @@ def engine_kwargs(entry: ModelEntry, catalog: Catalog) -> dict[str, Any]:
         # A request that omits max_tokens gets at most the server limit,
         # not "the rest of the context window".
         "override_generation_config": {"max_new_tokens": catalog.limits.max_tokens},
+        # The engine refuses what the guard refuses: one value for both
+        # (vLLM's own default, 20, would let the other layout's path ask more).
+        "max_logprobs": catalog.limits.max_logprobs,
     }
     if entry.quantization is not None:
         kwargs["quantization"] = entry.quantization

@@ -16,9 +16,12 @@ What the guard promises, in order:
 4. A ``POST`` body must be ``application/json`` (415), valid UTF-8 JSON
    without ``NaN``/``Infinity`` (400) and an object (400); a ``model`` the
    catalogue does not serve gets 404.
-5. On the generation routes, integer parameters must be JSON integers, and
-   ``max_tokens``, ``n``/``best_of``, the request's total output and every
-   prompt stay within :class:`~inference_server.catalog.RequestLimits` (400).
+5. On the generation routes, only the fields and content parts of the
+   request policy (:mod:`.request_policy`) are accepted; integer parameters
+   must be JSON integers; and ``max_tokens``, ``n``, logprobs, the number of
+   prompts, the request's total output and every prompt, counted exactly with
+   the model's tokenizer and chat template, stay within
+   :class:`~inference_server.catalog.RequestLimits` (400).
 6. Any error the routes behind it answer is rewritten into the OpenAI shape
    ``{"error": {"message", "type", "param", "code"}}``; a 5xx never carries
    exception text.
@@ -40,6 +43,8 @@ from collections.abc import Awaitable, Callable, Collection, Iterable, MutableMa
 from dataclasses import dataclass
 from typing import Any
 
+from . import request_policy as policy
+from .api_keys import ApiKey, parse_keys_list, parse_keys_text
 from .catalog import RequestLimits
 
 logger = logging.getLogger(__name__)
@@ -51,13 +56,14 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Counts the prompt tokens of one generation request exactly (the engine's own
-# tokenizer and chat template). Given the route path and the parsed JSON body;
-# returns None when it can not tell, and the engine then decides on its own.
-PromptTokenCounter = Callable[[str, dict[str, Any]], Awaitable[int | None]]
+# tokenizer and chat template), one count per prompt. Given the route path and
+# the parsed JSON body; returns None when the engine could not tokenize it.
+PromptTokenCounter = Callable[[str, dict[str, Any]], Awaitable[list[int] | None]]
 
 # Routes that stay open: Serve's own health and route table, and the engine's
-# health probe. Everything else needs a key.
-OPEN_PATHS = frozenset({"/-/healthz", "/-/routes", "/health", "/ping", "/version"})
+# health probe. Everything else needs a key, vLLM's /version too: no probe
+# reads it, and it tells a scanner which engine release to aim at.
+OPEN_PATHS = frozenset({"/-/healthz", "/-/routes", "/health", "/ping"})
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
 LIMITED_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH})
@@ -122,18 +128,13 @@ def _digest(key: str) -> bytes:
 
 
 def parse_keys_file(text: str) -> list[str]:
-    """Keys from a mounted file: one a line; blank lines and ``#`` comments ignored."""
-    keys = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            keys.append(line)
-    return keys
+    """The secrets of a mounted keys file (``[<id>:]<secret>`` a line, see :mod:`.api_keys`); bad lines are skipped."""
+    return [key.secret for key in parse_keys_text(text)[0]]
 
 
 def parse_keys_env(text: str) -> list[str]:
-    """Keys from an environment variable: comma-separated."""
-    return [part.strip() for part in text.split(",") if part.strip()]
+    """The secrets of an environment variable: ``[<id>:]<secret>`` entries, comma-separated."""
+    return [key.secret for key in parse_keys_list(text)[0]]
 
 
 class ApiKeys:
@@ -141,7 +142,8 @@ class ApiKeys:
 
     The file is re-read when its modification time changes (checked at most
     every ``reload_interval_s``), so a rotated Kubernetes Secret takes effect
-    without a restart. Only SHA-256 digests of the keys are kept.
+    without a restart. Only SHA-256 digests of the keys are kept, each with
+    its id (:mod:`.api_keys`), which :meth:`identify` returns.
     """
 
     def __init__(
@@ -156,7 +158,7 @@ class ApiKeys:
         self._env = keys_env
         self._environ = os.environ if environ is None else environ
         self._reload_interval_s = reload_interval_s
-        self._digests: tuple[bytes, ...] = ()
+        self._digests: tuple[tuple[bytes, str], ...] = ()
         self._source = "none"
         self._file_mtime: float | None = None
         self._checked_at = float("-inf")
@@ -180,19 +182,23 @@ class ApiKeys:
 
     def _load(self) -> None:
         mtime = self._file_mtime_now()
-        keys: list[str] = []
+        keys: list[ApiKey] = []
+        problems: list[str] = []
         source = "none"
         if mtime is not None and self._file:
             try:
                 with open(self._file, encoding="utf-8") as handle:
-                    keys = parse_keys_file(handle.read())
+                    keys, problems = parse_keys_text(handle.read())
                 source = "file"
             except OSError as exc:
                 logger.warning("API key file %s could not be read: %s", self._file, exc.strerror)
         if not keys:
-            keys = parse_keys_env(self._environ.get(self._env, ""))
+            keys, problems = parse_keys_list(self._environ.get(self._env, ""))
             source = "env" if keys else "none"
-        self._digests = tuple(_digest(k) for k in keys)
+        for problem in problems:
+            # The messages name a line and an id, never a secret.
+            logger.warning("API keys from %s: %s (skipped)", source, problem)
+        self._digests = tuple((_digest(k.secret), k.id) for k in keys)
         self._file_mtime = mtime
         if source != self._source or not keys:
             logger.info("API keys loaded from %s: %d key(s)", source, len(keys))
@@ -207,7 +213,11 @@ class ApiKeys:
             self._load()
 
     def verify(self, presented: str | None) -> bool:
-        """True when ``presented`` equals one of the keys.
+        """True when ``presented`` equals one of the keys."""
+        return self.identify(presented) is not None
+
+    def identify(self, presented: str | None) -> str | None:
+        """The id of the key ``presented`` equals, or None.
 
         Digests of equal length are compared with ``hmac.compare_digest``
         against every key, so neither the key's length nor its position in
@@ -215,11 +225,12 @@ class ApiKeys:
         """
         self._maybe_reload()
         if not presented:
-            return False
+            return None
         candidate = _digest(presented)
-        matched = False
-        for digest in self._digests:
-            matched |= hmac.compare_digest(candidate, digest)
+        matched: str | None = None
+        for digest, key_id in self._digests:
+            if hmac.compare_digest(candidate, digest):
+                matched = key_id
         return matched
 
 
@@ -546,44 +557,6 @@ def prompt_sizes(path: str, body: dict[str, Any]) -> list[PromptSize] | Refusal 
     return None
 
 
-def prompt_too_long(tokens: int, limits: RequestLimits, param: str) -> Refusal:
-    return Refusal(
-        400,
-        f"The prompt has {tokens} tokens, but this server accepts at most {limits.max_prompt_tokens}. "
-        "Shorten the prompt.",
-        param=param,
-        code="context_length_exceeded",
-    )
-
-
-def check_prompt_cheaply(sizes: list[PromptSize], limits: RequestLimits, param: str) -> Refusal | bool:
-    """Decide on the prompts without a tokenizer where possible.
-
-    Returns a refusal, or whether an exact count is still needed: token ids
-    are counted exactly here; text longer than ``max_prompt_tokens x
-    prompt_bytes_per_token`` bytes is refused unread; text whose byte bound
-    already fits passes; anything in between needs the tokenizer.
-    """
-    byte_cap = limits.max_prompt_tokens * limits.prompt_bytes_per_token
-    needs_count = False
-    for size in sizes:
-        if size.exact:
-            if size.tokens > limits.max_prompt_tokens:
-                return prompt_too_long(size.tokens, limits, param)
-            continue
-        if size.text_bytes > byte_cap:
-            return Refusal(
-                400,
-                f"The prompt has {size.text_bytes} bytes of text, more than the {limits.max_prompt_tokens} tokens "
-                f"this server accepts can hold (at most {byte_cap} bytes). Shorten the prompt.",
-                param=param,
-                code="context_length_exceeded",
-            )
-        if size.tokens > limits.max_prompt_tokens:
-            needs_count = True
-    return needs_count
-
-
 # ---------------------------------------------------------------- errors from the routes
 
 # Ray Serve LLM's error messages look like
@@ -851,6 +824,9 @@ class ApiGuard:
                     missing = model_not_found(model)
                     await send_json(send, missing.status, missing.body())
                     return
+            if policy.is_models_path(path):
+                # vLLM's model cards name the weights' location (root).
+                shaped_send = policy.without_weights_location(shaped_send)
             await self.app(scope, _capped(receive, self.max_body_bytes), shaped_send)
             return
 
@@ -891,29 +867,54 @@ class ApiGuard:
         refusal = check_model(body, self.model_ids)
         if refusal is not None or path not in LIMITED_PATHS:
             return refusal
+        # The allow-list first: no field it refuses is read by a check below.
+        refusal = _refused(policy.check_fields(path, body))
+        if refusal is not None:
+            return refusal
         refusal = check_integer_params(body) or check_choices(body, self.limits) or check_max_tokens(body, self.limits)
         if refusal is not None:
             return refusal
-        param = "prompt" if path == COMPLETIONS_PATH else "messages"
+        refusal = _refused(policy.check_logprobs(path, body, self.limits))
+        if refusal is not None:
+            return refusal
         sizes = prompt_sizes(path, body)
         if isinstance(sizes, Refusal):
             return sizes
+        refusal = _refused(policy.check_prompt_count(len(sizes) if sizes else 1, self.limits))
+        if refusal is not None:
+            return refusal
         refusal = check_output_budget(body, self.limits, prompts=len(sizes) if sizes else 1)
         if refusal is not None or sizes is None:
             return refusal
-        decided = check_prompt_cheaply(sizes, self.limits, param)
-        if isinstance(decided, Refusal):
-            return decided
+        decided = policy.plan_prompt_check(path, body, sizes, self.limits)
+        if isinstance(decided, policy.PolicyError):
+            return _refused(decided)
         if not decided or self.count_prompt_tokens is None:
             return None
         try:
             counted = await self.count_prompt_tokens(path, body)
+        except ValueError as err:
+            # The tokenize request models refused the prompt: so would generation's.
+            logger.info("Prompt could not be tokenized: %s", type(err).__name__)
+            counted = None
         except Exception:
-            logger.warning("Exact prompt token count failed; leaving the check to the engine", exc_info=True)
-            return None
-        if counted is not None and counted > self.limits.max_prompt_tokens:
-            return prompt_too_long(counted, self.limits, param)
+            # Not counted is not served: an uncounted prompt is the very bypass the limits close.
+            logger.warning("Exact prompt token count failed", exc_info=True)
+            return Refusal(
+                503,
+                "The server could not measure the prompt. Please retry your request.",
+                param=None,
+                code="prompt_not_measured",
+                type=SERVER_ERROR,
+            )
+        return _refused(policy.check_counted(path, body, counted, self.limits))
+
+
+def _refused(error: policy.PolicyError | None) -> Refusal | None:
+    """The guard's answer to a request the request policy refuses."""
+    if error is None:
         return None
+    return Refusal(error.status, error.message, param=error.param, code=error.code)
 
 
 async def _refuse_websocket(receive: Receive, send: Send) -> None:

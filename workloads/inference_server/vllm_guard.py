@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+from functools import cache
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from .catalog import NODE_DRAIN_FILE_ENV, RequestLimits
+from .catalog import NODE_DRAIN_FILE_ENV, KeyFairness, RequestLimits, ServeAutoscaling
+from .fairness import KeyAccounting, PrometheusKeyMetrics
 from .guard import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -55,6 +57,10 @@ class ServerGuardSettings(BaseModel):
     api_keys_env: str
     limits: RequestLimits
     model_ids: list[str]
+    fairness: KeyFairness = Field(default_factory=KeyFairness)
+    # The model's max_ongoing_requests: Serve never sees this server's
+    # requests, so the guard is what holds a replica to it.
+    replica_inflight_cap: int = Field(default=ServeAutoscaling().max_ongoing_requests, ge=1)
 
 
 def _tokenize_requests(path: str, body: dict[str, Any]) -> list[Any]:
@@ -73,6 +79,12 @@ def _closing(send: Any) -> Any:
         await send(message)
 
     return closing
+
+
+@cache
+def _key_metrics() -> PrometheusKeyMetrics:
+    """The per-key counters, once per process, on the registry vLLM's metrics port serves (vllm_main)."""
+    return PrometheusKeyMetrics()
 
 
 def _served(path: str) -> bool:
@@ -94,6 +106,16 @@ class VllmServerGuard(ApiGuard):
             limits=settings.limits,
             model_ids=settings.model_ids,
             count_prompt_tokens=self._count_prompt_tokens,
+        )
+        # Outside the guard's checks, so its refusals are logged and counted too.
+        self._accounting = KeyAccounting(
+            self._guarded,
+            keys=self.keys,
+            fairness=settings.fairness,
+            replica_cap=settings.replica_inflight_cap,
+            model_ids=settings.model_ids,
+            default_model=settings.model_ids[0] if len(settings.model_ids) == 1 else None,
+            metrics=_key_metrics(),
         )
         self._state: Any = None
         self._drain_files = [f for f in (os.environ.get(DRAIN_FILE_ENV), os.environ.get(NODE_DRAIN_FILE_ENV)) if f]
@@ -123,12 +145,17 @@ class VllmServerGuard(ApiGuard):
             )
             await send_json(send, 404, body)
             return
+        await self._accounting(scope, receive, send)
+
+    async def _guarded(self, scope: Any, receive: Any, send: Any) -> None:
         await super().__call__(scope, receive, send)
 
-    async def _count_prompt_tokens(self, path: str, body: dict[str, Any]) -> int | None:
+    async def _count_prompt_tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """One exact count per prompt; None when vLLM answered a tokenize request with an error."""
         handler = getattr(self._state, "serving_tokenization", None)
         if handler is None:
-            return None
+            # Not started yet: the guard answers 503 rather than pass an uncounted prompt.
+            raise RuntimeError("vLLM's tokenization handler is not available")
         counts = []
         for request in _tokenize_requests(path, body):
             response = await handler.create_tokenize(request, None)
@@ -136,4 +163,4 @@ class VllmServerGuard(ApiGuard):
             if count is None:
                 return None
             counts.append(count)
-        return max(counts) if counts else None
+        return counts

@@ -166,6 +166,8 @@ class VllmServer:
             api_keys_env=self._catalog.api_keys_env,
             limits=self._catalog.limits,
             model_ids=[self._entry.model_id],
+            fairness=self._catalog.fairness,
+            replica_inflight_cap=self._catalog.replica_inflight_cap(),
         )
         env = dict(os.environ)
         env.update(replica_env(self._entry, self._catalog))

@@ -1,0 +1,369 @@
+"""End-to-end: one API key can not own a replica, and every request is attributed to its key.
+
+Against the guarded vLLM server started exactly as a vllm-server replica
+starts it (``python -m inference_server.vllm_main`` with the replica's spec
+and guard settings, see ``VllmServer._env``), without Ray around it, so the
+run stays short. Two keys, ``hog`` and ``victim``:
+
+* ``hog`` past its in-flight cap gets 429 with ``Retry-After`` and an OpenAI
+  error body, while ``victim`` is served at the same time;
+* while ``hog`` keeps its cap full of long streams and keeps asking for
+  more, ``victim``'s time to first token stays within twice its unloaded value;
+* the access log names both keys by id and holds no key and no prompt; the
+  per-key counters on the metrics port count their requests and tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import re
+import statistics
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from localserve.processes import Child, child_env, free_port
+from localserve.server import LIMIT_MAX_TOKENS, MODEL_ID, catalog_for
+
+pytestmark = pytest.mark.e2e
+
+START_TIMEOUT_S = 300.0
+TIMEOUT_S = 60.0
+HOG_CAP = 2
+RETRY_AFTER_S = 2
+REPLICA_CAP = 8
+HOG_SECRET = "hog-secret-" + "0" * 24
+VICTIM_SECRET = "victim-secret-" + "1" * 24
+PROMPT = "Once upon a time in a quiet village there lived"
+# Idle and flooded probes, alternated.
+PAIRS = 9
+FLOOD_LEAD_S = 0.1
+# The hog runs in a process of its own, niced: on this two-core machine its
+# client work would otherwise take the CPU the server needs, which a remote
+# client's does not.
+HOG_NICE = 10
+
+
+@dataclass
+class Guarded:
+    base_url: str
+    metrics_url: str
+    child: Child
+
+    def log(self) -> str:
+        return self.child.log_path.read_text(errors="replace")
+
+
+def _spec_and_settings(tiny_model: Path, keys: Path, port: int, metrics_port: int) -> tuple[str, str]:
+    """The two JSON documents a vllm-server replica hands its server process (vllm_server.VllmServer._env)."""
+    from inference_server.catalog import Catalog
+    from inference_server.engine import engine_kwargs
+    from inference_server.vllm_guard import ServerGuardSettings
+
+    raw: dict[str, Any] = catalog_for(tiny_model, keys, layout="vllm-server")
+    model = raw["models"][0]  # type: ignore[index]
+    model["autoscaling"].update(target_ongoing_requests=4, max_ongoing_requests=REPLICA_CAP)
+    raw["fairness"] = {"max_inflight_per_key": HOG_CAP, "retry_after_s": RETRY_AFTER_S}
+    catalog = Catalog.model_validate(raw)
+    entry = catalog.models[0]
+    spec = {
+        "model": entry.source,
+        "served_model_name": entry.model_id,
+        "host": "127.0.0.1",
+        "port": port,
+        "metrics_host": "127.0.0.1",
+        "metrics_port": metrics_port,
+        "engine_kwargs": engine_kwargs(entry, catalog),
+    }
+    settings = ServerGuardSettings(
+        api_keys_file=catalog.api_keys_file,
+        api_keys_env=catalog.api_keys_env,
+        limits=catalog.limits,
+        model_ids=[entry.model_id],
+        fairness=catalog.fairness,
+        replica_inflight_cap=catalog.replica_inflight_cap(),
+    )
+    return json.dumps(spec), settings.model_dump_json()
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model: Path, e2e_dir: Path) -> Iterator[Guarded]:
+    from inference_server.engine import OFFLINE_ENV
+    from inference_server.vllm_guard import SETTINGS_ENV
+    from inference_server.vllm_main import SPEC_ENV
+
+    work = e2e_dir / "fairness"
+    work.mkdir(exist_ok=True)
+    keys = work / "keys"
+    keys.write_text(f"# two clients\nhog:{HOG_SECRET}\nvictim:{VICTIM_SECRET}\n")
+    port, metrics_port = free_port(), free_port()
+    spec, settings = _spec_and_settings(tiny_model, keys, port, metrics_port)
+    env = child_env({**OFFLINE_ENV, SPEC_ENV: spec, SETTINGS_ENV: settings})
+    child = Child.start("vllm-main", [sys.executable, "-m", "inference_server.vllm_main"], env, work / "server.log")
+    server = Guarded(f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{metrics_port}/metrics", child)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if child.proc.poll() is not None:
+                pytest.fail(f"vllm_main exited with {child.proc.returncode}:\n{child.log_tail()}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm_main not healthy after {START_TIMEOUT_S:.0f}s:\n{child.log_tail()}")
+            time.sleep(1)
+        yield server
+    finally:
+        child.stop(grace_s=10)
+
+
+def _auth(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def _long_stream() -> dict[str, Any]:
+    return {
+        "model": MODEL_ID,
+        "prompt": PROMPT,
+        "max_tokens": LIMIT_MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
+async def _ttft(client: httpx.AsyncClient, server: Guarded) -> float:
+    """Seconds from sending a short streamed chat request to its first chunk.
+
+    vLLM sends a chat stream's first chunk (the role) with the first output
+    of the engine, so it marks the first token even where a random model's
+    first tokens decode to no text.
+    """
+    body = {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+    }
+    started = time.perf_counter()
+    first = None
+    async with client.stream(
+        "POST", server.base_url + "/chat/completions", json=body, headers=_auth(VICTIM_SECRET)
+    ) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if first is None and line.startswith("data: {") and json.loads(line.removeprefix("data: "))["choices"]:
+                first = time.perf_counter() - started
+    assert first is not None, "the stream carried no choice"
+    return first
+
+
+async def _hold_streams(client: httpx.AsyncClient, server: Guarded, count: int, started: asyncio.Event) -> None:
+    """`count` long completions streamed by `hog`, read to their end; `started` once each sent its first chunk."""
+    opened = 0
+
+    async def one() -> None:
+        nonlocal opened
+        async with client.stream(
+            "POST", server.base_url + "/completions", json=_long_stream(), headers=_auth(HOG_SECRET)
+        ) as response:
+            assert response.status_code == 200, await response.aread()
+            counted = False
+            async for _ in response.aiter_lines():
+                if not counted:
+                    counted = True
+                    opened += 1
+                    if opened >= count:
+                        started.set()
+
+    await asyncio.gather(*(one() for _ in range(count)))
+
+
+def test_a_key_over_its_cap_gets_429_while_another_key_is_served(guarded: Guarded) -> None:
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+            started = asyncio.Event()
+            holding = asyncio.create_task(_hold_streams(client, guarded, HOG_CAP, started))
+            await asyncio.wait_for(started.wait(), TIMEOUT_S)
+            over = await client.post(guarded.base_url + "/completions", json=_long_stream(), headers=_auth(HOG_SECRET))
+            served = await client.post(
+                guarded.base_url + "/completions",
+                json={"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 4},
+                headers=_auth(VICTIM_SECRET),
+            )
+            await holding
+            return over, served
+
+    over, served = asyncio.run(scenario())
+    assert over.status_code == 429, over.text
+    assert over.headers["retry-after"] == str(RETRY_AFTER_S)
+    error = over.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "rate_limit_error" and error["code"] == "too_many_requests_in_flight"
+    assert "'hog'" in error["message"] and HOG_SECRET not in over.text
+    assert served.status_code == 200 and served.json()["choices"][0]["text"]
+    # The slots were given back when the streams ended: hog is served again.
+    again = httpx.post(
+        guarded.base_url + "/completions",
+        json={"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 2},
+        headers=_auth(HOG_SECRET),
+        timeout=TIMEOUT_S,
+    )
+    assert again.status_code == 200, again.text
+
+
+def _outcome(status: int) -> str:
+    return {200: "served", 429: "refused"}.get(status, "other")
+
+
+def _hog(base_url: str, events: dict[str, Any], results: Any) -> None:
+    """In its own process: while ``go`` is set, keep HOG_CAP long streams open and ask for more back to back.
+
+    The extra requests ignore Retry-After: each is refused (429) at once.
+    ``holding`` is set once HOG_CAP streams are generating; between bursts
+    ``paused`` is set once none is left, so the idle probes see an idle server.
+    """
+    os.nice(HOG_NICE)
+    counts = {"refused": 0, "served": 0, "other": 0}
+
+    async def stream(client: httpx.AsyncClient, opened: list[int]) -> None:
+        async with client.stream(
+            "POST", base_url + "/completions", json=_long_stream(), headers=_auth(HOG_SECRET)
+        ) as response:
+            counts[_outcome(response.status_code)] += 1
+            first = True
+            async for _ in response.aiter_lines():
+                if first:
+                    first = False
+                    opened[0] += 1
+                    if opened[0] >= HOG_CAP:
+                        events["holding"].set()
+
+    async def hold(client: httpx.AsyncClient) -> None:
+        while not events["stop"].is_set():
+            if not events["go"].is_set():
+                events["paused"].set()
+                await asyncio.sleep(0.005)
+                continue
+            opened = [0]
+            await asyncio.gather(*(stream(client, opened) for _ in range(HOG_CAP)))
+
+    async def flood(client: httpx.AsyncClient) -> None:
+        while not events["stop"].is_set():
+            if not (events["go"].is_set() and events["holding"].is_set()):
+                await asyncio.sleep(0.005)
+                continue
+            response = await client.post(base_url + "/completions", json=_long_stream(), headers=_auth(HOG_SECRET))
+            # Served when it finds a slot a stream just gave back, refused otherwise.
+            counts[_outcome(response.status_code)] += 1
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+            events["ready"].set()
+            await asyncio.gather(hold(client), flood(client))
+
+    asyncio.run(run())
+    results.put(counts)
+
+
+def test_another_keys_ttft_stays_within_twice_unloaded_while_one_key_floods(guarded: Guarded) -> None:
+    async def probe() -> float:
+        async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+            return await _ttft(client, guarded)
+
+    asyncio.run(probe())  # the chat template and the first request's set-up, out of the measurement
+    context = multiprocessing.get_context("fork")
+    events = {name: context.Event() for name in ("ready", "go", "holding", "paused", "stop")}
+    results = context.Queue()
+    hog = context.Process(target=_hog, args=(guarded.base_url, events, results), daemon=True)
+    hog.start()
+    idle: list[float] = []
+    loaded: list[float] = []
+    try:
+        assert events["ready"].wait(30), "the hog did not start"
+        # Strictly alternated: a machine busy with other work shifts both sides alike.
+        # The first pair warms the hog's connections and prompt up and is not counted.
+        for pair in range(PAIRS + 1):
+            events["go"].clear()
+            events["paused"].clear()
+            assert events["paused"].wait(TIMEOUT_S), "the hog did not pause"
+            events["holding"].clear()
+            quiet = asyncio.run(probe())
+            events["go"].set()
+            assert events["holding"].wait(TIMEOUT_S), "the hog's streams did not start"
+            time.sleep(FLOOD_LEAD_S)  # the flood is under way before the probe
+            flooded = asyncio.run(probe())
+            if pair:
+                idle.append(quiet)
+                loaded.append(flooded)
+    finally:
+        events["stop"].set()
+    counts = results.get(timeout=TIMEOUT_S)
+    hog.join(TIMEOUT_S)
+    assert counts["refused"] > 0 and counts["other"] == 0, counts
+    base, under_load = statistics.median(idle), statistics.median(loaded)
+    print(
+        f"\n[fairness] hog: {counts}; victim TTFT median {under_load * 1000:.1f} ms under the flood, "
+        f"{base * 1000:.1f} ms idle",
+        flush=True,
+    )
+    shown = {"idle": [round(t * 1000, 1) for t in idle], "flooded": [round(t * 1000, 1) for t in loaded]}
+    assert under_load <= 2 * base, (
+        f"TTFT {under_load * 1000:.0f} ms under the flood > 2x {base * 1000:.0f} ms ({shown})"
+    )
+
+
+def test_each_request_is_logged_and_counted_by_key_id_without_keys_or_prompts(guarded: Guarded) -> None:
+    response = httpx.post(
+        guarded.base_url + "/chat/completions",
+        json={
+            "model": MODEL_ID,
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 3,
+            "ignore_eos": True,
+        },
+        headers={**_auth(VICTIM_SECRET), "X-Request-Id": "fairness-e2e-1"},
+        timeout=TIMEOUT_S,
+    )
+    assert response.status_code == 200 and response.headers["x-request-id"] == "fairness-e2e-1"
+    deadline = time.monotonic() + 10
+    while '"fairness-e2e-1"' not in guarded.log() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log = guarded.log()
+    lines = [json.loads(line) for line in log.splitlines() if line.startswith('{"request_id"')]
+    (line,) = [entry for entry in lines if entry["request_id"] == "fairness-e2e-1"]
+    usage = response.json()["usage"]
+    assert line["key_id"] == "victim" and line["model"] == MODEL_ID and line["status"] == 200
+    assert (line["prompt_tokens"], line["output_tokens"]) == (usage["prompt_tokens"], usage["completion_tokens"])
+    assert line["tokens"] == "exact" and line["output_tokens"] == 3
+    assert {entry["key_id"] for entry in lines} >= {"hog", "victim"}
+    assert HOG_SECRET not in log and VICTIM_SECRET not in log
+    assert not [entry for entry in lines if PROMPT in json.dumps(entry)]
+
+    with urllib.request.urlopen(guarded.metrics_url, timeout=TIMEOUT_S) as metrics:
+        text = metrics.read().decode()
+
+    def value(name: str, **labels: str) -> float:
+        total = 0.0
+        for sample in re.finditer(rf"^{name}\{{([^}}]*)\}} ([0-9.e+]+)$", text, re.M):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', sample.group(1)))
+            if all(found.get(k) == v for k, v in labels.items()):
+                total += float(sample.group(2))
+        return total
+
+    assert value("ray_llm_api_key_requests_total", key_id="hog", status="429") >= 1
+    assert value("ray_llm_api_key_requests_total", key_id="victim", model=MODEL_ID, status="200") >= 1
+    assert value("ray_llm_api_key_prompt_tokens_total", key_id="victim", model=MODEL_ID) >= usage["prompt_tokens"]
+    assert value("ray_llm_api_key_generation_tokens_total", key_id="hog", model=MODEL_ID) >= HOG_CAP * LIMIT_MAX_TOKENS
