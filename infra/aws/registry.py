@@ -24,6 +24,13 @@ KEEP_CACHES = 10
 CACHE_INPUTS = ("Dockerfile", "requirements.lock")
 
 
+# Printed on every preview while infra/versions.py has no digest for the base (make pin-base).
+UNPINNED_BASE_WARNING = (
+    f"the serving image builds FROM {versions.RAY_LLM_BASE_TAG} by its tag, which can be pushed again: "
+    "run `make pin-base` where Docker Hub is reachable and commit the digest it writes"
+)
+
+
 def _dockerignore(root: Path) -> list[tuple[bool, str]]:
     path = root / ".dockerignore"
     if not path.is_file():
@@ -228,11 +235,7 @@ class ServingImage(pulumi.ComponentResource):
         cache = cache_tag(args.context)
         cache_ref = self.cache_repository.repository_url.apply(lambda url: f"{url}:{cache}")
         if not versions.RAY_LLM_BASE_PINNED:
-            pulumi.log.warn(
-                f"the serving image builds FROM {versions.RAY_LLM_BASE_IMAGE} by its tag, which can be pushed again: "
-                "run `make pin-base` where Docker Hub is reachable and commit the digest it writes",
-                resource=self,
-            )
+            pulumi.log.warn(UNPINNED_BASE_WARNING, resource=self)
         return docker_build.Image(
             name,
             context=docker_build.BuildContextArgs(location=str(args.context)),

@@ -126,7 +126,10 @@ def test_serve_config_changes_only_what_the_cpu_needs(tmp_path: Path) -> None:
         model["model_id"]: {"bundles": [{"CPU": 1, "accelerator_type:L4": ACCELERATOR_SLIVER}]}
     }
     assert twin.config["http_options"] == {"host": "127.0.0.1", "port": 18001}
-    assert twin.api_key in Path(catalog["api_keys_file"]).read_text().splitlines()
+    keys = Path(catalog["api_keys_file"]).read_text().splitlines()
+    assert f"twin:{twin.api_key}" in keys
+    assert [f"client-{i:02d}:{k}" for i, k in enumerate(twin.client_keys)] == keys[2:]
+    assert len(set(twin.client_keys) | {twin.api_key}) == 1 + len(twin.client_keys) > 8
     assert twin.models[0].min_replicas == 0 and twin.models[0].accelerator_type == "L4"
     assert len(twin.substitutions) >= 4
 
