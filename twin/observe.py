@@ -42,6 +42,10 @@ from twin.render import RayServiceSpec
 from twin.report import Report
 
 TARGETS_EVERY_S = 2.0
+# A gauge every serving vLLM replica exports (after the vllm-servers rename), and how long a model
+# at zero may take to wake under normal load before the series and panels are read.
+SERVING_GAUGE = "ray_vllm_num_requests_running"
+WAKE_TIMEOUT_S = 180.0
 RECONCILE_EVERY_S = 2.0
 STEADY_STREAMS = 2
 # Steady state lasts past the longest scaled `for` of the serving alerts, so
@@ -521,15 +525,42 @@ def check_panels(name: str, prom: TwinPrometheus, report: Report, layouts: set[s
         report.note(name, f"panels without an exporter here (no GPU): {', '.join(sorted(set(skipped)))}")
 
 
+# What runs the model under a replica: vLLM's engine-core process (its own server, vllm-server), or
+# under Serve LLM, which forces vLLM's Ray executor, the engine's worker actor (not the replica's child).
+ENGINE_PROCESSES = (b"VLLM::EngineCore", b"ray::RayWorkerWrapper")
+ENGINE_WAIT_S = 90.0
+
+
 def kill_engine_core(server_pid: int) -> int | None:
-    """Kills the vLLM engine core process under ``server_pid``; returns its pid."""
+    """Kills the vLLM engine process that serves the replica ``server_pid``; returns its pid.
+
+    First the engine core among its descendants; else (Serve LLM) a live Ray worker actor of vLLM's
+    executor: the twin runs one model, so any such actor is this replica's.
+    """
     from localserve.processes import with_descendants
 
-    for pid in sorted(with_descendants({server_pid}) - {server_pid}):
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
-                os.kill(pid, signal.SIGKILL)
-                return pid
+    candidates = sorted(with_descendants({server_pid}) - {server_pid})
+    candidates += sorted(int(p.name) for p in Path("/proc").glob("[0-9]*") if int(p.name) not in candidates)
+    for prefix in ENGINE_PROCESSES:
+        for pid in candidates:
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(prefix):
+                    if prefix == ENGINE_PROCESSES[0] and pid not in with_descendants({server_pid}):
+                        continue
+                    os.kill(pid, signal.SIGKILL)
+                    return pid
+    return None
+
+
+def engine_death(traffic: Traffic) -> int | None:
+    """Kills a serving replica's engine once one runs (a model at zero wakes under the load first)."""
+    deadline = time.monotonic() + ENGINE_WAIT_S
+    while time.monotonic() < deadline:
+        for pid in reversed(traffic.server_pids()):
+            engine = kill_engine_core(pid)
+            if engine is not None:
+                return engine
+        time.sleep(2.0)
     return None
 
 
@@ -742,8 +773,7 @@ def run_faults(obs: Observed, prom: TwinPrometheus, report: Report, operator: Op
             load = _steady_load(obs, urls[-1])
             load.start()
             time.sleep(SETTLE_S)
-            pids = obs.traffic.server_pids()
-            engine = kill_engine_core(pids[-1]) if pids else None
+            engine = engine_death(obs.traffic)
             fired = wait_firing(prom, wanted, timeout) if engine else {}
             load.stop(timeout_s=1)
             failed = sum(not o.ok for o in load.done())
@@ -782,9 +812,17 @@ def run(obs: Observed, report: Report, *, faults: bool) -> None:
             run_faults(obs, prom, report, operator)
         # After the faults: a counter exported through Ray's metrics agent
         # (vLLM's preemptions under serve-ingress) has no series until its
-        # first increment, which only the overload brings.
+        # first increment, which only the overload brings. Under normal load
+        # again: a model at zero replicas (scale to zero, or a fault's restart)
+        # exports no gauge, so a replica must be serving when they are read.
+        load = _steady_load(obs, obs.traffic.base_urls()[0])
+        load.start()
+        woke = live.wait_for(lambda: bool(prom.query(f"count({SERVING_GAUGE}) > 0")), WAKE_TIMEOUT_S)
+        if not woke:
+            report.note(obs.name, f"no replica exported {SERVING_GAUGE} within {WAKE_TIMEOUT_S:.0f}s of normal load")
         check_series(obs.name, prom, report, obs.layouts)
         check_panels(obs.name, prom, report, obs.layouts)
+        load.stop(timeout_s=30)
         bad = prom.rule_health()
         report.check(
             obs.name,
