@@ -804,6 +804,9 @@ def run(obs: Observed, report: Report, *, faults: bool) -> None:
         targets.start()
         load.start()
         check_scrape(obs, prom, report)
+        # Steady state begins once a replica serves: a model at zero (dev) first wakes under the load,
+        # and its first requests wait for the cold start, which is not the steady state.
+        wait_serving(obs, prom, report)
         serving = [a.name for a in alerts.ALERTS if alert_absent_reason(a) is None]
         hold = max(_fors(prom, serving).values()) + STEADY_MARGIN_S
         check_steady(obs.name, prom, report, load, hold)
@@ -817,9 +820,7 @@ def run(obs: Observed, report: Report, *, faults: bool) -> None:
         # exports no gauge, so a replica must be serving when they are read.
         load = _steady_load(obs, obs.traffic.base_urls()[0])
         load.start()
-        woke = live.wait_for(lambda: bool(prom.query(f"count({SERVING_GAUGE}) > 0")), WAKE_TIMEOUT_S)
-        if not woke:
-            report.note(obs.name, f"no replica exported {SERVING_GAUGE} within {WAKE_TIMEOUT_S:.0f}s of normal load")
+        wait_serving(obs, prom, report)
         check_series(obs.name, prom, report, obs.layouts)
         check_panels(obs.name, prom, report, obs.layouts)
         load.stop(timeout_s=30)
@@ -837,6 +838,15 @@ def run(obs: Observed, report: Report, *, faults: bool) -> None:
         if operator is not None:
             operator.stop()
         prom.stop()
+
+
+def wait_serving(obs: Observed, prom: TwinPrometheus, report: Report) -> None:
+    """Waits (under the caller's load) until a replica exports its gauges, then a few scrapes more."""
+    woke = live.wait_for(lambda: bool(prom.query(f"count({SERVING_GAUGE}) > 0")), WAKE_TIMEOUT_S)
+    if not woke:
+        report.note(obs.name, f"no replica exported {SERVING_GAUGE} within {WAKE_TIMEOUT_S:.0f}s of normal load")
+        return
+    time.sleep(SETTLE_S)
 
 
 def _operator(objects: list[dict[str, Any]], targets: LiveTargets) -> OperatorExporter | None:
