@@ -65,11 +65,12 @@ class ModelInfo:
     address_dir: Path | None = None
 
 
-# The twin's KV cache: about 20 of the overload fault's sequences (twin.observe), well under the
+# The twin's KV cache: about 10 of the overload fault's sequences (twin.observe), well under the
 # in-flight cap our stacks let one replica hold (max_ongoing_requests, 48 and up), so that the
 # overload fills it, preempts and keeps more than the SLO's 20 requests waiting through the guard's
-# caps, as long prompts do on a GPU (at 40 sequences the queue only touched 20 in passing).
-TWIN_KV_CACHE_BYTES = KV_CACHE_BYTES // 4
+# and Serve's caps, as long prompts do on a GPU (at 40 sequences the queue only touched 20 in
+# passing; at 20, Serve's cap of 48 under serve-ingress left it hovering around 20).
+TWIN_KV_CACHE_BYTES = KV_CACHE_BYTES // 8
 # The twin's other clients: the overload comes from many keys, each within its key's in-flight cap.
 CLIENT_KEYS = 32
 
