@@ -1279,6 +1279,11 @@ def chart_defaults() -> dict[str, Any]:
     }
 
 
+def helm_name(value: str) -> str:
+    """Helm's ``trunc 63 | trimSuffix "-"``, which every name helper of the chart ends with."""
+    return value[:63].removesuffix("-")
+
+
 @dataclass(frozen=True)
 class OperatorRelease:
     """The operator's Helm release: its name, namespace and merged values (the chart's defaults under the render's)."""
@@ -1298,7 +1303,7 @@ class OperatorRelease:
         _chart(
             "templates/_helpers.tpl", 6, '{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}'
         )
-        return str(self.values.get("nameOverride") or CHART_NAME)[:63].rstrip("-")
+        return helm_name(str(self.values.get("nameOverride") or CHART_NAME))
 
     def fullname(self) -> str:
         """``kuberay-operator.fullname``."""
@@ -1307,9 +1312,9 @@ class OperatorRelease:
         _chart("templates/_helpers.tpl", 29, '{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}')
         override = self.values.get("fullnameOverride")
         if override:
-            return str(override)[:63].rstrip("-")
+            return helm_name(str(override))
         name = self.chart_name()
-        return (self.name if name in self.name else f"{self.name}-{name}")[:63].rstrip("-")
+        return helm_name(self.name if name in self.name else f"{self.name}-{name}")
 
     def pod(self) -> dict[str, Any]:
         """The operator's pod as far as Prometheus sees it: its labels and its one container's ``http`` port."""
@@ -1323,7 +1328,7 @@ class OperatorRelease:
         labels = {
             APP_NAME_LABEL: self.chart_name(),
             "app.kubernetes.io/instance": self.name,
-            "app.kubernetes.io/component": str(self.values.get("componentOverride") or CHART_NAME)[:63].rstrip("-"),
+            "app.kubernetes.io/component": helm_name(str(self.values.get("componentOverride") or CHART_NAME)),
             **dict(self.values.get("labels") or {}),
         }
         return {

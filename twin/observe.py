@@ -185,31 +185,31 @@ class LiveTargets:
         """The RayService's active RayCluster, as the mirror names it."""
         return mirror.RayClusterRef(mirror.ray_cluster_name(self.ray_service, "twin0"), self.ray_service)
 
-    def serve_endpoints(self) -> int:
-        """``NumServeEndpoints``: pods the serve Service selects whose readiness probe passes now.
+    def probes(self) -> list[tuple[str, int]]:
+        """The readiness probes of the pods the serve Service selects: (port name, live port).
 
         The probe is the rendered one: a vllm-server pod's server answers
-        ``/health``; otherwise its Serve proxy answers ``/-/healthz``.
+        ``/health`` on ``openai``; otherwise its Serve proxy ``/-/healthz`` on ``serve``.
         """
         selector = mirror.first_serve_service(self.active)["spec"].get("selector") or {}
-        ready = 0
+        found = []
         for pod, ports in self.pods():
-            if not mirror.selects(selector, pod["metadata"]["labels"]):
-                continue
-            if "openai" in ports:
-                ready += live.server_health(f"http://{LOOPBACK}:{ports['openai']}")
-            elif "serve" in ports:
-                ready += live.healthz(ports["serve"])
-        return ready
+            if mirror.selects(selector, pod["metadata"]["labels"]):
+                name = "openai" if "openai" in ports else "serve"
+                if name in ports:
+                    found.append((name, ports[name]))
+        return found
+
+    def serve_endpoints(self) -> int:
+        """``NumServeEndpoints``: pods the serve Service selects whose readiness probe passes now."""
+        return sum(
+            live.server_health(f"http://{LOOPBACK}:{port}") if name == "openai" else live.healthz(port)
+            for name, port in self.probes()
+        )
 
     def probe_ports(self) -> list[int]:
-        """The live ports the serve Service's readiness probes ask (see :meth:`serve_endpoints`)."""
-        selector = mirror.first_serve_service(self.active)["spec"].get("selector") or {}
-        return [
-            ports.get("openai") or ports["serve"]
-            for pod, ports in self.pods()
-            if mirror.selects(selector, pod["metadata"]["labels"]) and ("openai" in ports or "serve" in ports)
-        ]
+        """The live ports the serve Service's readiness probes ask."""
+        return [port for _, port in self.probes()]
 
     def pods(self) -> list[tuple[dict[str, Any], dict[str, int]]]:
         """(pod as KubeRay builds it, port name -> live port) for every live node."""

@@ -59,6 +59,7 @@ from .guard import (
     Send,
     bearer_token,
     error_body,
+    route_path,
     send_json,
 )
 
@@ -387,16 +388,6 @@ def _vllm_usage(scope: Scope) -> tuple[int | None, int | None] | None:
     return _int(getattr(usage, "prompt_tokens", None)), _int(getattr(usage, "completion_tokens", None))
 
 
-def _path(scope: Scope) -> str:
-    path: str = scope.get("path", "")
-    root = scope.get("root_path") or ""
-    if root and path.startswith(root):
-        path = path[len(root) :] or "/"
-    if len(path) > 1 and path.endswith("/"):
-        path = path.rstrip("/")
-    return path
-
-
 def _request_id(scope: Scope) -> str:
     """The client's X-Request-Id when it is a sane token, else a new one, which the app then sees too."""
     for name, value in scope.get("headers") or ():
@@ -445,7 +436,7 @@ class KeyAccounting:
         self.clock = clock
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = _path(scope) if scope["type"] == "http" else ""
+        path = route_path(scope) if scope["type"] == "http" else ""
         if scope["type"] != "http" or path in OPEN_PATHS or path.startswith("/-/"):
             # Health probes and Serve's own routes: no key, nothing to attribute.
             await self.app(scope, receive, send)

@@ -234,6 +234,17 @@ class ApiKeys:
         return matched
 
 
+def route_path(scope: Scope) -> str:
+    """The request's path as the routes see it: without the root path, without a trailing slash."""
+    path: str = scope.get("path", "")
+    root = scope.get("root_path") or ""
+    if root and path.startswith(root):
+        path = path[len(root) :] or "/"
+    if len(path) > 1 and path.endswith("/"):
+        path = path.rstrip("/")
+    return path
+
+
 def bearer_token(scope: Scope) -> str | None:
     for name, value in scope.get("headers") or ():
         if name == b"authorization":
@@ -768,15 +779,7 @@ class ApiGuard:
         self.count_prompt_tokens = count_prompt_tokens
         self.max_body_bytes = max_body_bytes if max_body_bytes is not None else body_cap(limits)
 
-    @staticmethod
-    def _path(scope: Scope) -> str:
-        path: str = scope.get("path", "")
-        root = scope.get("root_path") or ""
-        if root and path.startswith(root):
-            path = path[len(root) :] or "/"
-        if len(path) > 1 and path.endswith("/"):
-            path = path.rstrip("/")
-        return path
+    _path = staticmethod(route_path)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
