@@ -8,6 +8,10 @@
 #   scripts/fetch-reference.sh --raw    take every file from the upstream git tags,
 #                                       even where helm is installed
 #   scripts/fetch-reference.sh --list   print "<relative path> <url>" per file, fetch nothing
+#   scripts/fetch-reference.sh --upstream       fetch the cited upstream files the shared
+#                                       folder lacks into $LLM_PLATFORM_UPSTREAM
+#                                       (default: build/upstream in the repo)
+#   scripts/fetch-reference.sh --list-upstream  print those, fetch nothing
 #
 # With helm installed, a chart's own files come from `helm pull --untar` of
 # the published chart; without it (or with --raw), from the chart sources at
@@ -30,6 +34,8 @@ via=auto
 for arg in "$@"; do
   case $arg in
     --list) mode=list ;;
+    --upstream) mode=upstream ;;
+    --list-upstream) mode=list-upstream ;;
     --raw) via=raw ;;
     -h | --help)
       sed -n '2,18s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
@@ -131,12 +137,6 @@ kuberay/src-$kuberay/ray-operator/controllers/ray/common/service.go - - $(raw ra
 kuberay/src-$kuberay/ray-operator/controllers/ray/utils/constant.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/utils/constant.go) -
 kuberay/src-$kuberay/ray-operator/controllers/ray/utils/util.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/utils/util.go) -
 kuberay/src-$kuberay/ray-operator/controllers/ray/utils/validation.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/utils/validation.go) -
-kuberay/src-$kuberay/ray-operator/controllers/ray/metrics/ray_service_metrics.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/metrics/ray_service_metrics.go) -
-kuberay/src-$kuberay/helm-chart/kuberay-operator/values.yaml - - $(raw ray-project/kuberay "$kuberay" helm-chart/kuberay-operator/values.yaml) -
-kuberay/src-$kuberay/helm-chart/kuberay-operator/templates/_helpers.tpl - - $(raw ray-project/kuberay "$kuberay" helm-chart/kuberay-operator/templates/_helpers.tpl) -
-kuberay/src-$kuberay/helm-chart/kuberay-operator/templates/deployment.yaml - - $(raw ray-project/kuberay "$kuberay" helm-chart/kuberay-operator/templates/deployment.yaml) -
-kuberay/src-$kuberay/helm-chart/kuberay-operator/templates/service.yaml - - $(raw ray-project/kuberay "$kuberay" helm-chart/kuberay-operator/templates/service.yaml) -
-kuberay/src-$kuberay/helm-chart/kuberay-operator/templates/servicemonitor.yaml - - $(raw ray-project/kuberay "$kuberay" helm-chart/kuberay-operator/templates/servicemonitor.yaml) -
 aws-load-balancer-controller/src-$aws_load_balancer_controller/LICENSE - - $(raw kubernetes-sigs/aws-load-balancer-controller "$aws_load_balancer_controller" LICENSE) -
 aws-load-balancer-controller/src-$aws_load_balancer_controller/pkg/inject/pod_readiness/pod_readiness_gate.go - - $(raw kubernetes-sigs/aws-load-balancer-controller "$aws_load_balancer_controller" pkg/inject/pod_readiness/pod_readiness_gate.go) -
 aws-load-balancer-controller/src-$aws_load_balancer_controller/webhooks/core/pod_readiness_gate_mutator.go - - $(raw kubernetes-sigs/aws-load-balancer-controller "$aws_load_balancer_controller" webhooks/core/pod_readiness_gate_mutator.go) -
@@ -144,20 +144,38 @@ aws-load-balancer-controller/src-$aws_load_balancer_controller/webhooks/core/ser
 prometheus-operator/src-$prometheus_operator/LICENSE - - $(raw prometheus-operator/prometheus-operator "$prometheus_operator" LICENSE) -
 prometheus-operator/src-$prometheus_operator/pkg/prometheus/promcfg.go - - $(raw prometheus-operator/prometheus-operator "$prometheus_operator" pkg/prometheus/promcfg.go) -
 "
+# Upstream files the mirrors also cite that the shared reference folder does
+# not hold (the operator's metrics code and its chart's templates). `--upstream`
+# fetches them into $LLM_PLATFORM_UPSTREAM (default build/upstream in the repo),
+# where tests/twin/test_kuberay_citations.py checks the lines cited from them.
+upstream_files="
+kuberay/src-$kuberay/ray-operator/controllers/ray/metrics/ray_service_metrics.go - - $(raw ray-project/kuberay "$kuberay" ray-operator/controllers/ray/metrics/ray_service_metrics.go) -
+kuberay/src-$kuberay/helm-chart/kuberay-operator/templates/_helpers.tpl - - $(raw ray-project/kuberay "$kuberay" helm-chart/kuberay-operator/templates/_helpers.tpl) -
+kuberay/src-$kuberay/helm-chart/kuberay-operator/templates/deployment.yaml - - $(raw ray-project/kuberay "$kuberay" helm-chart/kuberay-operator/templates/deployment.yaml) -
+kuberay/src-$kuberay/helm-chart/kuberay-operator/templates/service.yaml - - $(raw ray-project/kuberay "$kuberay" helm-chart/kuberay-operator/templates/service.yaml) -
+kuberay/src-$kuberay/helm-chart/kuberay-operator/templates/servicemonitor.yaml - - $(raw ray-project/kuberay "$kuberay" helm-chart/kuberay-operator/templates/servicemonitor.yaml) -
+"
 # The GPU Operator's Chart.yaml at a git tag carries a development version,
 # so a note names the release the files belong to.
 source_note=gpu-operator/SOURCE.txt
 source_url=https://github.com/NVIDIA/gpu-operator/tree/$gpu_operator/deployments/gpu-operator
 
-if [ "$mode" = list ]; then
+if [ "$mode" = list ] || [ "$mode" = list-upstream ]; then
+  listing=$files
+  [ "$mode" = list-upstream ] && listing=$upstream_files
   while read -r path _ _ url _; do
     [ -n "$path" ] && echo "$path $url"
-  done <<<"$files"
-  echo "$source_note $source_url"
+  done <<<"$listing"
+  [ "$mode" = list ] && echo "$source_note $source_url"
   exit 0
 fi
 
 dest=${LLM_PLATFORM_REFERENCE:-$root/../shared/reference}
+if [ "$mode" = upstream ]; then
+  files=$upstream_files
+  dest=${LLM_PLATFORM_UPSTREAM:-$root/build/upstream}
+  via=raw
+fi
 if [ "$via" = auto ]; then
   if command -v helm >/dev/null 2>&1; then via=helm; else via=raw; fi
 fi
@@ -221,12 +239,14 @@ while read -r path chart chart_path url filter; do
   echo "fetched $path" >&2
 done <<<"$files"
 
-if [ "$via" = helm ]; then
+if [ "$mode" = upstream ]; then
+  :
+elif [ "$via" = helm ]; then
   note="values.yaml and Chart.yaml taken from the published chart gpu-operator $gpu_operator ($(pin gpu-operator repository))"
 else
   note="values.yaml and Chart.yaml taken at git tag $gpu_operator of NVIDIA/gpu-operator (chart published as $gpu_operator)"
 fi
-echo "# $note" >"$staged/$source_note"
+[ "$mode" = upstream ] || echo "# $note" >"$staged/$source_note"
 
 # Every file arrived: only now replace the old copies.
 (cd "$staged" && find . -type f) | while read -r file; do

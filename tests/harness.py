@@ -51,6 +51,25 @@ def reference_dir() -> Path:
     return REFERENCE
 
 
+UPSTREAM_VARIABLE = "LLM_PLATFORM_UPSTREAM"
+UPSTREAM = Path(os.environ.get(UPSTREAM_VARIABLE) or ROOT / "build" / "upstream")
+
+
+def upstream_dir() -> Path:
+    """Where `scripts/fetch-reference.sh --upstream` puts the cited upstream files the reference folder lacks.
+
+    The shared reference folder is read-only and holds no copy of them, and CI
+    has no network to fetch them: a test that needs them skips without them,
+    even under CI, naming the command that fetches them.
+    """
+    if not UPSTREAM.is_dir():
+        pytest.skip(
+            f"no upstream files at {UPSTREAM}: fetch them with scripts/fetch-reference.sh --upstream, "
+            f"or set {UPSTREAM_VARIABLE} to the folder that holds them"
+        )
+    return UPSTREAM
+
+
 @cache
 def render_stack(stack: str) -> Rendered:
     """The render of a committed stack (cached: treat it as read-only)."""

@@ -73,5 +73,10 @@ def test_the_twin_needs_only_prometheus(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("target", ["test", "twin"])
 def test_the_make_targets_run_it_first(target: str) -> None:
-    made = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    # Under `make test` this runs inside make: without the parent's MAKE*
+    # variables and with --no-print-directory, the dry run prints only recipes.
+    env = {k: v for k, v in os.environ.items() if k not in {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"}}
+    made = subprocess.run(
+        ["make", "--no-print-directory", "-n", target], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    ).stdout
     assert made.splitlines()[0] == f"bash scripts/system-deps.sh {target}"

@@ -330,7 +330,7 @@ _KUBERAY = "kuberay/src-v1.7.0/ray-operator/controllers/ray/"
 _LBC = "aws-load-balancer-controller/src-v3.5.0/"
 _CHART = "kuberay/src-v1.7.0/helm-chart/kuberay-operator/"
 # Marker -> the folder (under the reference) its paths are in.
-MARKERS = {"_k": _KUBERAY, "_lbc": _LBC, "_chart": _CHART}
+MARKERS = {"_k": _KUBERAY, "_lbc": _LBC, "_chart": _CHART, "_values": "kuberay/"}
 
 
 def _k(path: str, line: int, quote: str) -> None:
@@ -343,6 +343,10 @@ def _lbc(path: str, line: int, quote: str) -> None:
 
 def _chart(path: str, line: int, quote: str) -> None:
     """Marks the line of KubeRay's operator chart (helm-chart/kuberay-operator/) the code beside it ports."""
+
+
+def _values(path: str, line: int, quote: str) -> None:
+    """Marks the line of the operator chart's values (kuberay/operator-chart-values.yaml in the reference)."""
 
 
 def citations() -> list[Cite]:
@@ -1263,12 +1267,12 @@ CHART_NAME = "kuberay-operator"
 
 def chart_defaults() -> dict[str, Any]:
     """The chart's own values.yaml, as far as the objects below read it."""
-    _chart("values.yaml", 6, "nameOverride: kuberay-operator")
-    _chart("values.yaml", 9, "fullnameOverride: kuberay-operator")
-    _chart("values.yaml", 12, "componentOverride: kuberay-operator")
-    _chart("values.yaml", 175, "interval: 30s")
-    _chart("values.yaml", 335, "type: ClusterIP")
-    _chart("values.yaml", 337, "port: 8080")
+    _values("operator-chart-values.yaml", 6, "nameOverride: kuberay-operator")
+    _values("operator-chart-values.yaml", 9, "fullnameOverride: kuberay-operator")
+    _values("operator-chart-values.yaml", 12, "componentOverride: kuberay-operator")
+    _values("operator-chart-values.yaml", 175, "interval: 30s")
+    _values("operator-chart-values.yaml", 335, "type: ClusterIP")
+    _values("operator-chart-values.yaml", 337, "port: 8080")
     return {
         "nameOverride": CHART_NAME,
         "fullnameOverride": CHART_NAME,
