@@ -55,6 +55,11 @@ STEADY_MARGIN_S = 10.0
 # condition needs a few scrapes, and the rule a few evaluations, to hold.
 FIRE_SLACK_S = 60.0
 SETTLE_S = 8.0
+# Each fault starts from quiet: its alerts (and those that must stay quiet
+# through it) neither pending nor firing, else a "fired" could be the
+# previous fault's. The windows are scaled to 30 s (twin.prometheus), so a
+# previous fault's series leave them within this.
+QUIET_TIMEOUT_S = 120.0
 
 # Exporters that do not run in the twin, by metric prefix, and why.
 ABSENT_HERE: dict[str, str] = {
@@ -472,6 +477,18 @@ def wait_firing(prom: TwinPrometheus, wanted: Iterable[str], timeout_s: float) -
     return fired
 
 
+def wait_quiet(prom: TwinPrometheus, names: Iterable[str], timeout_s: float) -> tuple[list[str], float]:
+    """Waits until none of ``names`` is pending or firing: those still active after ``timeout_s``, and the wait."""
+    started = time.monotonic()
+    wanted = set(names)
+    while True:
+        active = sorted({a.name for a in prom.alerts()} & wanted)
+        waited = time.monotonic() - started
+        if not active or waited >= timeout_s:
+            return active, waited
+        time.sleep(1.0)
+
+
 def report_fault(
     name: str,
     report: Report,
@@ -737,6 +754,16 @@ def run_faults(obs: Observed, prom: TwinPrometheus, report: Report, operator: Op
             for alert in wanted:
                 report.note(obs.name, f"alert {alert}: fault {fault} not run in this layout: {skipped[0]}")
             continue
+        active, waited = wait_quiet(prom, [*wanted, *QUIET_DURING.get(fault, ())], QUIET_TIMEOUT_S)
+        if active:
+            report.fail(
+                obs.name,
+                f"fault {fault}: not run, {', '.join(active)} still pending or firing {waited:.0f}s after the "
+                "previous fault, so a firing could not be told from the previous fault's",
+            )
+            continue
+        if waited >= SETTLE_S:
+            report.note(obs.name, f"fault {fault}: began once its alerts were quiet, {waited:.0f}s after the previous")
         if fault in (UPGRADE_STUCK, NOT_READY):
             run_operator_fault(obs, prom, report, fault, operator)
             time.sleep(SETTLE_S)

@@ -42,6 +42,11 @@ FOR_FACTOR = 1 / 60
 # the KV-cache alert never held, and the head's target fell out after a kill).
 SCRAPE_INTERVAL = "3s"
 EVALUATION_INTERVAL = "1s"
+# Range selectors ([5m]) are scaled like `for`, so a fault's series leave the
+# window as quickly as its alert's wait passes and the next fault starts from
+# quiet rules; never below ten scrapes, as a rate() over a few samples flaps.
+WINDOW_FLOOR_S = 30.0
+_RANGE = re.compile(r"\[(\d+(?:ms|[smhdwy]))+\]")
 READY_TIMEOUT_S = 30.0
 MONITOR_KINDS = ("PodMonitor", "ServiceMonitor")
 
@@ -91,8 +96,18 @@ def monitors(objects: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [dict(o) for o in objects if o.get("kind") in MONITOR_KINDS]
 
 
+def scaled_window_s(window_s: float, factor: float = FOR_FACTOR) -> float:
+    """A range selector's window, scaled, but not below the floor (nor above the window itself)."""
+    return max(window_s * factor, min(window_s, WINDOW_FLOOR_S))
+
+
+def scaled_ranges(expr: str, factor: float = FOR_FACTOR) -> str:
+    """``expr`` with every range selector's window scaled (``rate(x[5m])`` -> ``rate(x[30s])``)."""
+    return _RANGE.sub(lambda m: f"[{as_duration(scaled_window_s(duration_s(m.group(0)[1:-1]), factor))}]", expr)
+
+
 def rule_groups(objects: Iterable[Mapping[str, Any]], factor: float = FOR_FACTOR) -> list[dict[str, Any]]:
-    """The groups of every PrometheusRule, with each ``for`` scaled and the evaluation interval shortened."""
+    """Every PrometheusRule group, each `for` and range window scaled, evaluated at the twin's interval."""
     groups = []
     for obj in objects:
         if obj.get("kind") != "PrometheusRule":
@@ -101,6 +116,7 @@ def rule_groups(objects: Iterable[Mapping[str, Any]], factor: float = FOR_FACTOR
             scaled = copy.deepcopy(group)
             scaled["interval"] = EVALUATION_INTERVAL
             for rule in scaled["rules"]:
+                rule["expr"] = scaled_ranges(str(rule["expr"]), factor)
                 if "for" in rule:
                     rule["for"] = as_duration(duration_s(rule["for"]) * factor)
             groups.append(scaled)
@@ -154,7 +170,9 @@ class TwinPrometheus:
         return [
             f"prometheus: {len(jobs)} scrape jobs generated from {len(monitors(self.objects))} monitors as the "
             "Prometheus Operator generates them; kubernetes_sd_configs -> file_sd_configs of the live twin processes",
-            f"prometheus: every rule's `for` x {self.factor:.4g} (10m -> {as_duration(600 * self.factor)}); "
+            f"prometheus: every rule's `for` x {self.factor:.4g} (10m -> {as_duration(600 * self.factor)}), "
+            f"every range selector's window too, but not below {as_duration(WINDOW_FLOOR_S)} "
+            f"([5m] -> [{as_duration(scaled_window_s(300, self.factor))}]); "
             f"scrape interval -> {SCRAPE_INTERVAL}, rule evaluation interval -> {EVALUATION_INTERVAL}",
         ]
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 
 from infra.serving import alerts
 from tests.harness import manifests_of, render_stack
 from twin import observe
-from twin.prometheus import FOR_FACTOR, as_duration, duration_s, rule_groups
+from twin.prometheus import FOR_FACTOR, Alert, TwinPrometheus, as_duration, duration_s, rule_groups, scaled_ranges
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("10m", 600), ("0m", 0), ("1h30m", 5400), ("250ms", 0.25)])
@@ -33,6 +35,17 @@ def test_every_for_is_scaled_by_the_one_factor() -> None:
     assert set(scaled) == set(rendered) == {a.name for a in alerts.ALERTS}
     for name, text in rendered.items():
         assert duration_s(scaled[name]) == pytest.approx(duration_s(text) * FOR_FACTOR, abs=0.001), name
+
+
+def test_range_windows_are_scaled_like_for_but_not_below_the_floor() -> None:
+    objects = manifests_of(render_stack("prod"), "PrometheusRule")
+    rendered = [r["expr"] for o in objects for g in o["spec"]["groups"] for r in g["rules"]]
+    scaled = [r["expr"] for g in rule_groups(objects) for r in g["rules"]]
+    assert any("[5m]" in e for e in rendered)
+    assert not any("[5m]" in e for e in scaled)
+    assert sum(e.count("[30s]") for e in scaled) == sum(e.count("[5m]") + e.count("[15m]") for e in rendered)
+    # A window already shorter than the floor is kept; a long one scales past it.
+    assert scaled_ranges("rate(x[10s]) / rate(y[1h30m])") == "rate(x[10s]) / rate(y[90s])"
 
 
 def test_every_alert_has_a_fault_here_or_a_reason_it_can_not_fire() -> None:
@@ -77,3 +90,29 @@ def test_the_overload_fills_the_replica_with_every_key_within_its_cap(per_key: i
     assert len(loads) == keys and len({load.api_key for load in loads}) == keys
     assert all(0 < load.streams <= per_key for load in loads)
     assert all(load.distinct and load.api_key != "main" for load in loads)
+
+
+class _Alerts:
+    """A Prometheus whose alerts API answers from a script, one answer per call."""
+
+    def __init__(self, *answers: list[str]) -> None:
+        self.answers = list(answers)
+
+    def alerts(self) -> list[Alert]:
+        names = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        return [Alert(name=n, state="pending", labels={}, active_at="") for n in names]
+
+
+def test_a_fault_waits_for_its_alerts_to_be_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(observe.time, "sleep", lambda _s: None)
+    prom = _Alerts(["LlmRequestsWaiting", "GpuXidError"], ["LlmRequestsWaiting"], ["GpuXidError"])
+    active, _ = observe.wait_quiet(cast(TwinPrometheus, prom), ["LlmRequestsWaiting"], timeout_s=60)
+    assert active == []
+    assert prom.answers == [["GpuXidError"]]  # it asked until the one it waits for was gone
+
+
+def test_a_fault_whose_alerts_stay_active_names_them() -> None:
+    prom = _Alerts(["LlmRequestsWaiting"])
+    active, waited = observe.wait_quiet(cast(TwinPrometheus, prom), ["LlmRequestsWaiting", "Other"], timeout_s=0)
+    assert active == ["LlmRequestsWaiting"]
+    assert waited >= 0
