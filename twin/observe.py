@@ -21,6 +21,7 @@ Then, one PASS/FAIL line each:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import http.server
 import os
 import re
@@ -60,6 +61,9 @@ SETTLE_S = 8.0
 # previous fault's. The windows are scaled to 30 s (twin.prometheus), so a
 # previous fault's series leave them within this.
 QUIET_TIMEOUT_S = 120.0
+# An alert's activeAt is an evaluation's time: it may lead the fault's start
+# (taken just before the fault) by up to one evaluation interval.
+PENDING_SLACK_S = 1.5
 
 # Exporters that do not run in the twin, by metric prefix, and why.
 ABSENT_HERE: dict[str, str] = {
@@ -463,16 +467,31 @@ def check_steady(name: str, prom: TwinPrometheus, report: Report, load: StreamLo
     )
 
 
-def wait_firing(prom: TwinPrometheus, wanted: Iterable[str], timeout_s: float) -> dict[str, float]:
-    """Alert name -> seconds until it fired, for each of ``wanted`` that fired within ``timeout_s``."""
-    started = time.monotonic()
-    fired: dict[str, float] = {}
+@dataclass(frozen=True)
+class Fired:
+    """When an alert fired, and when it began pending, in seconds from the fault's start."""
+
+    after_s: float
+    pending_from_s: float
+
+
+def _epoch(rfc3339: str) -> float:
+    """Prometheus' ``activeAt`` (nanoseconds, ``Z``) as a Unix time."""
+    stamp = re.sub(r"(\.\d{6})\d*", r"\1", rfc3339.replace("Z", "+00:00"))
+    return datetime.datetime.fromisoformat(stamp).timestamp()
+
+
+def wait_firing(prom: TwinPrometheus, wanted: Iterable[str], timeout_s: float) -> dict[str, Fired]:
+    """Alert name -> when it fired and began pending, for each of ``wanted`` that fired within ``timeout_s``."""
+    started, wall = time.monotonic(), time.time()
+    fired: dict[str, Fired] = {}
     pending = set(wanted)
     while pending and time.monotonic() - started < timeout_s:
-        for alert in prom.firing():
-            if alert in pending:
-                fired[alert] = time.monotonic() - started
-                pending.discard(alert)
+        for name, instances in prom.firing().items():
+            if name in pending:
+                active = min((_epoch(a.active_at) for a in instances if a.active_at), default=wall)
+                fired[name] = Fired(time.monotonic() - started, active - wall)
+                pending.discard(name)
         time.sleep(0.5)
     return fired
 
@@ -494,21 +513,29 @@ def report_fault(
     report: Report,
     fault: str,
     what: str,
-    fired: Mapping[str, float],
+    fired: Mapping[str, Fired],
     fors: Mapping[str, float],
     extra: str = "",
 ) -> None:
-    """One line per alert the fault must fire."""
+    """One line per alert the fault must fire, and only from pending it began during the fault."""
     for alert, scaled in sorted(fors.items()):
         took = fired.get(alert)
+        if took is None:
+            report.fail(
+                name,
+                f"alert {alert}: did not fire within {max(fors.values()) + FIRE_SLACK_S:.0f}s of fault {fault} "
+                f"({what}){extra}",
+            )
+            continue
+        during = took.pending_from_s >= -PENDING_SLACK_S
         report.check(
             name,
-            took is not None,
-            f"alert {alert}: fired {took:.0f}s into fault {fault} ({what}; `for` scaled to {as_duration(scaled)})"
-            + extra
-            if took is not None
-            else f"alert {alert}: did not fire within {max(fors.values()) + FIRE_SLACK_S:.0f}s of fault {fault} "
-            f"({what}){extra}",
+            during,
+            f"alert {alert}: fired {took.after_s:.0f}s into fault {fault}, pending from {took.pending_from_s:.0f}s "
+            f"({what}; `for` scaled to {as_duration(scaled)}){extra}"
+            if during
+            else f"alert {alert}: was already pending {-took.pending_from_s:.0f}s before fault {fault} began, so its "
+            f"firing is not this fault's ({what}){extra}",
         )
 
 

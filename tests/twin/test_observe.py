@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from typing import cast
 
 import pytest
@@ -10,6 +11,7 @@ from infra.serving import alerts
 from tests.harness import manifests_of, render_stack
 from twin import observe
 from twin.prometheus import FOR_FACTOR, Alert, TwinPrometheus, as_duration, duration_s, rule_groups, scaled_ranges
+from twin.report import Report
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("10m", 600), ("0m", 0), ("1h30m", 5400), ("250ms", 0.25)])
@@ -116,3 +118,21 @@ def test_a_fault_whose_alerts_stay_active_names_them() -> None:
     active, waited = observe.wait_quiet(cast(TwinPrometheus, prom), ["LlmRequestsWaiting", "Other"], timeout_s=0)
     assert active == ["LlmRequestsWaiting"]
     assert waited >= 0
+
+
+def test_prometheus_active_at_reads_to_the_microsecond() -> None:
+    assert observe._epoch("2026-12-03T10:30:01.123456789Z") == pytest.approx(1796293801.123457, abs=1e-6)
+    assert observe._epoch("2026-12-03T10:30:01Z") == 1796293801.0
+
+
+def test_an_alert_pending_before_its_fault_is_not_counted_as_the_faults() -> None:
+    out = io.StringIO()
+    report = Report(out=out)
+    fired = {"Early": observe.Fired(after_s=0.4, pending_from_s=-12.0), "Late": observe.Fired(9.0, 0.6)}
+    fors = {"Early": 10.0, "Late": 10.0, "Never": 10.0}
+    observe.report_fault("svc", report, "overload", "load", fired, fors)
+    lines = {line.split(":")[0].split()[-1]: line for line in out.getvalue().splitlines()}
+    assert "already pending 12s before fault overload" in lines["Early"] and lines["Early"].startswith("FAIL")
+    assert "fired 9s into fault overload, pending from 1s" in lines["Late"] and lines["Late"].startswith("PASS")
+    assert "did not fire" in lines["Never"] and lines["Never"].startswith("FAIL")
+    assert len(report.failed) == 2
