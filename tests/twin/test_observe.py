@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import io
+import time
 from typing import cast
 
 import pytest
@@ -136,3 +138,26 @@ def test_an_alert_pending_before_its_fault_is_not_counted_as_the_faults() -> Non
     assert "fired 9s into fault overload, pending from 1s" in lines["Late"] and lines["Late"].startswith("PASS")
     assert "did not fire" in lines["Never"] and lines["Never"].startswith("FAIL")
     assert len(report.failed) == 2
+
+
+class _Firing:
+    """A Prometheus with one firing alert that began pending at ``active``."""
+
+    def __init__(self, active: float) -> None:
+        stamp = datetime.datetime.fromtimestamp(active, tz=datetime.UTC).isoformat().replace("+00:00", "Z")
+        self.alert = Alert(name="LlmRequestsWaiting", state="firing", labels={}, active_at=stamp)
+
+    def firing(self) -> dict[str, list[Alert]]:
+        return {self.alert.name: [self.alert]}
+
+
+def test_a_fault_that_began_before_the_wait_counts_from_its_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(observe.time, "sleep", lambda _s: None)
+    now_mono, now_wall = time.monotonic(), time.time()
+    prom = _Firing(active=now_wall - 5)
+    # The overload's streams began 10 s before the wait: pending from 5 s into it, not 5 s before it.
+    fired = observe.wait_firing(cast(TwinPrometheus, prom), ["LlmRequestsWaiting"], 60, (now_mono - 10, now_wall - 10))
+    assert fired["LlmRequestsWaiting"].pending_from_s == pytest.approx(5, abs=0.5)
+    assert fired["LlmRequestsWaiting"].after_s >= 10
+    unanchored = observe.wait_firing(cast(TwinPrometheus, prom), ["LlmRequestsWaiting"], 60)
+    assert unanchored["LlmRequestsWaiting"].pending_from_s == pytest.approx(-5, abs=0.5)
