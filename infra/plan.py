@@ -17,8 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from infra.capacity.report import cold_start_budget, cold_start_line, markdown, plan_stack, stack_output, text
-from infra.config import ConfigError, load_stack_file
+from infra.capacity.report import cold_start_line, markdown, plan_stack, stack_output, text
+from infra.config import ConfigError, capacity_input, load_stack_file
 from infra.render import stack_file
 
 
@@ -40,14 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
-    plans = plan_stack(cfg)
+    inputs = capacity_input(cfg)
+    plans = plan_stack(inputs)
     if args.json:
-        print(json.dumps(stack_output(cfg, plans), indent=2, sort_keys=True))
+        print(json.dumps(stack_output(inputs, plans), indent=2, sort_keys=True))
     else:
-        print((markdown if args.markdown else text)(args.stack, cfg, plans), end="")
+        print((markdown if args.markdown else text)(args.stack, inputs, plans), end="")
         if not args.markdown:
             # The cold-start budget per model, as the preview prints it.
-            print("", *(cold_start_line(cold_start_budget(cfg, p.model)) for p in plans), sep="\n")
+            print("", *(cold_start_line(p.model.cold_start) for p in plans), sep="\n")
     return 0
 
 

@@ -6,7 +6,6 @@ import pulumi
 
 from infra.aws.build import build_aws
 from infra.capacity.report import (
-    cold_start_budget,
     cold_start_line,
     cold_start_output,
     inflight_line,
@@ -17,7 +16,7 @@ from infra.capacity.report import (
     upgrade_plan,
 )
 from infra.cluster_services.build import build_platform
-from infra.config import LoadedConfig
+from infra.config import LoadedConfig, capacity_input
 from infra.serving.build import build_serving
 
 
@@ -26,13 +25,14 @@ def build_stack(loaded: LoadedConfig) -> None:
     cfg = loaded.stack
     # The capacity plan, one line per model in the preview's output, before
     # anything is declared (python -m infra.plan shows the same plan).
-    capacity = plan_stack(cfg)
+    inputs = capacity_input(cfg)
+    capacity = plan_stack(inputs)
     for plan in capacity:
         pulumi.log.info(preview_line(plan))
         pulumi.log.info(inflight_line(plan))
-        pulumi.log.info(cold_start_line(cold_start_budget(cfg, plan.model)))
+        pulumi.log.info(cold_start_line(plan.model.cold_start))
     # Each GPU group's headroom for a NewCluster upgrade, and its cost while it runs.
-    for upgrade in upgrade_plan(cfg):
+    for upgrade in upgrade_plan(inputs):
         pulumi.log.info(upgrade_line(upgrade))
     aws = build_aws(cfg)
     platform = build_platform(cfg, aws)
@@ -61,9 +61,9 @@ def build_stack(loaded: LoadedConfig) -> None:
     pulumi.export("model_bucket", aws.model_bucket)
     pulumi.export("node_groups", aws.node_group_names)
     # What each model's replica holds and costs, with the assumptions behind the estimates.
-    pulumi.export("capacity", stack_output(cfg, capacity))
+    pulumi.export("capacity", stack_output(inputs, capacity))
     # Each model's cold-start budget on a new node, phase by phase, and the figures behind it.
-    pulumi.export("cold_start", cold_start_output(cfg))
+    pulumi.export("cold_start", cold_start_output(inputs))
     if aws.batch_queue is not None:
         pulumi.export("batch_queue_url", aws.batch_queue.url)
         pulumi.export("batch_dead_letter_queue_url", aws.batch_queue.dead_letter_url)

@@ -3,7 +3,7 @@
 Bumping a chart here is the whole change a reviewer needs to read: the
 preview diff then shows each release's version move. Helm never upgrades
 CRDs, so a chart bump that ships new CRDs also needs the CRD step in the
-README ("Upgrading CRDs").
+docs/operations.md ("Upgrading CRDs").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Where the capacity plan shows: `python -m infra.plan`, the preview's lines, the `capacity` output,
-the pull request's preview comment and the README."""
+the pull request's preview comment and docs/capacity.md."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import yaml
 
 from infra import plan as plan_cli
 from infra.capacity.report import ASSUMPTIONS, COLUMNS, markdown, plan_stack, preview_line, stack_output, text
-from infra.config import load_stack_file
+from infra.config import capacity_input, load_stack_file
 from infra.render import ROOT, render
 from tests.harness import STACKS, render_stack
 
-README = ROOT / "README.md"
-UPDATE_ENV = "UPDATE_README_CAPACITY"
+CAPACITY_PAGE = ROOT / "docs" / "capacity.md"
+UPDATE_ENV = "UPDATE_DOCS_CAPACITY"
 
 
 def config(stack: str) -> Any:
@@ -27,33 +27,34 @@ def config(stack: str) -> Any:
 @pytest.mark.parametrize("stack", STACKS)
 def test_every_example_model_fits_and_has_a_price(stack: str) -> None:
     cfg = config(stack)
-    plans = plan_stack(cfg)
+    plans = plan_stack(capacity_input(cfg))
     assert [p.name for p in plans] == [m.name for m in cfg.models]
-    for p in plans:
+    for p, model in zip(plans, cfg.models, strict=True):
         assert p.replica.fits_one_sequence and p.replica.recommended_max_num_seqs >= p.replica.max_model_len_sequences
         assert p.decode is not None and p.decode.tokens_per_second > 0
         assert p.cost.usd_per_hour is not None and p.cost.usd_per_million_tokens is not None
         assert p.cost.region == cfg.region
-        assert p.cost.capacity_type == cfg.node_groups.gpu_group(p.model.gpu_group).capacity_type
+        assert p.cost.capacity_type == cfg.node_groups.gpu_group(model.gpu_group).capacity_type
 
 
 @pytest.mark.parametrize("stack", STACKS)
 def test_markdown_and_text_have_a_row_per_model_and_the_assumptions(stack: str) -> None:
     cfg = config(stack)
-    plans = plan_stack(cfg)
-    md = markdown(stack, cfg, plans).splitlines()
+    inputs = capacity_input(cfg)
+    plans = plan_stack(inputs)
+    md = markdown(stack, inputs, plans).splitlines()
     assert md[0] == f"#### Capacity plan: `{stack}` ({cfg.region})"
     rows = [line for line in md if line.startswith("| ")]
     assert len(rows) == 1 + len(plans)
     assert all(line.count(" | ") == len(COLUMNS) - 1 for line in rows)
     assert all(f"- {a}" in md for a in ASSUMPTIONS)
-    plain = text(stack, cfg, plans)
+    plain = text(stack, inputs, plans)
     assert all(p.name in plain for p in plans) and "est." in plain
 
 
 def test_the_labels_say_which_numbers_are_estimates() -> None:
     assert [c for c in COLUMNS if "est." in c] == ["decode (est.)", "$/1M out (est.)"]
-    line = preview_line(plan_stack(config("dev"))[0])
+    line = preview_line(plan_stack(capacity_input(config("dev")))[0])
     assert line.startswith("capacity llama-31-8b: 1 x L4 (g6.2xlarge, spot) in us-west-2: weights 15.0 GiB/GPU")
     assert "estimates: ~" in line
 
@@ -61,7 +62,8 @@ def test_the_labels_say_which_numbers_are_estimates() -> None:
 @pytest.mark.parametrize("stack", STACKS)
 def test_the_capacity_output_is_the_plan(stack: str) -> None:
     cfg = config(stack)
-    wanted = stack_output(cfg, plan_stack(cfg))
+    inputs = capacity_input(cfg)
+    wanted = stack_output(inputs, plan_stack(inputs))
     got = render_stack(stack).outputs["capacity"]
     assert set(got["models"]) == {m.name for m in cfg.models}
     assert got["assumptions"] == wanted["assumptions"] and got["region"] == cfg.region
@@ -73,13 +75,13 @@ def test_the_capacity_output_is_the_plan(stack: str) -> None:
 def test_the_program_logs_one_line_per_model() -> None:
     # What the program logs through pulumi.log, as the mock engine hands it over.
     lines = [line for line in render("prod").log if line.startswith("capacity ")]
-    assert lines == [preview_line(p) for p in plan_stack(config("prod"))]
+    assert lines == [preview_line(p) for p in plan_stack(capacity_input(config("prod")))]
 
 
 def test_the_command_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan_cli.main(["--stack", "prod", "--markdown"]) == 0
-    cfg = config("prod")
-    assert capsys.readouterr().out == markdown("prod", cfg, plan_stack(cfg))
+    inputs = capacity_input(config("prod"))
+    assert capsys.readouterr().out == markdown("prod", inputs, plan_stack(inputs))
     assert plan_cli.main(["--stack", "dev"]) == 0
     assert capsys.readouterr().out.startswith("capacity plan: dev (us-west-2)\n")
     assert plan_cli.main(["--stack", "dev", "--json"]) == 0
@@ -117,27 +119,27 @@ def test_the_preview_workflow_adds_the_plan_to_its_comment() -> None:
     assert f"#### :tropical_drink: \\`preview\\` on {project}/${{STACK}}" in comment["run"]
 
 
-# --- The README's plans, generated from the stacks. ---
+# --- The plans of docs/capacity.md, generated from the stacks. ---
 
 
 def _markers(stack: str) -> tuple[str, str]:
     return f"<!-- capacity plan: {stack} -->", f"<!-- end of capacity plan: {stack} -->"
 
 
-def test_readme_shows_the_plan_of_both_example_stacks() -> None:
-    text_now = README.read_text()
+def test_capacity_page_shows_the_plan_of_both_example_stacks() -> None:
+    text_now = CAPACITY_PAGE.read_text()
     updated = text_now
     for stack in STACKS:
         begin, end = _markers(stack)
-        assert updated.count(begin) == 1 and updated.count(end) == 1, f"README.md lost the {stack} plan markers"
+        assert updated.count(begin) == 1 and updated.count(end) == 1, f"docs/capacity.md lost the {stack} plan markers"
         head, rest = updated.split(begin)
         _, tail = rest.split(end)
-        cfg = config(stack)
-        updated = f"{head}{begin}\n{markdown(stack, cfg, plan_stack(cfg))}{end}{tail}"
+        inputs = capacity_input(config(stack))
+        updated = f"{head}{begin}\n{markdown(stack, inputs, plan_stack(inputs))}{end}{tail}"
     if os.environ.get(UPDATE_ENV) and not os.environ.get("CI"):
-        README.write_text(updated)
+        CAPACITY_PAGE.write_text(updated)
         return
     assert text_now == updated, (
-        "README.md's capacity plans are not the stacks' plans; rewrite them with "
-        f"{UPDATE_ENV}=1 venv/bin/python -m pytest -q tests/test_capacity_report.py -k readme"
+        "docs/capacity.md's plans are not the stacks' plans; rewrite them with "
+        f"{UPDATE_ENV}=1 venv/bin/python -m pytest -q tests/test_capacity_report.py -k capacity_page"
     )

@@ -16,8 +16,8 @@ import yaml
 from infra.aws import node_bootstrap
 from infra.aws.node_groups import has_instance_store
 from infra.capacity import cold_start
-from infra.capacity.report import cold_start_budget, cold_start_line
-from infra.config import ConfigError, duration_seconds, parse, pulumi_wait_seconds
+from infra.capacity.report import cold_start_line
+from infra.config import ConfigError, cold_start_budget, duration_seconds, parse, pulumi_wait_seconds
 from infra.instance_types import GPU_INSTANCE_TYPES, HOST_IO, host_io
 from infra.mocks import _hex
 from infra.scheduling import gpu_placements
@@ -322,11 +322,11 @@ def test_the_render_command_refuses_a_short_engine_start_timeout_in_one_line(tmp
     assert not (tmp_path / "out").exists()
 
 
-def test_readme_shows_the_current_budgets_of_the_example_stacks() -> None:
+def test_capacity_page_shows_the_current_budgets_of_the_example_stacks() -> None:
     from infra.render import ROOT
 
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Capacity\n", 1)[1].split("\n## ", 1)[0]
+    page = (ROOT / "docs" / "capacity.md").read_text()
+    section = page.split("\n## The cold-start budget\n", 1)[1].split("\n## ", 1)[0]
     for stack in ("dev", "prod"):
         cfg = stack_config(stack)
         for model in cfg.models:

@@ -14,7 +14,6 @@ import yaml
 from infra import versions
 from infra.aws.registry import UNPINNED_BASE_WARNING
 from infra.capacity.report import (
-    cold_start_budget,
     cold_start_line,
     inflight_line,
     plan_stack,
@@ -22,6 +21,7 @@ from infra.capacity.report import (
     upgrade_line,
     upgrade_plan,
 )
+from infra.config import capacity_input, cold_start_budget
 from infra.render import PLACEHOLDER_API_KEYS, ROOT
 from tests.harness import STACKS, render_cli, render_stack, stack_config
 
@@ -158,11 +158,12 @@ def test_the_render_prints_each_models_plan_and_cold_start_budget(stack: str, tm
     printed = [line for line in done.stdout.splitlines() if line.startswith(kinds)]
     cfg = stack_config(stack)
     expected = []
-    for plan in plan_stack(cfg):
+    inputs = capacity_input(cfg)
+    for plan, model in zip(plan_stack(inputs), cfg.models, strict=True):
         # The plan, what the replica's in-flight cap asks of its KV cache, the cold start.
-        expected += [preview_line(plan), inflight_line(plan), cold_start_line(cold_start_budget(cfg, plan.model))]
+        expected += [preview_line(plan), inflight_line(plan), cold_start_line(cold_start_budget(cfg, model))]
     # Then each GPU group's room for a NewCluster upgrade.
-    expected += [upgrade_line(u) for u in upgrade_plan(cfg)]
+    expected += [upgrade_line(u) for u in upgrade_plan(inputs)]
     assert printed == expected
     assert len(printed) == 3 * len(cfg.models) + len({m.gpu_group for m in cfg.models})
     # Until the base image's digest is resolved (make pin-base), the preview says it builds from the tag.

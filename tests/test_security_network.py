@@ -20,8 +20,8 @@ Kubelet's probes come from the pod's own node, which is always allowed, so
 they are not part of the matrix.
 
 Every source pod below is tried against every target and port, and the
-whole matrix must equal `expected`, the matrix in words of the README's
-"Security model".
+whole matrix must equal `expected`, the matrix in words of docs/security.md
+("Who can reach what").
 """
 
 from __future__ import annotations
@@ -376,7 +376,7 @@ OPERATOR_ON_HEAD = {RAY_PORTS.dashboard.number, RAY_PORTS.serve.number}
 
 
 def _to_ray_pod(cfg: StackConfig, src: Endpoint, dst: Endpoint) -> set[int]:
-    """Ray pods: their own RayService on every port; the rest only as the README says."""
+    """Ray pods: their own RayService on every port; the rest only as docs/security.md says."""
     if src.role in RAY_ROLES:
         # Its own RayService: everything. Another one: nothing (its egress
         # reaches only its own pods, HTTPS and the credentials agent).
@@ -423,7 +423,7 @@ def _from_serving_pod(cfg: StackConfig, src: Endpoint, dst: Endpoint) -> set[int
 
 
 def expected(cfg: StackConfig, src: Endpoint, dst: Endpoint) -> set[int]:
-    """The matrix in words (README, "Security model")."""
+    """The matrix in words (docs/security.md, "Who can reach what")."""
     if dst.role in RAY_ROLES:
         return _to_ray_pod(cfg, src, dst)
     if dst.role in {"batch", "headroom"}:

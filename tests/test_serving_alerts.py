@@ -1,6 +1,6 @@
 """Alerts as data: every rule comes from `alerts.ALERTS` / `alerts.RECORDING_RULES`,
 reads only metrics of `alerts.METRIC_INVENTORY`, is promtool-checked, and every
-alert has `promtool test rules` cases and a row in the README's alert table."""
+alert has `promtool test rules` cases and a row in the alert table of docs/operations.md."""
 
 from __future__ import annotations
 
@@ -143,7 +143,8 @@ def _project_texts() -> Iterator[tuple[Path, str]]:
         for path in sorted((ROOT / folder).rglob("*")):
             if path.suffix in {".py", ".yaml", ".yml", ".json", ".md", ".txt"} and "venv" not in path.parts:
                 yield path, path.read_text(errors="replace")
-    yield ROOT / "README.md", (ROOT / "README.md").read_text()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        yield path, path.read_text()
 
 
 @pytest.mark.parametrize("stack", ["dev", "prod"])
@@ -411,17 +412,17 @@ def test_promtool_cases_name_only_alerts_and_metrics_that_exist() -> None:
             assert name <= alerts.KNOWN_METRICS | RECORDED, series["series"]
 
 
-# --- The README's alert table, generated from the list. ---
+# --- The alert table of docs/operations.md, generated from the list. ---
 
-README = ROOT / "README.md"
+ALERTS_PAGE = ROOT / "docs" / "operations.md"
 TABLE_BEGIN = "<!-- alert table: generated from infra/serving/alerts.py by tests/test_serving_alerts.py -->"
 TABLE_END = "<!-- end of alert table -->"
-# With this set (outside CI), the README test writes the table instead of comparing it.
-UPDATE_ENV = "UPDATE_README_ALERTS"
+# With this set (outside CI), the page test writes the table instead of comparing it.
+UPDATE_ENV = "UPDATE_DOCS_ALERTS"
 
 
-def _readme_text(template: str) -> str:
-    """A Prometheus template as README text: `{{ $labels.pod }}` -> *pod*."""
+def _page_text(template: str) -> str:
+    """A Prometheus template as Markdown text: `{{ $labels.pod }}` -> *pod*."""
     text = re.sub(r"\{\{\s*\$labels\.(\w+)\s*\}\}", r"*\1*", template)
     text = re.sub(r"\{\{\s*\$value[^}]*\}\}", "*value*", text)
     assert "{{" not in text, template
@@ -429,30 +430,32 @@ def _readme_text(template: str) -> str:
 
 
 def alert_table() -> str:
-    """The README's alert table (`for` with the default SLOs), each alert linked to its runbook."""
+    """The alert table (`for` with the default SLOs), each alert linked to its runbook."""
     ctx = alerts.RuleContext(slo=Slo(), namespace=CASE_NAMESPACE)
     # The runbook link relative to the file holding the table, as the page's own link would be.
-    runbooks = Path(os.path.relpath(ROOT / alerts.RUNBOOK_DIR, README.parent)).as_posix()
+    runbooks = Path(os.path.relpath(ROOT / alerts.RUNBOOK_DIR, ALERTS_PAGE.parent)).as_posix()
     rows = [
-        f"| `{a.name}` | {a.severity} | {a.rule(ctx)['for']} | {_readme_text(a.summary)} "
+        f"| `{a.name}` | {a.severity} | {a.rule(ctx)['for']} | {_page_text(a.summary)} "
         f"| [runbook]({runbooks}/{a.name}.md) |"
         for a in alerts.ALERTS
     ]
     return "\n".join(["| alert | severity | for | summary | runbook |", "|---|---|---|---|---|", *rows])
 
 
-def test_readme_alert_table_is_generated_from_the_list() -> None:
-    text = README.read_text()
-    assert text.count(TABLE_BEGIN) == 1 and text.count(TABLE_END) == 1, "README.md lost the alert table markers"
+def test_operations_alert_table_is_generated_from_the_list() -> None:
+    text = ALERTS_PAGE.read_text()
+    assert text.count(TABLE_BEGIN) == 1 and text.count(TABLE_END) == 1, (
+        "docs/operations.md lost the alert table markers"
+    )
     head, rest = text.split(TABLE_BEGIN)
     current, tail = rest.split(TABLE_END)
     wanted = f"\n{alert_table()}\n"
     if os.environ.get(UPDATE_ENV) and not os.environ.get("CI"):
-        README.write_text(f"{head}{TABLE_BEGIN}{wanted}{TABLE_END}{tail}")
+        ALERTS_PAGE.write_text(f"{head}{TABLE_BEGIN}{wanted}{TABLE_END}{tail}")
         return
     assert current == wanted, (
-        f"README.md's alert table is not alerts.ALERTS; rewrite it with "
-        f"{UPDATE_ENV}=1 venv/bin/python -m pytest -q tests/test_serving_alerts.py -k readme"
+        f"docs/operations.md's alert table is not alerts.ALERTS; rewrite it with "
+        f"{UPDATE_ENV}=1 venv/bin/python -m pytest -q tests/test_serving_alerts.py -k operations_alert_table"
     )
 
 

@@ -17,7 +17,7 @@ import pytest
 from infra.capacity.prices import price
 from infra.capacity.report import markdown, plan_stack, stack_output, text, upgrade_at_peak, upgrade_line, upgrade_plan
 from infra.capacity.upgrade import Fleet, UpgradeNeed, headroom_problem
-from infra.config import ConfigError, StackConfig, upgrade_need
+from infra.config import ConfigError, StackConfig, capacity_input, upgrade_need
 from infra.instance_types import GPU_INSTANCE_TYPES
 from tests.harness import by_type, doc_config, manifests_of, render_config, render_stack, stack_config, stack_doc
 from workloads.inference_server.catalog import ServeAutoscaling
@@ -139,9 +139,9 @@ def test_no_headroom_without_new_cluster_upgrades() -> None:
     def no_upgrades(config: dict[str, Any]) -> None:
         config[NS + "ray"]["upgrade_strategy"] = "None"
 
-    cfg = doc_config(_doc("prod", _max_size(BIG_GROUP, 4), no_upgrades))
-    assert upgrade_plan(cfg) == []
-    assert all(u.fits for u in upgrade_at_peak(cfg))
+    inputs = capacity_input(doc_config(_doc("prod", _max_size(BIG_GROUP, 4), no_upgrades)))
+    assert upgrade_plan(inputs) == []
+    assert all(u.fits for u in upgrade_at_peak(inputs))
 
 
 def test_the_setting_is_one_of_two() -> None:
@@ -166,7 +166,7 @@ def test_the_arithmetic_packs_small_replicas_into_whole_nodes() -> None:
 def test_the_managed_node_groups_hold_a_peak_upgrade(stack: str) -> None:
     cfg = stack_config(stack)
     groups = {r["name"]: r["inputs"] for r in by_type(render_stack(stack), "aws:eks/nodeGroup:NodeGroup")}
-    for u in upgrade_plan(cfg):
+    for u in upgrade_plan(capacity_input(cfg)):
         if cfg.cluster.node_provisioner == "managed_node_groups":
             assert groups[f"nodes-{u.group.name}"]["scalingConfig"]["maxSize"] >= u.need.nodes
 
@@ -178,7 +178,7 @@ def test_the_karpenter_pools_limit_gpus_no_lower_than_a_peak_upgrade() -> None:
     doc = _doc("prod", karpenter)
     cfg = doc_config(doc)
     pools = {p["metadata"]["name"]: p["spec"] for p in manifests_of(render_config(doc, "prod"), "NodePool")}
-    for u in upgrade_plan(cfg):
+    for u in upgrade_plan(capacity_input(cfg)):
         assert int(pools[u.group.name]["limits"]["nvidia.com/gpu"]) >= u.need.gpus
 
 
@@ -191,7 +191,8 @@ def _prod(*edits: Edit) -> StackConfig:
 
 def test_the_plan_shows_each_groups_upgrade_gpus_and_their_cost() -> None:
     cfg = _prod()
-    plan = {u.group.name: u for u in upgrade_plan(cfg)}
+    inputs = capacity_input(cfg)
+    plan = {u.group.name: u for u in upgrade_plan(inputs)}
     big = plan["l40s-4x"]
     hourly = price(cfg.region, "g6e.12xlarge", "on_demand")
     assert hourly is not None and big.cost is not None
@@ -202,37 +203,36 @@ def test_the_plan_shows_each_groups_upgrade_gpus_and_their_cost() -> None:
     assert line.startswith("upgrade headroom l40s-4x (ray.upgrade_headroom: peak): ")
     assert "'llama-33-70b' (4 + 2) x 4 = 24 GPUs = 6 g6e.12xlarge nodes of max_size 6" in line
     assert f"${6 * hourly.usd_per_hour:,.2f}/h while it runs" in line
-    plans = plan_stack(cfg)
-    for shown in (markdown("prod", cfg, plans), text("prod", cfg, plans)):
+    plans = plan_stack(inputs)
+    for shown in (markdown("prod", inputs, plans), text("prod", inputs, plans)):
         assert all(upgrade_line(u) in shown for u in plan.values())
-    output = stack_output(cfg, plans)["upgrade"]["l40s-4x"]
+    output = stack_output(inputs, plans)["upgrade"]["l40s-4x"]
     assert (output["headroom"], output["gpus"], output["nodes"], output["max_size"]) == ("peak", 24, 6, 6)
 
 
 def test_the_plan_follows_the_setting() -> None:
-    cfg = _prod(_headroom("min"))
-    big = next(u for u in upgrade_plan(cfg) if u.group.name == "l40s-4x")
+    big = next(u for u in upgrade_plan(capacity_input(_prod(_headroom("min")))) if u.group.name == "l40s-4x")
     assert (big.need.headroom, big.need.gpus, big.need.nodes) == ("min", 16, 4)
     assert "(ray.upgrade_headroom: min): the old cluster at min_replicas" in upgrade_line(big)
 
 
 def test_the_capacity_output_carries_the_upgrade_headroom() -> None:
-    cfg = stack_config("prod")
+    inputs = capacity_input(stack_config("prod"))
     got = render_stack("prod").outputs["capacity"]["upgrade"]
     assert got == {
         name: {k: v for k, v in value.items() if v is not None}
-        for name, value in stack_output(cfg, plan_stack(cfg))["upgrade"].items()
+        for name, value in stack_output(inputs, plan_stack(inputs))["upgrade"].items()
     }
 
 
 @pytest.mark.parametrize("stack", ["dev", "prod"])
 def test_the_committed_stacks_place_an_upgrade_at_peak(stack: str) -> None:
-    checks = upgrade_at_peak(stack_config(stack))
+    checks = upgrade_at_peak(capacity_input(stack_config(stack)))
     assert checks and all(c.fits for c in checks), [c.reason for c in checks]
 
 
 def test_under_min_the_twin_sees_the_trade_off() -> None:
-    checks = {c.group: c for c in upgrade_at_peak(_prod(_max_size(BIG_GROUP, 4), _headroom("min")))}
+    checks = {c.group: c for c in upgrade_at_peak(capacity_input(_prod(_max_size(BIG_GROUP, 4), _headroom("min"))))}
     big = checks["l40s-4x"]
     assert not big.fits and (big.gpus_needed, big.gpus_available) == (24, 16)
     assert big.reason == (

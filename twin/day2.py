@@ -194,15 +194,16 @@ def check_upgrade_at_peak(stack: str, report: Report) -> bool:
     """As committed, an upgrade at peak places its new fleet; sized for less, `peak` refuses before deploy
     and `min` accepts the trade-off (the new pods wait for the old cluster to scale down)."""
     from infra.capacity.report import upgrade_at_peak
-    from infra.config import ConfigError, load_stack_file
+    from infra.config import ConfigError, capacity_input, load_stack_file
     from infra.render import stack_file
 
     ok = True
     cfg = load_stack_file(stack_file(stack))
-    for result in upgrade_at_peak(cfg):
+    at_peak = upgrade_at_peak(capacity_input(cfg))
+    for result in at_peak:
         ok &= report.check(SERVICE, result.fits, f"{stack} as committed: {result.reason}")
     # Each group one node short of what peak needs: what the old 2 x min sizing gave prod.
-    need = {r.group: r for r in upgrade_at_peak(cfg)}
+    need = {r.group: r for r in at_peak}
     nodes = {g.name: g for g in cfg.node_groups.gpu}
 
     def short(group: Mapping[str, Any]) -> int:

@@ -3,9 +3,11 @@
 geometry.py   a model's shape (the `geometry` block, or the pinned table of the README's model families)
 plan.py       one replica under vLLM's memory rules: weights, KV cache, blocks, tokens, sequences
 cost.py       the pinned prices (prices.py), a memory-bandwidth roofline for decode, $ per 1M tokens
-rules.py      the config rules the plan enforces (called from infra/config.py)
+rules.py      the config rules the plan enforces (called from infra/config/models.py)
+inputs.py     what the plan reads of a stack, built by the config (infra/config/capacity_plan.py)
 report.py     the plan of a whole stack: the table, the Markdown, the preview lines, the stack output
 
 Nothing here imports vLLM: the rules are vLLM 0.29's, written out, and the
-tests hold them to vLLM's own code.
+tests hold them to vLLM's own code. Nothing here imports the config either:
+the config calls down into this package, and hands the plan plain values.
 """

@@ -13,6 +13,7 @@ from typing import Any
 from infra.capacity import cold_start
 from infra.capacity.cost import ROOFLINE, Cost, Decode, decode_estimate, replica_cost
 from infra.capacity.geometry import resolve_geometry
+from infra.capacity.inputs import GroupInput, ModelInput, StackInput
 from infra.capacity.plan import (
     GIB,
     OVERHEADS,
@@ -24,7 +25,6 @@ from infra.capacity.plan import (
 from infra.capacity.prices import ON_DEMAND_AS_OF, ON_DEMAND_SOURCE, SPOT_AS_OF, SPOT_SOURCE
 from infra.capacity.rules import MAX_INFLIGHT_KV_ROUNDS, inflight_tokens
 from infra.capacity.upgrade import UpgradeCost, UpgradeNeed, upgrade_cost
-from infra.config import GpuNodeGroupSettings, Model, StackConfig, model_cold_start, upgrade_need
 from infra.instance_types import GpuInstanceType
 
 MEMORY = "GPU memory is the datasheet's GB (10^9 bytes); GiB = 2^30 bytes"
@@ -53,7 +53,7 @@ COLUMNS = (
 class ModelPlan:
     """One model's plan: its replica, decode estimate and cost, and the replicas it scales between."""
 
-    model: Model
+    model: ModelInput
     instance: GpuInstanceType
     replica: ReplicaPlan
     decode: Decode | None
@@ -65,22 +65,18 @@ class ModelPlan:
         return self.model.name
 
 
-def plan_model(cfg: StackConfig, model: Model) -> ModelPlan:
+def plan_model(model: ModelInput, region: str) -> ModelPlan:
     """The plan of one model of a validated stack (its rules ensure a geometry and a usable group)."""
-    geometry = resolve_geometry(model.geometry, model.source, model.model_id)
+    entry = model.entry
+    geometry = resolve_geometry(model.geometry, entry.source, entry.model_id)
     if geometry is None:
         raise ValueError(f"model '{model.name}' has no geometry (the config rules refuse it)")
-    group = cfg.node_groups.gpu_group(model.gpu_group)
-    instance = group.instance()
-    replica = plan_replica(geometry, model.parameters_billion, EngineSettings.of(model), Device.of(instance))
+    group = model.group
+    instance = group.instance
+    replica = plan_replica(geometry, model.parameters_billion, EngineSettings.of(entry), Device.of(instance))
     decode = decode_estimate(replica)
-    cost = replica_cost(replica, instance, group.capacity_type, cfg.region, decode)
+    cost = replica_cost(replica, instance, group.capacity_type, region, decode)
     return ModelPlan(model, instance, replica, decode, cost)
-
-
-def cold_start_budget(cfg: StackConfig, model: Model) -> cold_start.ColdStart:
-    """A model's cold-start budget on its group's instance type (infra/capacity/cold_start.py)."""
-    return model_cold_start(cfg, model, cfg.node_groups.gpu_group(model.gpu_group))
 
 
 def cold_start_line(budget: cold_start.ColdStart) -> str:
@@ -91,17 +87,17 @@ def cold_start_line(budget: cold_start.ColdStart) -> str:
     )
 
 
-def cold_start_output(cfg: StackConfig) -> dict[str, Any]:
+def cold_start_output(inputs: StackInput) -> dict[str, Any]:
     """The `cold_start` stack output: each model's budget and the pinned figures behind it."""
     return {
-        "models": {m.name: cold_start.output(cold_start_budget(cfg, m)) for m in cfg.models},
+        "models": {m.name: cold_start.output(m.cold_start) for m in inputs.models},
         "figures": cold_start.sources(),
     }
 
 
-def plan_stack(cfg: StackConfig) -> list[ModelPlan]:
+def plan_stack(inputs: StackInput) -> list[ModelPlan]:
     """Every model's plan, in config order."""
-    return [plan_model(cfg, m) for m in cfg.models]
+    return [plan_model(m, inputs.region) for m in inputs.models]
 
 
 def _gib(n: int) -> str:
@@ -130,7 +126,7 @@ def _replicas_cost(p: ModelPlan) -> str:
     hourly = p.cost.usd_per_hour
     if hourly is None:
         return "no pinned price"
-    low, high = p.model.autoscaling.min_replicas, p.model.autoscaling.max_replicas
+    low, high = p.model.entry.autoscaling.min_replicas, p.model.entry.autoscaling.max_replicas
     return f"{_usd(hourly * low)}-{_usd(hourly * high)} ({low}-{high})"
 
 
@@ -161,20 +157,20 @@ def row(p: ModelPlan) -> list[str]:
 class GroupUpgrade:
     """One GPU group during an upgrade of every model on it, under the stack's ray.upgrade_headroom."""
 
-    group: GpuNodeGroupSettings
+    group: GroupInput
     need: UpgradeNeed
     cost: UpgradeCost | None
 
 
-def upgrade_plan(cfg: StackConfig) -> list[GroupUpgrade]:
+def upgrade_plan(inputs: StackInput) -> list[GroupUpgrade]:
     """Each GPU group that serves a model, during a NewCluster upgrade; none under upgrade_strategy None."""
-    if cfg.ray.upgrade_strategy != "NewCluster":
+    if inputs.upgrade_strategy != "NewCluster":
         return []
     out = []
-    for group in cfg.node_groups.gpu:
-        need = upgrade_need(cfg, group)
+    for group in inputs.groups:
+        need = group.upgrade_need(inputs.upgrade_headroom)
         if need.fleets:
-            out.append(GroupUpgrade(group, need, upgrade_cost(need, group.capacity_type, cfg.region)))
+            out.append(GroupUpgrade(group, need, upgrade_cost(need, group.capacity_type, inputs.region)))
     return out
 
 
@@ -217,7 +213,7 @@ class PeakUpgrade:
     reason: str
 
 
-def upgrade_at_peak(cfg: StackConfig) -> list[PeakUpgrade]:
+def upgrade_at_peak(inputs: StackInput) -> list[PeakUpgrade]:
     """Per GPU group that serves a model: can an upgrade started with every model at max_replicas place the new fleet?
 
     Asked under `peak` whatever ray.upgrade_headroom says: under `min` a
@@ -226,12 +222,12 @@ def upgrade_at_peak(cfg: StackConfig) -> list[PeakUpgrade]:
     so every group fits.
     """
     out = []
-    for group in cfg.node_groups.gpu:
-        need = upgrade_need(cfg, group, "peak")
+    for group in inputs.groups:
+        need = group.upgrade_need("peak")
         if not need.fleets:
             continue
         available = group.max_size * need.instance.gpus
-        if cfg.ray.upgrade_strategy != "NewCluster":
+        if inputs.upgrade_strategy != "NewCluster":
             reason = "ray.upgrade_strategy None: an upgrade never starts a second cluster"
             out.append(PeakUpgrade(group.name, True, need.old_gpus, available, reason))
             continue
@@ -239,21 +235,21 @@ def upgrade_at_peak(cfg: StackConfig) -> list[PeakUpgrade]:
         verdict = "fits" if fits else "does not fit, the new cluster's pods wait for the old one to scale down"
         reason = (
             f"group '{group.name}' at peak: {need.arithmetic()}, max_size {group.max_size} = {available} GPUs: "
-            f"{verdict} (ray.upgrade_headroom: {cfg.ray.upgrade_headroom})"
+            f"{verdict} (ray.upgrade_headroom: {inputs.upgrade_headroom})"
         )
         out.append(PeakUpgrade(group.name, fits, need.gpus, available, reason))
     return out
 
 
-def _upgrade_notes(cfg: StackConfig) -> list[str]:
-    return [upgrade_line(u) for u in upgrade_plan(cfg)]
+def _upgrade_notes(inputs: StackInput) -> list[str]:
+    return [upgrade_line(u) for u in upgrade_plan(inputs)]
 
 
-def markdown(stack: str, cfg: StackConfig, plans: list[ModelPlan]) -> str:
+def markdown(stack: str, inputs: StackInput, plans: list[ModelPlan]) -> str:
     """The plan as Markdown: a heading, one row per model, the upgrade headroom, and the assumptions."""
-    upgrades = _upgrade_notes(cfg)
+    upgrades = _upgrade_notes(inputs)
     lines = [
-        f"#### Capacity plan: `{stack}` ({cfg.region})",
+        f"#### Capacity plan: `{stack}` ({inputs.region})",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
@@ -267,14 +263,21 @@ def markdown(stack: str, cfg: StackConfig, plans: list[ModelPlan]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def text(stack: str, cfg: StackConfig, plans: list[ModelPlan]) -> str:
+def text(stack: str, inputs: StackInput, plans: list[ModelPlan]) -> str:
     """The plan as an aligned text table, then the assumptions."""
     rows = [list(COLUMNS), *(row(p) for p in plans)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    upgrades = _upgrade_notes(cfg)
+    upgrades = _upgrade_notes(inputs)
     notes = [f"* {a}" for a in ASSUMPTIONS]
-    lines = [f"capacity plan: {stack} ({cfg.region})", "", *table, "", *([*upgrades, ""] if upgrades else []), *notes]
+    lines = [
+        f"capacity plan: {stack} ({inputs.region})",
+        "",
+        *table,
+        "",
+        *([*upgrades, ""] if upgrades else []),
+        *notes,
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -292,17 +295,17 @@ def preview_line(p: ModelPlan) -> str:
 
 def inflight_ratio(p: ModelPlan) -> float:
     """The replica's in-flight cap at the typical sequence, in KV caches (infra/capacity/rules.py bounds it)."""
-    return inflight_tokens(p.model, p.replica) / max(1, p.replica.kv_tokens)
+    return inflight_tokens(p.model.entry, p.replica) / max(1, p.replica.kv_tokens)
 
 
 def inflight_line(p: ModelPlan) -> str:
     """One line for the preview's log: what the replica's in-flight cap asks of its KV cache."""
     r = p.replica
-    cap = p.model.autoscaling.max_ongoing_requests
+    cap = p.model.entry.autoscaling.max_ongoing_requests
     running = min(r.planning_sequences, r.max_num_seqs)
     return (
         f"in flight {p.name}: at most {cap} requests per replica (autoscaling.max_ongoing_requests) x "
-        f"{r.planning_context_tokens:,} typical tokens = {inflight_tokens(p.model, r):,} tokens, "
+        f"{r.planning_context_tokens:,} typical tokens = {inflight_tokens(p.model.entry, r):,} tokens, "
         f"{inflight_ratio(p):.1f} x the KV cache's {r.kv_tokens:,} (at most {MAX_INFLIGHT_KV_ROUNDS}): about "
         f"{running} run at once at that length, the rest wait in vLLM's queue"
     )
@@ -311,7 +314,7 @@ def inflight_line(p: ModelPlan) -> str:
 def _model_output(p: ModelPlan) -> dict[str, Any]:
     r, cost = p.replica, p.cost
     return {
-        "model_id": p.model.model_id,
+        "model_id": p.model.entry.model_id,
         "gpus": r.engine.world_size,
         "gpu": p.instance.gpu_model,
         "instance_type": p.instance.name,
@@ -326,7 +329,7 @@ def _model_output(p: ModelPlan) -> dict[str, Any]:
         "max_model_len_sequences": r.max_model_len_sequences,
         "recommended_max_num_seqs": r.recommended_max_num_seqs,
         "max_num_seqs": r.max_num_seqs,
-        "max_ongoing_requests": p.model.autoscaling.max_ongoing_requests,
+        "max_ongoing_requests": p.model.entry.autoscaling.max_ongoing_requests,
         "inflight_kv_ratio": round(inflight_ratio(p), 2),
         "estimated_decode_tokens_per_second": round(p.decode.tokens_per_second) if p.decode else None,
         "usd_per_hour": None if cost.usd_per_hour is None else round(cost.usd_per_hour, 4),
@@ -337,12 +340,12 @@ def _model_output(p: ModelPlan) -> dict[str, Any]:
     }
 
 
-def stack_output(cfg: StackConfig, plans: list[ModelPlan]) -> dict[str, Any]:
+def stack_output(inputs: StackInput, plans: list[ModelPlan]) -> dict[str, Any]:
     """The `capacity` stack output: the numbers per model, and the assumptions behind the estimates."""
     return {
-        "region": cfg.region,
+        "region": inputs.region,
         "models": {p.name: _model_output(p) for p in plans},
         # Per GPU group, what a NewCluster upgrade of every model holds (none under upgrade_strategy None).
-        "upgrade": {u.group.name: _upgrade_output(u) for u in upgrade_plan(cfg)},
+        "upgrade": {u.group.name: _upgrade_output(u) for u in upgrade_plan(inputs)},
         "assumptions": list(ASSUMPTIONS),
     }

@@ -1,6 +1,6 @@
 """The config rules the capacity plan enforces, one line each, naming the model and the numbers.
 
-infra/config.py calls `capacity_problems` for every model and prefixes the
+infra/config/models.py calls `capacity_problems` for every model and prefixes the
 key path; this module returns (key under the model, message) pairs so that
 it does not import the config model.
 """

@@ -24,9 +24,10 @@ room beside:
   ceiling; an upgrade started at peak waits, its new pods Pending, for the
   old cluster to scale down (and `pulumi up` may time out waiting for it).
 
-This module does not import the config model: infra/config.py builds the
-`UpgradeNeed` of each group (`upgrade_need`), and its rule and the capacity
-plan (infra/capacity/report.py) read it.
+This module does not import the config model: infra/config/rules.py builds
+the `UpgradeNeed` of each group (`upgrade_need`) for its rule, and the capacity
+plan (infra/capacity/report.py) builds it from the group's plain values
+(infra/capacity/inputs.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ that PodMonitor renames vLLM's `vllm:` series to the `ray_vllm_` names Ray's
 metrics agent gives them under serve-ingress.
 The PrometheusRule is rendered from the last two; the tests hold every
 expression to the inventory, every alert to a `promtool test rules` case that
-fires it, and the README's alert table to `ALERTS`. Adding an alert is one
+fires it, and the alert table in docs/operations.md to `ALERTS`. Adding an alert is one
 `AlertSpec` here, its case in `tests/rules/serving-alerts.yaml` and its
 runbook, `docs/runbooks/<AlertName>.md`, which the alert's `runbook_url`
 annotation names.

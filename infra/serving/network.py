@@ -1,6 +1,6 @@
 """NetworkPolicies of the serving namespace: deny by default, then allow each flow by name.
 
-Who may reach what (the README's "Security model" has the matrix in words):
+Who may reach what (docs/security.md has the matrix in words):
 
 - Every pod in the namespace is denied ingress and egress unless a policy
   below allows it; each may resolve names (kube-dns, port 53).

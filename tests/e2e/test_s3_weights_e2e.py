@@ -12,7 +12,7 @@ No static AWS keys reach the loader. This moto does not check signatures;
 the second test runs the streamer's C++ client against one that does.
 
 Then the same model from a local directory: the outputs must be token-identical,
-and both load times are printed (README, Capacity).
+and both load times are printed (docs/capacity.md).
 """
 
 from __future__ import annotations
