@@ -20,7 +20,7 @@ help:
 	@echo "make upgrade-status STACK=prod  each RayService's upgrade phase and likely cause, from kubectl"
 	@echo "make test                    lint, type-check and every test, the real server and both twins included"
 	@echo "make twin STACK=dev|prod     the stack's RayServices on a local Ray cluster, checked by Ray's own code"
-	@echo "make local STACK=dev         the stack served at http://127.0.0.1:8000/v1 until Ctrl-C (MODEL=/path for your model)"
+	@echo "make local STACK=dev         the stack served at http://127.0.0.1:8000/v1 until Ctrl-C (MODEL=/path for your model, PORT= another port)"
 	@echo "make bench                   serving overhead and render-scale benchmarks -> benchmarks/results/"
 	@echo "make pin-base                re-resolve the serving image's base tag to a digest (needs the registry)"
 	@echo "make lock-workloads          re-lock workloads/requirements.txt with hashes (needs PyPI)"
@@ -120,9 +120,9 @@ twin: system-deps-twin $(VENV)/.dev
 	PYTHONUNBUFFERED=1 $(BIN)/python -m twin.day2 --stack $(STACK)
 
 # The twin left running for a person: http://127.0.0.1:8000/v1 with a key it
-# prints, until Ctrl-C. MODEL=/path/to/model serves that directory.
+# prints, until Ctrl-C. MODEL=/path/to/model serves that directory, PORT= another port.
 local: $(VENV)/.dev
-	PYTHONUNBUFFERED=1 $(BIN)/python -m twin.local --stack $(STACK) $(if $(MODEL),--model-dir $(MODEL))
+	PYTHONUNBUFFERED=1 $(BIN)/python -m twin.local --stack $(STACK) $(if $(MODEL),--model-dir $(MODEL)) $(if $(PORT),--port $(PORT))
 
 $(VENV)/.bench: $(VENV)/.dev benchmarks/requirements.txt
 	$(BIN)/pip install -q -r benchmarks/requirements.txt

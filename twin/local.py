@@ -1,23 +1,29 @@
-"""``python -m twin.local --stack dev``: a stack's RayService on this machine, left running for a person.
+"""``python -m twin.local --stack dev``: a stack's RayServices on this machine, left running for a person.
 
-The same local cluster as the twin (``python -m twin``): the stack is
-rendered, Ray's own checks run, and a cluster shaped like the RayService
-starts, with Ray's autoscaler adding and removing the worker nodes. It
-serves the OpenAI API at ``http://127.0.0.1:8000/v1`` with an API key
-generated for this run (the render's keys are placeholders), prints both,
-and stops everything on Ctrl-C. The rendered scale-down delays are kept, so
-a model at ``min_replicas: 0`` goes to zero after its idle time, and the next
-request wakes it (a new worker node and engine start: about a minute). A
-service in the vllm-server layout is served by each replica's own vLLM
-server, on a free port each: the run prints their base URLs instead.
+The same local clusters as the twin (``python -m twin``): the stack is
+rendered, Ray's own checks run, and for each RayService a cluster shaped
+like it starts, with Ray's autoscaler adding and removing the worker nodes.
+The stack answers the OpenAI API at one base URL,
+``http://127.0.0.1:8000/v1`` unless ``--port`` says otherwise, with an API
+key generated for this run (the render's keys are placeholders); the run
+prints both, with only the notes that hold for the stack's models, and stops
+everything on Ctrl-C. One RayService in the serve-ingress layout is reached
+at its Serve proxy; several RayServices, or replicas that each run their
+own vLLM server (the vllm-server layout), are reached through one front
+door (:mod:`twin.front_door`) that sends each request to the model it
+names. The rendered replica bounds and scale-down delays are kept, so a
+model at ``min_replicas: 0`` goes to zero after its idle time and the next
+request wakes it (a new worker node and engine start: about a minute).
 
-``--model-dir`` serves a local model directory (Hugging Face layout: config,
-safetensors weights, tokenizer) instead of the tiny random-weight model.
+``--service`` runs one RayService of the stack; ``--model-dir`` serves a
+local model directory (Hugging Face layout: config, safetensors weights,
+tokenizer) instead of the tiny random-weight model.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import signal
 import sys
 import threading
@@ -36,7 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(prog="python -m twin.local", description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--stack", required=True, help="stack name; reads Pulumi.<stack>.yaml")
-    parser.add_argument("--service", help="the RayService to run (default: the stack's first)")
+    parser.add_argument("--service", help="run only this RayService (default: every RayService of the stack)")
     parser.add_argument("--model-dir", type=Path, help="serve this local model directory instead of the tiny model")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's, at most 2048)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port on 127.0.0.1 (default 8000)")
@@ -79,29 +85,37 @@ def _wait_for_signal() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Starts the local run and serves until Ctrl-C. Exit 2 for bad input, 1 when it could not start."""
+    """Starts the local run and serves until Ctrl-C. Exit 2 for bad input or a taken port, 1 when it could not start."""
     prepare_driver_env()
     args = parse_args(argv)
     for path in (str(REPO), str(REPO / "workloads")):
         if path not in sys.path:
             sys.path.insert(0, path)
-    from twin.local_run import LocalRun, port_is_free
+    from twin.local_run import LocalRun, bind_error
 
     report = Report()
     try:
-        if not port_is_free(args.port):
-            raise TwinInputError(f"127.0.0.1:{args.port} is taken: stop what listens there or pass --port")
+        taken = bind_error(args.port)
+        if taken is not None:
+            raise TwinInputError(_port_message(args.port, args.stack, taken))
         report.step(SERVICE, f"render: {args.stack}")
         services = load_ray_services(_render(args.stack))
         chosen = [s for s in services if args.service in (None, s.name)]
         if not chosen:
             raise TwinInputError(f"no RayService {args.service} in {args.stack}: {', '.join(s.name for s in services)}")
         model_dir = _model_dir(args)
+        left_out = [s.name for s in services if s.name not in {c.name for c in chosen}]
+        run = LocalRun(chosen, report, stack=args.stack, model_dir=model_dir, port=args.port, left_out=left_out)
     except TwinInputError as err:
         print(f"local: {err}", file=sys.stderr)
         return 2
-    run = LocalRun(chosen[0], report, stack=args.stack, model_dir=model_dir, port=args.port)
     try:
+        try:
+            run.open_door()
+        except OSError as err:
+            # Taken between the check above and now.
+            print(f"local: {_port_message(args.port, args.stack, err)}", file=sys.stderr)
+            return 2
         if not run.start(max_model_len=args.max_model_len, tiny=args.model_dir is None):
             return 1
         run.announce()
@@ -110,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
         report.step(SERVICE, "stopping")
         run.stop()
     return 0
+
+
+def _port_message(port: int, stack: str, err: OSError) -> str:
+    from twin.local_announcement import port_taken
+    from twin.local_run import free_port_after
+
+    reason = None if err.errno == errno.EADDRINUSE else (err.strerror or type(err).__name__)
+    return port_taken(port, stack, free_port_after(port), reason)
 
 
 if __name__ == "__main__":

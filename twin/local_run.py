@@ -1,19 +1,23 @@
-"""The local run's steps (cluster, nodes, model load, ready) on the twin's own parts; see :mod:`twin.local`."""
+"""The local run's steps (clusters, nodes, model load, ready) on the twin's own parts; see :mod:`twin.local`."""
 
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import socket
 import tempfile
 import time
 from pathlib import Path
 
+from localserve.processes import free_port
 from localserve.server import KV_CACHE_BYTES
 from twin import live
 from twin.checks import model_groups_for, run_static_checks
 from twin.cluster import LOOPBACK, REPO
 from twin.deploy import Fitting, ModelInfo
+from twin.front_door import FrontDoor, Routes, Target
+from twin.local_announcement import Metrics, ServedModel, announcement, served_models
 from twin.render import RayServiceSpec, model_names
 from twin.report import Report
 from twin.run import Session, prepare, start_and_deploy, wait_running
@@ -23,10 +27,14 @@ MODEL_DIR_MAX_LEN = 2048
 MODEL_DIR_KV_CACHE_BYTES = 512 * 2**20
 # The first request loads the engine on a new worker node.
 LOAD_TIMEOUT_S = 600.0
+# A replica's server is healthy once its application is RUNNING; the front door sees it within a refresh or two.
+ROUTE_TIMEOUT_S = 60.0
+# Where to look for a free port to suggest when the one asked for is taken.
+SUGGEST_PORTS = 100
 
 
-def port_is_free(port: int) -> bool:
-    """Whether nothing listens on 127.0.0.1:``port``.
+def bind_error(port: int) -> OSError | None:
+    """Why 127.0.0.1:``port`` can not be listened on now (None when it can).
 
     Binds without SO_REUSEPORT: Serve's proxies set it, so another cluster of
     this user on the same port would otherwise share it and take half the requests.
@@ -34,9 +42,24 @@ def port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((LOOPBACK, port))
-        except OSError:
-            return False
-    return True
+        except OSError as err:
+            return err
+    return None
+
+
+def port_is_free(port: int) -> bool:
+    """Whether nothing listens on 127.0.0.1:``port`` (and this user may listen there)."""
+    return bind_error(port) is None
+
+
+def free_port_after(port: int) -> int | None:
+    """The first port above ``port`` that is free now, to suggest instead of a taken one."""
+    return next((p for p in range(port + 1, min(port + SUGGEST_PORTS, 65536)) if port_is_free(p)), None)
+
+
+def needs_front_door(models: list[ServedModel]) -> bool:
+    """Whether one Serve proxy can not be the stack's base URL: several RayServices, or vLLM's own servers."""
+    return len({m.service for m in models}) > 1 or any(m.layout == "vllm-server" for m in models)
 
 
 def fitting_for(model_dir: Path, tiny: bool, max_model_len: int | None) -> Fitting:
@@ -55,100 +78,180 @@ def fitting_for(model_dir: Path, tiny: bool, max_model_len: int | None) -> Fitti
 
 
 class LocalRun:
-    """One RayService of a stack on this machine, until stopped."""
+    """The RayServices of a stack on this machine, each its own local cluster, at one base URL until stopped.
 
-    def __init__(self, service: RayServiceSpec, report: Report, *, stack: str, model_dir: Path, port: int) -> None:
-        self.service = service
+    One RayService in the serve-ingress layout is reached at its Serve proxy
+    on the port. Otherwise (several RayServices, or replicas that each run
+    their own vLLM server on a free port) the front door takes the port and
+    sends each request to the model it names. Every RayService serves with
+    the same key, generated for this run.
+    """
+
+    def __init__(
+        self,
+        services: list[RayServiceSpec],
+        report: Report,
+        *,
+        stack: str,
+        model_dir: Path,
+        port: int,
+        left_out: list[str] | None = None,
+    ) -> None:
+        self.services = services
         self.report = report
         self.stack = stack
         self.model_dir = model_dir
         self.port = port
+        self.left_out = list(left_out or [])
+        self.models = [m for s in services for m in served_models(s.name, s.serve_config())]
+        self.api_key = "twin-" + secrets.token_hex(16)
         # Short: Ray's unix sockets live under it and must stay below 108 bytes.
         self.workdir = Path(tempfile.mkdtemp(prefix="twin-local-", dir="/tmp"))
-        self.session: Session | None = None
+        self.sessions: list[Session] = []
+        self.front_door = FrontDoor(port=port) if needs_front_door(self.models) else None
 
     @property
-    def name(self) -> str:
-        """The RayService's name."""
-        return self.service.name
+    def base_url(self) -> str:
+        """The stack's one OpenAI base URL: the front door's port as bound, or the Serve proxy's."""
+        port = self.front_door.port if self.front_door is not None else self.port
+        return f"http://{LOOPBACK}:{port}/v1"
+
+    def open_door(self) -> None:
+        """Takes the port for the front door, before any cluster starts (OSError when it is taken)."""
+        if self.front_door is None:
+            return
+        self.front_door.start()
+        services = ", ".join(s.name for s in self.services)
+        self.report.sub(
+            "local",
+            f"one front door at {self.base_url} for {services}: each request goes to the Ready replicas of "
+            "the model it names (deployed, each RayService has its own endpoint)",
+        )
 
     def start(self, *, max_model_len: int | None, tiny: bool) -> bool:
-        """Ray's checks, the cluster, the deploy, then the first request, which loads each model."""
+        """Each RayService's checks, cluster and deploy in turn, then the first request to each model."""
         names = model_names(REPO / f"Pulumi.{self.stack}.yaml")
-        static = run_static_checks(self.service, self.report, names)
+        self.report.note("local", f"cluster files: {self.workdir}")
+        fitting = fitting_for(self.model_dir, tiny, max_model_len)
+        for index, service in enumerate(self.services):
+            if index:
+                _disconnect_driver()
+            if not self._start_service(service, self.workdir / str(index), names, fitting):
+                return False
+        if self.front_door is not None:
+            self.front_door.follow(self._routes)
+        return self._load_models()
+
+    def _start_service(self, service: RayServiceSpec, workdir: Path, names: dict[str, str], fitting: Fitting) -> bool:
+        static = run_static_checks(service, self.report, names)
         if static is None:
-            self.report.fail(self.name, "Ray can not start this RayService as rendered: see the lines above")
+            self.report.fail(service.name, "Ray can not start this RayService as rendered: see the lines above")
             return False
         autoscaling, started = static
-        self.session = prepare(
-            self.service,
+        session = prepare(
+            service,
             self.report,
             autoscaling=autoscaling,
             head=started["headgroup"],
-            model_groups=model_groups_for(self.service, names),
-            workdir=self.workdir,
+            model_groups=model_groups_for(service, names),
+            workdir=workdir,
             model_dir=self.model_dir,
-            http_port=self.port,
-            fitting=fitting_for(self.model_dir, tiny, max_model_len),
+            # Behind the front door, Serve's proxy on the head takes a free port.
+            http_port=self.port if self.front_door is None else free_port(),
+            fitting=fitting,
             idle_timeout_s=None,
+            api_key=self.api_key,
         )
-        self.report.note(self.name, f"cluster files: {self.workdir}")
-        start_and_deploy(self.session, self.report)
-        if not wait_running(self.session, self.report):
-            return False
-        return self._load_models()
+        self.sessions.append(session)
+        start_and_deploy(session, self.report)
+        return wait_running(session, self.report)
 
-    def base_urls(self, model: ModelInfo) -> list[str]:
-        """Where a client reaches ``model``: Serve's proxy, or in the vllm-server layout each replica's own server."""
-        if model.layout != "vllm-server" or model.address_dir is None:
-            return [f"http://{LOOPBACK}:{self.port}/v1"]
-        return sorted(str(r["url"]) for r in live.replica_addresses([model.address_dir]) if r.get("url"))
+    def _routes(self) -> Routes:
+        """Each model's Ready targets: its replicas' servers that answer /health, or its Serve proxy."""
+        routes: Routes = {}
+        for session in self.sessions:
+            for model in session.serve.models:
+                routes[model.model_id] = (
+                    ready_servers(model)
+                    if model.layout == "vllm-server"
+                    else [(f"{session.name} serve proxy", LOOPBACK, session.cluster.head_proxy_port)]
+                )
+        return routes
 
     def _load_models(self) -> bool:
-        assert self.session is not None
-        for model in self.session.serve.models:
-            group = self.session.model_groups.get(model.model_id, "its worker group")
-            self.report.step(self.name, f"model load: {model.model_id} (a {group} node and its engine start)")
-            began = time.monotonic()
-            try:
-                urls = self.base_urls(model)
-                if not urls:
-                    raise RuntimeError("no replica published its server's address")
-                for url in urls:
-                    live.chat_at(url, self.session.serve.api_key, model.model_id, timeout_s=LOAD_TIMEOUT_S)
-            except Exception as err:
-                self.report.fail(self.name, f"model load: {model.model_id} did not answer: {err}")
-                return False
-            self.report.step(self.name, f"model load: {model.model_id} answered after {time.monotonic() - began:.0f}s")
-        self.report.step(self.name, "ready")
+        for session in self.sessions:
+            for model in session.serve.models:
+                if not self._first_request(session, model):
+                    return False
+        self.report.step("local", "ready")
         return True
 
-    def announce(self) -> None:
-        """What a person needs to use it."""
-        assert self.session is not None
-        served = self.session.serve.models
-        urls = [url for m in served for url in self.base_urls(m)]
-        base = urls[0]
-        models = [m.model_id for m in served]
-        lines = [
-            "",
-            f"  OpenAI base URL: {base}",
-            *(f"                   {url} (another replica's server)" for url in urls[1:]),
-            f"  API key:         {self.session.serve.api_key}",
-            f"  models:          {', '.join(models)}",
-            "",
-            f"  curl {base}/chat/completions -H 'Authorization: Bearer {self.session.serve.api_key}' \\",
-            f'    -H \'Content-Type: application/json\' -d \'{{"model": "{models[0]}", '
-            '"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}\'',
-            "",
-            "  Models at min_replicas 0 go to zero after their idle time; the next request wakes them.",
-            "  Ctrl-C stops everything.",
-            "",
+    def _first_request(self, session: Session, model: ModelInfo) -> bool:
+        group = session.model_groups.get(model.model_id, "its worker group")
+        what = f"a {group} node and its engine start" if model.min_replicas == 0 else "the first request"
+        self.report.step(session.name, f"model load: {model.model_id} ({what})")
+        began = time.monotonic()
+        try:
+            door = self.front_door
+            if door is not None and not live.wait_for(lambda: door.has_target(model.model_id), ROUTE_TIMEOUT_S, 1.0):
+                raise RuntimeError(f"no replica's server answered /health within {ROUTE_TIMEOUT_S:.0f}s")
+            live.chat_at(self.base_url, self.api_key, model.model_id, timeout_s=LOAD_TIMEOUT_S)
+        except Exception as err:
+            self.report.fail(session.name, f"model load: {model.model_id} did not answer at {self.base_url}: {err}")
+            return False
+        took = time.monotonic() - began
+        self.report.step(session.name, f"model load: {model.model_id} answered at {self.base_url} after {took:.0f}s")
+        return True
+
+    def metrics(self) -> list[Metrics]:
+        """The metrics endpoints the running replicas published (vllm-server: each replica's own server)."""
+        return [
+            Metrics(url=str(r["metrics_url"]), model_id=model.model_id)
+            for session in self.sessions
+            for model in session.serve.models
+            for r in _replicas(model)
+            if r.get("metrics_url")
         ]
-        print("\n".join(lines), flush=True)
+
+    def announce(self) -> None:
+        """What a person needs to use the stack."""
+        text = announcement(self.base_url, self.api_key, self.models, metrics=self.metrics(), left_out=self.left_out)
+        print(text, flush=True)
 
     def stop(self) -> None:
-        """Stops the cluster and removes its files."""
-        if self.session is not None:
-            self.session.cluster.stop()
+        """Stops the front door and every cluster, and removes their files."""
+        if self.front_door is not None:
+            self.front_door.stop()
+        for session in self.sessions:
+            session.cluster.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _disconnect_driver() -> None:
+    """Leaves the cluster this process drives (its Serve apps keep running) to drive the next one.
+
+    Serve keeps its client in the process and trusts it while the job id
+    matches, which the next cluster's first driver repeats (01000000): drop it.
+    """
+    import ray
+    from ray.serve import context
+
+    context._disconnect()  # type: ignore[no-untyped-call]
+    ray.shutdown()
+
+
+def _replicas(model: ModelInfo) -> list[dict[str, object]]:
+    if model.address_dir is None:
+        return []
+    return [r for r in live.replica_addresses([model.address_dir]) if r.get("model_id") == model.model_id]
+
+
+def ready_servers(model: ModelInfo) -> list[Target]:
+    """The model's replicas whose server answers /health: the targets the rendered readiness probe lets in."""
+    found: list[Target] = []
+    for replica in _replicas(model):
+        root = live.server_root(str(replica.get("url", "")))
+        host, _, port = root.removeprefix("http://").rpartition(":")
+        if port.isdigit() and live.server_health(root):
+            found.append((f"{model.model_id} replica {port}", host, int(port)))
+    return found

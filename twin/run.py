@@ -65,12 +65,20 @@ def prepare(
     fitting: Fitting | None = None,
     idle_timeout_s: float | None = TWIN_IDLE_TIMEOUT_S,
     traced: bool = False,
+    api_key: str | None = None,
 ) -> Session:
     """Fits the RayService to this machine and prints every substitution; starts nothing but,
-    when ``traced``, the OTLP receiver the deployed config sends its traces to."""
+    when ``traced``, the OTLP receiver the deployed config sends its traces to.
+
+    ``api_key``: the key to serve with (default: one generated for this session)."""
     fitted = fit_shape(service.name, autoscaling, head, http_port, pod_env(service.cluster), idle_timeout_s)
     serve = twin_serve_config(
-        service.serve_config(), model_dir=model_dir, secrets_dir=workdir / "s", http_port=http_port, fitting=fitting
+        service.serve_config(),
+        model_dir=model_dir,
+        secrets_dir=workdir / "s",
+        http_port=http_port,
+        api_key=api_key,
+        fitting=fitting,
     )
     receiver = OtlpReceiver().start() if traced else None
     if receiver is not None:
