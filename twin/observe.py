@@ -492,9 +492,11 @@ def wait_firing(
     seconds after its first.
     """
     started, wall = began if began is not None else (time.monotonic(), time.time())
+    # The wait itself is ``timeout_s`` from now: a slow start must not eat the alert's time.
+    deadline = time.monotonic() + timeout_s
     fired: dict[str, Fired] = {}
     pending = set(wanted)
-    while pending and time.monotonic() - started < timeout_s:
+    while pending and time.monotonic() < deadline:
         for name, instances in prom.firing().items():
             if name in pending:
                 active = min((_epoch(a.active_at) for a in instances if a.active_at), default=wall)
