@@ -776,8 +776,17 @@ def overload(traffic: Traffic, base_url: str) -> list[StreamLoad]:
     return loads
 
 
-def run_faults(obs: Observed, prom: TwinPrometheus, report: Report, operator: OperatorExporter | None = None) -> None:
-    """Each fault, and the alerts it must fire; alerts that can not fire here say why."""
+def run_faults(
+    obs: Observed,
+    prom: TwinPrometheus,
+    report: Report,
+    operator: OperatorExporter | None = None,
+    during_overload: Callable[[], None] | None = None,
+) -> None:
+    """Each fault, and the alerts it must fire; alerts that can not fire here say why.
+
+    ``during_overload`` runs once the overload's alerts fired, before its load stops.
+    """
     for spec in alerts.ALERTS:
         why = alert_absent_reason(spec)
         if why is not None:
@@ -814,6 +823,8 @@ def run_faults(obs: Observed, prom: TwinPrometheus, report: Report, operator: Op
             for load in loads:
                 load.start()
             fired = wait_firing(prom, wanted, timeout, began)
+            if during_overload is not None:
+                during_overload()
             for load in loads:
                 load.stop(timeout_s=1)
             streams = sum(load.streams for load in loads)
@@ -876,19 +887,29 @@ def run(obs: Observed, report: Report, *, faults: bool) -> None:
         hold = max(_fors(prom, serving).values()) + STEADY_MARGIN_S
         check_steady(obs.name, prom, report, load, hold)
         load.stop(timeout_s=30)
+
+        # Series and panels are read under the overload, once its alerts fired:
+        # a counter exported through Ray's metrics agent (vLLM's preemptions
+        # under serve-ingress) has no series until its first increment, which
+        # only the overload brings, and a later fault's restart (kill-server,
+        # engine-death) starts a replica without it; a replica serves then, so
+        # every gauge is exported too. Without faults, under normal load once
+        # a replica serves (a model at zero exports no gauge).
+        read: list[bool] = []
+
+        def read_series_and_panels() -> None:
+            check_series(obs.name, prom, report, obs.layouts)
+            check_panels(obs.name, prom, report, obs.layouts)
+            read.append(True)
+
         if faults:
-            run_faults(obs, prom, report, operator)
-        # After the faults: a counter exported through Ray's metrics agent
-        # (vLLM's preemptions under serve-ingress) has no series until its
-        # first increment, which only the overload brings. Under normal load
-        # again: a model at zero replicas (scale to zero, or a fault's restart)
-        # exports no gauge, so a replica must be serving when they are read.
-        load = _steady_load(obs, obs.traffic.base_urls()[0])
-        load.start()
-        wait_serving(obs, prom, report)
-        check_series(obs.name, prom, report, obs.layouts)
-        check_panels(obs.name, prom, report, obs.layouts)
-        load.stop(timeout_s=30)
+            run_faults(obs, prom, report, operator, during_overload=read_series_and_panels)
+        if not read:  # no faults, or the overload did not run
+            load = _steady_load(obs, obs.traffic.base_urls()[0])
+            load.start()
+            wait_serving(obs, prom, report)
+            read_series_and_panels()
+            load.stop(timeout_s=30)
         bad = prom.rule_health()
         report.check(
             obs.name,
