@@ -190,7 +190,7 @@ Checked once every key is read, each failing with the key path and the rule:
 a model's `gpu_group` exists; tensor parallelism divides the GPUs of one node
 of the group's instance type and pipeline stages fill whole nodes; the
 weights (parameters x dtype bytes) fit `GPUs x GPU memory x gpu_memory_utilization`
-with 10% left for the KV cache (GPU memory in the datasheet's GB); the capacity
+with 10% left for the KV cache (GPU memory as CUDA reports it); the capacity
 rules (see [the capacity plan](capacity.md#the-rules-it-enforces)); a group's
 instance types share one GPU shape; `min <= desired <= max` for node groups and
 replicas; a model's minimum replicas fit its group's maximum; names are valid

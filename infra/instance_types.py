@@ -13,10 +13,14 @@ the H100, 141 GB for the H200. AWS's instance-type pages head the same
 figures "GPU memory (GiB)", and its API is not consistent either
 (describe-instance-types gives a g5's A10G 24,576 MiB, i.e. 24 GiB, but a
 p4de's eight A100s 610,352 MiB, i.e. 8 x 80 GB). Reading the nominal 24 as
-GiB overstates the memory by 7.4% (2^30 / 10^9); against what CUDA reports as
-a 24 GB GDDR6 card's total with ECC on (about 22.5 GiB) it is 6.7% optimistic.
-GB x 10^9 is at or below the total CUDA reports for every GPU here, and that
-total is what vLLM's `gpu_memory_utilization` is a share of.
+GiB overstates the memory by 7.4% (2^30 / 10^9). Neither is what CUDA
+reports, which is what vLLM's `gpu_memory_utilization` is a share of: the
+GDDR6 cards report less than their datasheet's GB (an L4 23,612,293,120
+bytes, so 24 x 10^9 is 1.6% too much; the A10G 0.8-1.3% and the L40S
+0.4-0.9%), the HBM cards more (an A100 40GB 39.56 GiB, 6% above 40 x 10^9).
+The capacity plan and the weights rule (infra/config/models.py) therefore
+take each GPU's CUDA total from infra/capacity/calibration.py (`CUDA_MEMORY`,
+every figure with its source); the datasheet figure here names the card.
 
 Memory bandwidth is the datasheet's peak in GB/s; the capacity plan's decode
 estimate (infra/capacity/) is bound by it.

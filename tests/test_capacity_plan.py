@@ -11,16 +11,17 @@ from dataclasses import replace
 import pytest
 from pydantic import ValidationError
 
+from infra.capacity.calibration import CUDA_MEMORY, overhead_band
 from infra.capacity.cost import BANDWIDTH_EFFICIENCY, decode_estimate, nodes_share, replica_cost
 from infra.capacity.geometry import PINNED, Geometry, pinned_model, resolve_geometry
 from infra.capacity.plan import (
-    CUDA_GRAPH_BYTES,
     GIB,
     Device,
     EngineSettings,
     overheads,
     plan_replica,
     pp_layers,
+    run_of,
     stages,
 )
 from infra.capacity.prices import PRICES, price
@@ -73,7 +74,7 @@ def test_geometry_refuses_kv_heads_that_do_not_group_the_heads() -> None:
         Geometry(**{**LLAMA_8B.model_dump(), "num_key_value_heads": 5})
 
 
-def test_gpu_memory_is_the_datasheets_gb_not_gib() -> None:
+def test_instance_types_hold_the_datasheets_gb_not_gib() -> None:
     l4 = GPU_INSTANCE_TYPES["g6.2xlarge"]
     assert l4.gpu_memory_bytes == 24 * 10**9
     # The old reading, 24 GiB, was 7.4% more than the card has.
@@ -81,6 +82,13 @@ def test_gpu_memory_is_the_datasheets_gb_not_gib() -> None:
     for gpu in GPU_INSTANCE_TYPES.values():
         assert gpu.gpu_memory_bytes == gpu.gpu_memory_gb * GB
         assert gpu.memory_bandwidth_bytes_s >= 300 * GB
+
+
+def test_the_plans_gpu_memory_is_the_lower_total_cuda_reports() -> None:
+    # What gpu_memory_utilization is a share of: 21.99 GiB on an L4, not its datasheet's 24 GB.
+    assert L4.memory_bytes == 23_612_293_120 < GPU_INSTANCE_TYPES["g6.2xlarge"].gpu_memory_bytes
+    for gpu in GPU_INSTANCE_TYPES.values():
+        assert Device.of(gpu).memory_bytes == CUDA_MEMORY[gpu.ray_accelerator_type].low_bytes
 
 
 def test_pipeline_stages_split_the_layers_as_vllm_does() -> None:
@@ -123,13 +131,41 @@ def test_kv_memory_is_what_the_gpu_leaves_after_weights_and_profiled_overheads()
     plan = plan_replica(LLAMA_8B, 8.03, engine(), L4)
     stage = plan.stages[0]
     spent = stage.weight_bytes + plan.overheads.total
-    assert stage.kv_memory_bytes == -(-24 * 10**9 * 9 // 10) - spent
+    assert stage.kv_memory_bytes == -(-23_612_293_120 * 9 // 10) - spent
     assert plan.num_blocks == stage.kv_memory_bytes // (16 * 131072)
     eager = plan_replica(LLAMA_8B, 8.03, engine(enforce_eager=True), L4)
-    assert eager.stages[0].kv_memory_bytes - stage.kv_memory_bytes == CUDA_GRAPH_BYTES
-    # The activation peak grows with the tokens of the profiling pass, as vLLM's does.
-    small = overheads(LLAMA_8B, engine(max_num_batched_tokens=1024), L4).activation_bytes
-    assert small < overheads(LLAMA_8B, engine(), L4).activation_bytes
+    assert eager.overheads.cuda_graph_bytes == 0 < plan.overheads.cuda_graph_bytes
+    assert eager.stages[0].kv_memory_bytes - stage.kv_memory_bytes == plan.overheads.cuda_graph_bytes
+    # On an L4 the sampler's warm-up (256 rows of logits) is the peak, so fewer sequences leave more memory.
+    fewer = overheads(LLAMA_8B, engine(max_num_seqs=64), L4).activation_bytes
+    assert fewer < plan.overheads.activation_bytes
+    # With few sequences the forward pass is the peak: it grows with the tokens of the profiling pass.
+    small = overheads(LLAMA_8B, engine(max_num_seqs=8, max_num_batched_tokens=1024), L4).activation_bytes
+    assert small < overheads(LLAMA_8B, engine(max_num_seqs=8), L4).activation_bytes
+
+
+def test_each_overhead_is_the_midpoint_of_the_calibrated_band() -> None:
+    assert LLAMA_70B is not None
+    settings = engine(tensor_parallel_size=4, max_num_seqs=128)
+    band = overhead_band(LLAMA_70B, run_of(settings, L40S))
+    got = overheads(LLAMA_70B, settings, L40S)
+    assert got.activation_bytes == (band.activation.low + band.activation.high) // 2
+    assert got.non_torch_bytes == (band.non_torch.low + band.non_torch.high) // 2
+    assert got.cuda_graph_bytes == (band.cuda_graphs.low + band.cuda_graphs.high) // 2
+    # No separate NCCL allowance (vLLM sets NCCL up before it measures): under the old plan's 1 GiB at TP=4.
+    assert got.non_torch_bytes < GIB
+
+
+def test_only_the_last_pipeline_stage_pays_for_the_sampler() -> None:
+    assert LLAMA_70B is not None
+    settings = engine(tensor_parallel_size=4, pipeline_parallel_size=2)
+    first, last = stages(LLAMA_70B, 70.6e9, settings, L40S)
+    first_over = overheads(LLAMA_70B, settings, L40S, last_stage=False)
+    last_over = overheads(LLAMA_70B, settings, L40S)
+    assert first_over.activation_bytes < last_over.activation_bytes
+    requested = -(-L40S.memory_bytes * 9 // 10)
+    assert first.kv_memory_bytes == requested - first.weight_bytes - first_over.total
+    assert last.kv_memory_bytes == requested - last.weight_bytes - last_over.total
 
 
 @pytest.mark.parametrize(("name", "tokens", "seqs"), [("L4", 2048, 256), ("A100", 2048, 256), ("H100", 8192, 1024)])

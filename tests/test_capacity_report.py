@@ -11,10 +11,21 @@ import pytest
 import yaml
 
 from infra import plan as plan_cli
-from infra.capacity.report import ASSUMPTIONS, COLUMNS, markdown, plan_stack, preview_line, stack_output, text
+from infra.capacity.geometry import PINNED
+from infra.capacity.report import (
+    ASSUMPTIONS,
+    COLUMNS,
+    ModelPlan,
+    band_line,
+    markdown,
+    plan_stack,
+    preview_line,
+    stack_output,
+    text,
+)
 from infra.config import capacity_input, load_stack_file
 from infra.render import ROOT, render
-from tests.harness import STACKS, render_stack
+from tests.harness import STACKS, render_stack, stack_config
 
 CAPACITY_PAGE = ROOT / "docs" / "capacity.md"
 UPDATE_ENV = "UPDATE_DOCS_CAPACITY"
@@ -50,6 +61,56 @@ def test_markdown_and_text_have_a_row_per_model_and_the_assumptions(stack: str) 
     assert all(f"- {a}" in md for a in ASSUMPTIONS)
     plain = text(stack, inputs, plans)
     assert all(p.name in plain for p in plans) and "est." in plain
+
+
+def _assert_inside_its_printed_band(stack: str, inputs: Any, p: ModelPlan) -> None:
+    """The replica's KV tokens lie inside its band, and the table, notes and output print that band."""
+    band, tokens = p.kv_band.tokens, p.replica.kv_tokens
+    assert band.low < tokens < band.high, (p.name, band, tokens)
+    plans = plan_stack(inputs)
+    assert f" {tokens:,} ({band.low:,}-{band.high:,}) " in markdown(stack, inputs, plans)
+    assert band_line(p) in text(stack, inputs, plans).splitlines()
+    # Each end names its assumption: the CUDA total it takes and the sampler copies behind its activations.
+    assert "GiB to CUDA" in p.kv_band.low_assumption and "10.5 float32" in p.kv_band.low_assumption
+    assert "GiB to CUDA" in p.kv_band.high_assumption and "9.0 float32" in p.kv_band.high_assumption
+    printed = stack_output(inputs, plans)["models"][p.name]
+    assert printed["kv_tokens"] == tokens
+    assert printed["kv_tokens_band"] == {
+        "low": band.low,
+        "high": band.high,
+        "low_assumption": p.kv_band.low_assumption,
+        "high_assumption": p.kv_band.high_assumption,
+    }
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_every_models_kv_tokens_lie_inside_its_own_printed_band(stack: str) -> None:
+    inputs = capacity_input(config(stack))
+    plans = plan_stack(inputs)
+    assert plans
+    for p in plans:
+        _assert_inside_its_printed_band(stack, inputs, p)
+
+
+def test_kv_heads_fewer_than_tp_ranks_are_replicated_and_lie_inside_the_band() -> None:
+    """prod's 70B at TP=4 with a geometry of 2 KV heads: each rank keeps one (vLLM's get_num_kv_heads)."""
+    two_heads = PINNED[1].geometry.model_copy(update={"num_key_value_heads": 2}).model_dump()
+
+    def edit(doc: dict[str, Any]) -> None:
+        seventy = doc["llm-platform:models"][1]
+        assert seventy["tensor_parallel_size"] == 4
+        seventy["geometry"] = two_heads
+
+    inputs = capacity_input(stack_config("prod", edit))
+    p = plan_stack(inputs)[1]
+    # 2 (K and V) x 80 layers x 1 KV head per rank x 128 x 2 bytes: half of the 8-head model's 2 heads per rank.
+    assert p.replica.kv_bytes_per_token == 2 * 80 * 1 * 128 * 2
+    assert p.replica.engine.tensor_parallel_size > two_heads["num_key_value_heads"]
+    _assert_inside_its_printed_band("prod", inputs, p)
+    eight = plan_stack(capacity_input(config("prod")))[1]
+    # The same memory holds twice the blocks at half the bytes a token.
+    assert p.replica.num_blocks in (2 * eight.replica.num_blocks, 2 * eight.replica.num_blocks + 1)
+    assert p.kv_band.tokens.low >= 2 * eight.kv_band.tokens.low
 
 
 def test_the_labels_say_which_numbers_are_estimates() -> None:

@@ -94,9 +94,10 @@ def test_tensor_parallel_must_divide_the_kv_heads_or_replicate_them() -> None:
 
 def test_the_kv_cache_must_hold_one_max_model_len_sequence() -> None:
     assert problems("dev", lambda raw: raw["models"][0].update(gpu_memory_utilization=0.8)) == [
-        "config error: models[0].max_model_len: 'llama-31-8b': the KV cache holds 8,048 tokens (503 blocks of 16 "
-        "besides vLLM's null block; L4 22.4 GiB x gpu_memory_utilization 0.8, less 15.0 GiB of weights and 1.9 GiB "
-        "of activations, CUDA graphs and buffers (estimated), leaves 1.0 GiB at 131,072 bytes a token per GPU), "
+        "config error: models[0].max_model_len: 'llama-31-8b': the KV cache holds 4,704 tokens (294 blocks of 16 "
+        "besides vLLM's null block; L4 22.0 GiB (what CUDA reports) x gpu_memory_utilization 0.8, less 15.0 GiB of "
+        "weights and 2.1 GiB of activations, CUDA graphs and buffers (estimated), leaves 0.6 GiB at 131,072 bytes a "
+        "token per GPU), "
         "less than one max_model_len sequence of 8,192 tokens: vLLM would refuse to start; lower max_model_len, "
         "raise gpu_memory_utilization, add GPUs (tensor_parallel_size) or set kv_cache_dtype fp8"
     ]
@@ -142,7 +143,9 @@ def test_the_kv_rule_follows_kv_cache_memory_bytes() -> None:
 
 def test_weights_beyond_the_gpu_are_reported_by_the_weights_rule_alone() -> None:
     (line,) = problems("dev", lambda raw: raw["models"][0].update(parameters_billion=13))
-    assert line.startswith("config error: models[0]: weights of 24.2 GiB do not fit 1 x L4 22.4 GiB (24 GB)")
+    assert line.startswith(
+        "config error: models[0]: weights of 24.2 GiB do not fit 1 x L4 22.0 GiB (what CUDA reports of its 24 GB)"
+    )
 
 
 def test_an_unknown_kv_cache_dtype_is_refused() -> None:

@@ -108,8 +108,8 @@ CASES: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
         "weights larger than the GPUs",
         "dev",
         _set("models.0.parameters_billion", 13),
-        "config error: models[0]: weights of 24.2 GiB do not fit 1 x L4 22.4 GiB (24 GB) x gpu_memory_utilization "
-        "0.9 = 20.1 GiB with 10% left for the KV cache",
+        "config error: models[0]: weights of 24.2 GiB do not fit 1 x L4 22.0 GiB (what CUDA reports of its 24 GB) "
+        "x gpu_memory_utilization 0.9 = 19.8 GiB with 10% left for the KV cache",
     ),
     (
         "node group min above desired",

@@ -66,7 +66,7 @@ class ModelInfo:
 
 
 # The twin's KV cache: about 10 of the overload fault's sequences (twin.observe), well under the
-# in-flight cap our stacks let one replica hold (max_ongoing_requests, 48 and up), so that the
+# in-flight cap our stacks let one replica hold (max_ongoing_requests, 44 and up), so that the
 # overload fills it, preempts and keeps more than the SLO's 20 requests waiting through the guard's
 # and Serve's caps, as long prompts do on a GPU (at 40 sequences the queue only touched 20 in
 # passing; at 20, Serve's cap of 48 under serve-ingress left it hovering around 20).

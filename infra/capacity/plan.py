@@ -13,8 +13,10 @@ The rules are those of the pinned vLLM (0.29), read in its code:
 - The memory left for the KV cache is `ceil(GPU memory x gpu_memory_utilization)`
   less the weights and the non-KV overheads that vLLM profiles at start-up
   (`Worker.determine_available_memory`): the activation peak of a
-  `max_num_batched_tokens` forward pass and the sampler, memory outside
-  PyTorch (NCCL, cuBLAS workspaces) and the CUDA graphs it will capture. With
+  `max_num_batched_tokens` forward pass or of the sampler, memory outside
+  PyTorch that grew after its start-up snapshot (NCCL's communicators are set
+  up before it, so they are not counted) and the CUDA graphs it will capture.
+  GPU memory is the total CUDA reports, not the datasheet's GB. With
   `kv_cache_memory_bytes` set vLLM skips all of that and takes the number as
   given, per GPU.
 - Blocks are that memory // (page x layers of the stage), the smallest stage
@@ -23,7 +25,10 @@ The rules are those of the pinned vLLM (0.29), read in its code:
   capacity it logs at start-up ("GPU KV cache size: N tokens") is
   `int(blocks / ceil(max_model_len / block_size) x max_model_len)`.
 
-The overheads are estimates (vLLM measures them on the GPU): see OVERHEADS.
+The overheads are estimates (vLLM measures them on the GPU): the plan takes
+the midpoint of each term of calibration.py's band and the low end of the
+CUDA total, so its figure lies inside the band kv_band.py prints (see
+OVERHEADS).
 """
 
 from __future__ import annotations
@@ -32,6 +37,18 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from infra.capacity.calibration import (
+    FIRST_CAPTURE,
+    NON_TORCH,
+    PARALLEL_NON_TORCH,
+    PER_GRAPH,
+    PINNED_VLLM,
+    SAMPLER_COPIES,
+    Range,
+    Run,
+    cuda_memory,
+    overhead_band,
+)
 from infra.capacity.geometry import Geometry
 from infra.instance_types import GpuInstanceType
 from workloads.inference_server.catalog import ModelEntry
@@ -54,17 +71,23 @@ DEFAULT_BLOCK_SIZE: dict[Platform, int] = {"cuda": 16, "cpu": 128}
 # vLLM pads the vocabulary of its embedding and LM head to a multiple of this.
 VOCAB_PADDING = 64
 
-# The non-KV memory vLLM profiles at start-up, estimated per GPU.
-NON_TORCH_BYTES = 512 * MIB  # CUDA runtime buffers, cuBLAS workspaces, allocator slack
-NON_TORCH_PARALLEL_BYTES = 512 * MIB  # more with TP or PP: NCCL and custom all-reduce buffers
-CUDA_GRAPH_BYTES = 1 * GIB  # the captured graphs' pool (none with enforce_eager)
-SAMPLER_COPIES = 2  # float32 logits and their probabilities, one row per sequence
+
+def _gib_range(r: Range) -> str:
+    return f"{r.low / GIB:.2f}-{r.high / GIB:.2f} GiB"
+
+
+# The non-KV memory model in words, from calibration.py's own constants (the plan's notes print it).
 OVERHEADS = (
-    "non-KV memory per GPU, estimated as vLLM 0.29 profiles it at start-up: activations of one "
-    "max_num_batched_tokens forward pass (tokens x (2 x hidden + 3 x intermediate / TP) x dtype bytes) plus the "
-    f"sampler (max_num_seqs x vocabulary x 4 B x {SAMPLER_COPIES}); {NON_TORCH_BYTES // MIB} MiB outside PyTorch "
-    f"(+{NON_TORCH_PARALLEL_BYTES // MIB} MiB with TP or PP); {CUDA_GRAPH_BYTES // GIB} GiB of CUDA graphs unless "
-    "enforce_eager. With kv_cache_memory_bytes vLLM skips profiling and takes it as given."
+    "non-KV memory per GPU, estimated as vLLM 0.29 profiles it at start-up, each term the midpoint of a band fitted "
+    "to published vLLM start-up logs (infra/capacity/calibration.py): the larger of one max_num_batched_tokens "
+    "forward pass (tokens x (2 x hidden + 3 x intermediate / TP) x dtype bytes) and the sampler's warm-up "
+    f"(min(max_num_seqs, tokens) x vocabulary x 4 B x {SAMPLER_COPIES[0]}-{SAMPLER_COPIES[1]} copies, last pipeline "
+    f"stage only); {_gib_range(NON_TORCH)} outside PyTorch (+0-{PARALLEL_NON_TORCH / GIB:.2f} GiB with TP or PP: "
+    "NCCL's communicators are set up before vLLM's start-up snapshot and come out of the 1 - "
+    "gpu_memory_utilization slack, so no separate allowance); CUDA graphs as vLLM estimates them, its first capture "
+    f"of each mode {FIRST_CAPTURE.low // MIB}-{FIRST_CAPTURE.high // MIB} MiB and {PER_GRAPH.low // MIB}-"
+    f"{PER_GRAPH.high // MIB} MiB per further graph (none with enforce_eager). With kv_cache_memory_bytes vLLM "
+    "skips profiling and takes it as given."
 )
 # A running sequence holds, on average, this share of max_model_len in the
 # KV cache (its prompt and half its answer, typically): what the recommended
@@ -88,8 +111,8 @@ class Device:
 
     @classmethod
     def of(cls, gpu: GpuInstanceType) -> Device:
-        """The GPU of an instance type."""
-        return cls(gpu.gpu_model, gpu.gpu_memory_bytes, gpu.memory_bandwidth_bytes_s)
+        """The GPU of an instance type, with the total CUDA reports for it (the low end where sources differ)."""
+        return cls(gpu.gpu_model, cuda_memory(gpu).low_bytes, gpu.memory_bandwidth_bytes_s)
 
     def batch_defaults(self, world_size: int) -> tuple[int, int]:
         """vLLM's max_num_batched_tokens and max_num_seqs when left out, for the OpenAI server (Ray Serve LLM)."""
@@ -198,19 +221,34 @@ class Overheads:
         return self.activation_bytes + self.non_torch_bytes + self.cuda_graph_bytes
 
 
-def overheads(geometry: Geometry, engine: EngineSettings, device: Device) -> Overheads:
-    """What vLLM's start-up profiling subtracts besides the weights, estimated (none with kv_cache_memory_bytes)."""
+def run_of(engine: EngineSettings, device: Device, vllm: tuple[int, int] = PINNED_VLLM) -> Run:
+    """The settings vLLM's profiling depends on, its defaults filled in for the device."""
+    default_tokens, default_seqs = device.batch_defaults(engine.world_size)
+    return Run(
+        max_num_batched_tokens=engine.max_num_batched_tokens or default_tokens,
+        max_num_seqs=engine.max_num_seqs or default_seqs,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        pipeline_parallel_size=engine.pipeline_parallel_size,
+        enforce_eager=engine.enforce_eager,
+        dtype_bytes=DTYPE_BYTES[engine.dtype],
+        vllm=vllm,
+    )
+
+
+def _midpoint(r: Range) -> int:
+    return (r.low + r.high) // 2
+
+
+def overheads(geometry: Geometry, engine: EngineSettings, device: Device, last_stage: bool = True) -> Overheads:
+    """What vLLM's start-up profiling subtracts besides the weights, estimated (none with kv_cache_memory_bytes).
+
+    Each term is the midpoint of calibration.py's band, so the plan's KV
+    memory lies inside the band kv_band.py gives for the same settings.
+    """
     if engine.kv_cache_memory_bytes is not None:
         return Overheads(0, 0, 0)
-    default_tokens, default_seqs = device.batch_defaults(engine.world_size)
-    tokens = engine.max_num_batched_tokens or default_tokens
-    seqs = engine.max_num_seqs or default_seqs
-    tp = engine.tensor_parallel_size
-    per_token = 2 * geometry.hidden_size + 3 * geometry.intermediate_size // tp
-    activations = tokens * per_token * DTYPE_BYTES[engine.dtype] + seqs * geometry.vocab_size * 4 * SAMPLER_COPIES
-    non_torch = NON_TORCH_BYTES + (NON_TORCH_PARALLEL_BYTES if engine.world_size > 1 else 0)
-    graphs = 0 if engine.enforce_eager else CUDA_GRAPH_BYTES
-    return Overheads(activations, non_torch, graphs)
+    band = overhead_band(geometry, run_of(engine, device), last_stage=last_stage)
+    return Overheads(_midpoint(band.activation), _midpoint(band.non_torch), _midpoint(band.cuda_graphs))
 
 
 @dataclass(frozen=True)
@@ -244,13 +282,14 @@ def stages(geometry: Geometry, parameters: float, engine: EngineSettings, device
     per_layer_token = 2 * kv_heads_per_gpu(geometry, engine.tensor_parallel_size) * geometry.head_dim
     per_layer_token *= engine.kv_value_bytes()
     requested = math.ceil(device.memory_bytes * engine.gpu_memory_utilization)
-    extra = overheads(geometry, engine, device).total
     out = []
+    last = engine.pipeline_parallel_size - 1
     for rank, layers in enumerate(pp_layers(geometry.num_hidden_layers, engine.pipeline_parallel_size)):
         weights = _stage_weights(geometry, parameters, engine, rank, layers)
         memory = engine.kv_cache_memory_bytes
         if memory is None:
-            memory = requested - weights - extra
+            # Only the last stage warms the sampler up.
+            memory = requested - weights - overheads(geometry, engine, device, last_stage=rank == last).total
         block_bytes = block_size * per_layer_token * layers
         blocks = memory // block_bytes if memory > 0 else 0
         out.append(Stage(rank, layers, weights, per_layer_token * layers, memory, blocks))
@@ -264,6 +303,7 @@ class ReplicaPlan:
     engine: EngineSettings
     device: Device
     stages: tuple[Stage, ...]
+    # The binding stage's (only the last stage's include the sampler).
     overheads: Overheads
     block_size: int
     num_blocks: int
@@ -317,11 +357,12 @@ def plan_replica(geometry: Geometry, parameters_billion: float, engine: EngineSe
     planning_sequences = usable // -(-planning // block_size)
     default_seqs = device.batch_defaults(engine.world_size)[1]
     recommended = min(planning_sequences, default_seqs) if usable >= per_sequence else 0
+    binding = min(staged, key=lambda s: s.num_blocks)
     return ReplicaPlan(
         engine=engine,
         device=device,
         stages=staged,
-        overheads=overheads(geometry, engine, device),
+        overheads=overheads(geometry, engine, device, last_stage=binding.rank == len(staged) - 1),
         block_size=block_size,
         num_blocks=num_blocks,
         kv_tokens=int(num_blocks / per_sequence * engine.max_model_len),

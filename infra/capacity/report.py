@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from infra.capacity import cold_start
+from infra.capacity.calibration import CUDA_MEMORY
 from infra.capacity.cost import ROOFLINE, Cost, Decode, decode_estimate, replica_cost
 from infra.capacity.geometry import resolve_geometry
 from infra.capacity.inputs import GroupInput, ModelInput, StackInput
+from infra.capacity.kv_band import KvBand, replica_kv_band
 from infra.capacity.plan import (
     GIB,
     OVERHEADS,
@@ -27,19 +29,29 @@ from infra.capacity.rules import MAX_INFLIGHT_KV_ROUNDS, inflight_tokens
 from infra.capacity.upgrade import UpgradeCost, UpgradeNeed, upgrade_cost
 from infra.instance_types import GpuInstanceType
 
-MEMORY = "GPU memory is the datasheet's GB (10^9 bytes); GiB = 2^30 bytes"
+MEMORY = (
+    "GPU memory is the total CUDA reports for the GPU (cudaMemGetInfo, what gpu_memory_utilization is a share of; "
+    "each figure sourced in infra/capacity/calibration.py, the lower where sources differ), below the datasheet's "
+    f"GB on the GDDR6 cards (an L4 reports {CUDA_MEMORY['L4'].low_bytes / GIB:.2f} GiB of its 24 GB); GiB = 2^30 bytes"
+)
+KV_BAND = (
+    "KV tokens (band): the plan's figure (the lower CUDA total, each non-KV term's midpoint), then the band's ends: "
+    "the low end takes the lower CUDA total and each term's high end, the high end the higher total and each term's "
+    "low end (each model's two are listed with the table); every published start-up in infra/capacity/calibration.py "
+    "logged a KV memory inside its band"
+)
 PRICES = (
     f"prices pinned in infra/capacity/prices.py: on-demand {ON_DEMAND_SOURCE}, {ON_DEMAND_AS_OF}; "
     f"spot {SPOT_SOURCE}, {SPOT_AS_OF}"
 )
-ASSUMPTIONS = (OVERHEADS, ROOFLINE, PRICES, MEMORY)
+ASSUMPTIONS = (OVERHEADS, KV_BAND, ROOFLINE, PRICES, MEMORY)
 COLUMNS = (
     "model",
     "replica",
     "weights / GPU",
     "KV cache / GPU",
     "KV / token / GPU",
-    "KV tokens",
+    "KV tokens (band)",
     "max_model_len seqs",
     "max_num_seqs",
     "decode (est.)",
@@ -56,6 +68,8 @@ class ModelPlan:
     model: ModelInput
     instance: GpuInstanceType
     replica: ReplicaPlan
+    # The KV tokens between the calibrated overheads' ends; the replica's own figure lies inside.
+    kv_band: KvBand
     decode: Decode | None
     cost: Cost
 
@@ -73,10 +87,12 @@ def plan_model(model: ModelInput, region: str) -> ModelPlan:
         raise ValueError(f"model '{model.name}' has no geometry (the config rules refuse it)")
     group = model.group
     instance = group.instance
-    replica = plan_replica(geometry, model.parameters_billion, EngineSettings.of(entry), Device.of(instance))
+    engine = EngineSettings.of(entry)
+    replica = plan_replica(geometry, model.parameters_billion, engine, Device.of(instance))
+    band = replica_kv_band(geometry, model.parameters_billion, engine, instance)
     decode = decode_estimate(replica)
     cost = replica_cost(replica, instance, group.capacity_type, region, decode)
-    return ModelPlan(model, instance, replica, decode, cost)
+    return ModelPlan(model, instance, replica, band, decode, cost)
 
 
 def cold_start_line(budget: cold_start.ColdStart) -> str:
@@ -112,6 +128,16 @@ def _usd(value: float | None) -> str:
     return "no pinned price" if value is None else f"${value:,.2f}"
 
 
+def _kv_tokens(p: ModelPlan) -> str:
+    band = p.kv_band.tokens
+    return f"{p.replica.kv_tokens:,} ({band.low:,}-{band.high:,})"
+
+
+def band_line(p: ModelPlan) -> str:
+    """One line: a model's KV token band and the assumption behind each end."""
+    return f"KV band {p.name}: {p.kv_band.describe()}"
+
+
 def _replica(p: ModelPlan) -> str:
     kind = p.cost.capacity_type.replace("_", "-")
     return f"{p.replica.engine.world_size} x {p.instance.gpu_model} ({p.instance.name}, {kind})"
@@ -140,7 +166,7 @@ def row(p: ModelPlan) -> list[str]:
         _gib(r.weight_bytes_per_gpu),
         f"{_gib(stage.kv_memory_bytes)} ({r.num_blocks:,} blocks of {r.block_size})",
         _kib(r.kv_bytes_per_token),
-        f"{r.kv_tokens:,}",
+        _kv_tokens(p),
         f"{r.max_model_len_sequences} x {r.engine.max_model_len:,}",
         _max_num_seqs(r),
         decode,
@@ -255,6 +281,10 @@ def markdown(stack: str, inputs: StackInput, plans: list[ModelPlan]) -> str:
         "|" + "---|" * len(COLUMNS),
         *("| " + " | ".join(row(p)) + " |" for p in plans),
         "",
+        "KV tokens (band), what each end assumes:",
+        "",
+        *(f"- {band_line(p)}" for p in plans),
+        "",
         *(["During a NewCluster upgrade of every model:", "", *(f"- {u}" for u in upgrades), ""] if upgrades else []),
         "Estimates, and what they assume:",
         "",
@@ -275,6 +305,8 @@ def text(stack: str, inputs: StackInput, plans: list[ModelPlan]) -> str:
         "",
         *table,
         "",
+        *(band_line(p) for p in plans),
+        "",
         *([*upgrades, ""] if upgrades else []),
         *notes,
     ]
@@ -287,7 +319,8 @@ def preview_line(p: ModelPlan) -> str:
     decode = f"~{p.decode.tokens_per_second:,.0f} output tokens/s" if p.decode else "no decode estimate"
     return (
         f"capacity {p.name}: {_replica(p)} in {p.cost.region}: weights {_gib(r.weight_bytes_per_gpu)}/GPU, "
-        f"KV cache {_gib(r.binding.kv_memory_bytes)}/GPU = {r.kv_tokens:,} tokens = "
+        f"KV cache {_gib(r.binding.kv_memory_bytes)}/GPU = {r.kv_tokens:,} tokens "
+        f"(band {p.kv_band.tokens.low:,}-{p.kv_band.tokens.high:,}) = "
         f"{r.max_model_len_sequences} sequences of {r.engine.max_model_len:,}; max_num_seqs {_max_num_seqs(r)}; "
         f"estimates: {decode}, {_usd(p.cost.usd_per_hour)}/h, {_usd(p.cost.usd_per_million_tokens)}/1M output tokens"
     )
@@ -325,6 +358,13 @@ def _model_output(p: ModelPlan) -> dict[str, Any]:
         "block_size": r.block_size,
         "kv_blocks": r.num_blocks,
         "kv_tokens": r.kv_tokens,
+        "kv_tokens_band": {
+            "low": p.kv_band.tokens.low,
+            "high": p.kv_band.tokens.high,
+            "low_assumption": p.kv_band.low_assumption,
+            "high_assumption": p.kv_band.high_assumption,
+        },
+        "gpu_memory_gib": round(r.device.memory_bytes / GIB, 2),
         "max_model_len": r.engine.max_model_len,
         "max_model_len_sequences": r.max_model_len_sequences,
         "recommended_max_num_seqs": r.recommended_max_num_seqs,

@@ -83,7 +83,8 @@ def kv_message(name: str, plan: ReplicaPlan) -> str:
         memory = f"kv_cache_memory_bytes {engine.kv_cache_memory_bytes:,}"
     else:
         memory = (
-            f"{device.name} {_gib(device.memory_bytes)} x gpu_memory_utilization {engine.gpu_memory_utilization}, "
+            f"{device.name} {_gib(device.memory_bytes)} (what CUDA reports) x gpu_memory_utilization "
+            f"{engine.gpu_memory_utilization}, "
             f"less {_gib(stage.weight_bytes)} of weights and {_gib(plan.overheads.total)} of activations, CUDA "
             f"graphs and buffers (estimated), leaves {_gib(max(0, stage.kv_memory_bytes))}"
         )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from infra.capacity.calibration import cuda_memory
 from infra.capacity.geometry import Geometry, resolve_geometry, unknown_model_message
 from infra.capacity.plan import GIB, weight_bytes_per_parameter
 from infra.capacity.rules import capacity_problems
@@ -99,13 +100,15 @@ def _check_model_capacity(path: str, model: Model, group: GpuNodeGroupSettings) 
     """The weights fit the replica's GPUs with room for a KV cache; the minimum replicas fit the group."""
     gpu = group.instance()
     gpus = model.num_devices
-    budget = gpus * gpu.gpu_memory_bytes / GIB * model.gpu_memory_utilization
+    # What CUDA reports (the low end), as vLLM's gpu_memory_utilization is a share of it, not of the datasheet's GB.
+    memory = cuda_memory(gpu).low_bytes
+    budget = gpus * memory / GIB * model.gpu_memory_utilization
     weights = model.weights_gib()
     if weights > budget * (1 - KV_CACHE_MIN_SHARE):
         yield Problem(
             path,
             f"weights of {weights:.1f} GiB do not fit {gpus} x {gpu.gpu_model} "
-            f"{gpu.gpu_memory_bytes / GIB:.1f} GiB ({gpu.gpu_memory_gb} GB) x gpu_memory_utilization "
+            f"{memory / GIB:.1f} GiB (what CUDA reports of its {gpu.gpu_memory_gb} GB) x gpu_memory_utilization "
             f"{model.gpu_memory_utilization} "
             f"= {budget:.1f} GiB with {KV_CACHE_MIN_SHARE:.0%} left for the KV cache",
         )
