@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from infra.aws.layer import AwsLayer, KarpenterAccess, PodIdentity
+from infra.capacity.plan import EngineSettings
 from infra.config import StackConfig, load_stack_file, parse, read_stack_file, sections
 from infra.render import ROOT, SECRET, Rendered, render, render_document, run_under_mocks, stack_document
 from infra.scheduling import gpu_placements, system_placement
@@ -363,3 +364,16 @@ def workload_pods(rendered: Rendered) -> list[dict[str, Any]]:
     for rs in manifests_of(rendered, "RayService"):
         pods += ray_service_pods(rs)
     return pods
+
+
+def engine(**changes: object) -> EngineSettings:
+    """One replica's engine settings for the capacity tests: 8B-style defaults, ``changes`` over them."""
+    base = EngineSettings(
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        max_model_len=8192,
+        dtype="bfloat16",
+        quantization=None,
+        gpu_memory_utilization=0.9,
+    )
+    return replace(base, **changes)  # type: ignore[arg-type]

@@ -20,25 +20,14 @@ from infra.capacity.calibration import (
 )
 from infra.capacity.geometry import PINNED, Geometry
 from infra.capacity.kv_band import replica_kv_band
-from infra.capacity.plan import GIB, Device, EngineSettings, plan_replica
+from infra.capacity.plan import GIB, Device, plan_replica
 from infra.instance_types import GPU_INSTANCE_TYPES
+from tests.harness import engine
 
 # vLLM logs GiB with two decimals: a logged figure is its true value within half of 0.01 GiB, and a sum
 # of two logged figures within 0.01 GiB.
 ROUNDING = 0.01 * GIB
 LLAMA_8B, LLAMA_70B = PINNED[0].geometry, PINNED[1].geometry
-
-
-def engine(**changes: object) -> EngineSettings:
-    base = EngineSettings(
-        tensor_parallel_size=1,
-        pipeline_parallel_size=1,
-        max_model_len=8192,
-        dtype="bfloat16",
-        quantization=None,
-        gpu_memory_utilization=0.9,
-    )
-    return replace(base, **changes)  # type: ignore[arg-type]
 
 
 def point(model: str, tp: int = 1) -> CalibrationPoint:

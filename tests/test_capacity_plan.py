@@ -26,24 +26,13 @@ from infra.capacity.plan import (
 )
 from infra.capacity.prices import PRICES, price
 from infra.instance_types import GB, GPU_INSTANCE_TYPES
+from tests.harness import engine
 from workloads.inference_server.catalog import ModelEntry
 
 LLAMA_8B = resolve_geometry(None, "s3://b/meta-llama/Llama-3.1-8B-Instruct", "x")
 LLAMA_70B = resolve_geometry(None, "s3://b/meta-llama/Llama-3.3-70B-Instruct", "x")
 L4 = Device.of(GPU_INSTANCE_TYPES["g6.2xlarge"])
 L40S = Device.of(GPU_INSTANCE_TYPES["g6e.12xlarge"])
-
-
-def engine(**changes: object) -> EngineSettings:
-    base = EngineSettings(
-        tensor_parallel_size=1,
-        pipeline_parallel_size=1,
-        max_model_len=8192,
-        dtype="bfloat16",
-        quantization=None,
-        gpu_memory_utilization=0.9,
-    )
-    return replace(base, **changes)  # type: ignore[arg-type]
 
 
 def test_pinned_families_are_found_by_source_or_model_id() -> None:
