@@ -11,9 +11,8 @@ from pathlib import Path
 
 from pydantic import Field
 
-from infra.capacity.calibration import cuda_memory
 from infra.capacity.geometry import Geometry, resolve_geometry, unknown_model_message
-from infra.capacity.plan import GIB, weight_bytes_per_parameter
+from infra.capacity.plan import GIB, Device, weight_bytes_per_parameter
 from infra.capacity.rules import capacity_problems
 from infra.config.fields import K8sName
 from infra.config.node_groups import GpuNodeGroupSettings, usable_group
@@ -100,8 +99,9 @@ def _check_model_capacity(path: str, model: Model, group: GpuNodeGroupSettings) 
     """The weights fit the replica's GPUs with room for a KV cache; the minimum replicas fit the group."""
     gpu = group.instance()
     gpus = model.num_devices
-    # What CUDA reports (the low end), as vLLM's gpu_memory_utilization is a share of it, not of the datasheet's GB.
-    memory = cuda_memory(gpu).low_bytes
+    # The memory the capacity plan takes for the GPU (what CUDA reports, not the datasheet's GB):
+    # vLLM's gpu_memory_utilization is a share of it.
+    memory = Device.of(gpu).memory_bytes
     budget = gpus * memory / GIB * model.gpu_memory_utilization
     weights = model.weights_gib()
     if weights > budget * (1 - KV_CACHE_MIN_SHARE):
