@@ -224,6 +224,10 @@ def test_a_key_over_its_cap_gets_429_while_another_key_is_served(guarded: Guarde
     assert again.status_code == 200, again.text
 
 
+def _over_cap() -> dict[str, Any]:
+    return {"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 1}
+
+
 def _outcome(status: int) -> str:
     return {200: "served", 429: "refused"}.get(status, "other")
 
@@ -249,6 +253,12 @@ def _hog(base_url: str, events: dict[str, Any], results: Any) -> None:
                     first = False
                     opened[0] += 1
                     if opened[0] >= HOG_CAP:
+                        # One over-cap request at once, before this process
+                        # yields: niced, the hog may next run only after the
+                        # server has finished these short streams, and the
+                        # flood alone could then never meet a full cap.
+                        over = await client.post(base_url + "/completions", json=_over_cap(), headers=_auth(HOG_SECRET))
+                        counts[_outcome(over.status_code)] += 1
                         events["holding"].set()
 
     async def hold(client: httpx.AsyncClient) -> None:
