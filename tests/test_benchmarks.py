@@ -1,0 +1,151 @@
+"""The serving benchmark's own parts, without a server: finding a server's processes, the CPU layout, the verdict.
+
+The whole benchmark (servers, vLLM's client) runs in ``make bench-quick``;
+these check in seconds what made it fail before: a one-shot process lookup
+that raced the server's start, a layout that did not hold, a wrong verdict.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from benchmarks.pinning import REST_CPUS, SERVER_CPUS, Pinner, allowed_cpus, threads
+from benchmarks.report import headline_table, verdict
+from benchmarks.server_tree import ENGINE_CORE, FORWARD_PASS, ServerTreeError, process_role, wait_for_tree
+from benchmarks.serving_overhead import Cell, ServingResults
+
+# A root that starts its "engine core" late, which starts its "forward pass" later,
+# as vLLM's API server does. Each child's title is in its own command line only
+# (built from halves here, so the root's command line does not match).
+STAGED = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    time.sleep(0.6)
+    worker = "import time; time.sleep(0.6); time.sleep(60)  # VLLM" + "::Worker"
+    core = (
+        "import subprocess, sys, time; time.sleep(0.6); "
+        f"subprocess.Popen([sys.executable, '-c', {worker!r}]); time.sleep(60)  # VLLM::Engine" + "Core"
+    )
+    subprocess.Popen([sys.executable, "-c", core])
+    time.sleep(60)
+    """
+)
+
+
+@pytest.fixture
+def staged_server() -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([sys.executable, "-c", STAGED], start_new_session=True)
+    try:
+        yield proc
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+def test_the_tree_is_waited_for_until_engine_core_and_forward_pass_show(
+    staged_server: subprocess.Popen[bytes],
+) -> None:
+    tree = wait_for_tree(lambda: {staged_server.pid}, timeout_s=30, poll_s=0.1)
+    roles = sorted(process_role(pid) for pid in tree)
+    assert roles == sorted([ENGINE_CORE, FORWARD_PASS, "other"])
+    assert staged_server.pid in tree
+
+
+def test_a_tree_that_never_completes_fails_naming_what_it_found(staged_server: subprocess.Popen[bytes]) -> None:
+    with pytest.raises(ServerTreeError) as err:
+        wait_for_tree(lambda: {staged_server.pid}, roles=("vLLM API server",), timeout_s=0.5, poll_s=0.1)
+    assert "no vLLM API server" in str(err.value)
+    assert str(staged_server.pid) in str(err.value)
+
+
+def test_roots_known_only_later_are_picked_up() -> None:
+    # A replica publishes its server's process id once it is healthy: the roots start empty.
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", STAGED], start_new_session=True)
+    try:
+        tree = wait_for_tree(lambda: {proc.pid} if time.monotonic() - started > 0.5 else set(), timeout_s=30)
+        assert {process_role(pid) for pid in tree} >= {ENGINE_CORE, FORWARD_PASS}
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+@pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1")
+def test_isolate_puts_every_thread_of_the_server_on_its_core_and_the_rest_on_the_other() -> None:
+    code = "import threading, time\nfor _ in range(3): threading.Thread(target=time.sleep, args=(60,)).start()\n"
+    server = subprocess.Popen([sys.executable, "-c", code + "time.sleep(60)"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    pinner = Pinner()
+    try:
+        deadline = time.monotonic() + 20
+        while len(threads(server.pid)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pinner.remember({server.pid, other.pid})
+        check = pinner.isolate({server.pid}, {server.pid, other.pid})
+        assert check.mismatched == 0
+        assert check.server_threads == 4
+        assert {allowed_cpus(server.pid, t) for t in threads(server.pid)} == {SERVER_CPUS}
+        assert {allowed_cpus(other.pid, t) for t in threads(other.pid)} == {REST_CPUS}
+        shared = pinner.share({server.pid}, {server.pid, other.pid})
+        assert shared.mismatched == 0
+        assert {allowed_cpus(server.pid, t) for t in threads(server.pid)} == {pinner.original[server.pid]}
+    finally:
+        for proc in (server, other):
+            proc.kill()
+            proc.wait()
+
+
+def _cell(variant: str, rnd: int, concurrency: int, rps: float) -> Cell:
+    return Cell(
+        variant=variant,
+        concurrency=concurrency,
+        round=rnd,
+        prompts=10,
+        completed=10,
+        failed=0,
+        duration_s=10 / rps,
+        rps=rps,
+        output_tok_s=rps * 32,
+        ttft_p50_ms=10.0,
+        ttft_p99_ms=20.0,
+        tpot_p50_ms=1.0,
+        itl_p50_ms=1.0,
+        e2el_p50_ms=40.0,
+        e2el_p99_ms=60.0,
+        output_tokens=320,
+        cpu_ms={FORWARD_PASS: 100.0, ENGINE_CORE: 50.0},
+    )
+
+
+def test_the_headline_pairs_each_round_with_bare_and_judges_the_median() -> None:
+    # Project at 0.96x, 0.90x, 1.00x of bare in three rounds at c=8: median 0.96x passes;
+    # at c=32 it is 0.90x in every round and misses.
+    cells = []
+    for rnd, (ratio8, bare8) in enumerate([(0.96, 50.0), (0.90, 80.0), (1.00, 60.0)]):
+        cells += [_cell("bare", rnd, 8, bare8), _cell("project", rnd, 8, bare8 * ratio8)]
+        cells += [_cell("bare", rnd, 32, 100.0), _cell("project", rnd, 32, 90.0)]
+    results = ServingResults(
+        variants=["project", "bare"],
+        rounds=3,
+        concurrency=[8, 32],
+        prompts={8: 10, 32: 10},
+        max_tokens=32,
+        input_tokens=64,
+        layout="isolated",
+        replicas=1,
+        start_seconds={},
+        idle_cpu_share={},
+        cells=cells,
+        seconds=1.0,
+    )
+    table = headline_table(results)
+    assert "| req/s ratio | 8 | 0.96x [0.90x, 1.00x] | >= 0.95x | **PASS** |" in table
+    assert "| req/s ratio | 32 | 0.90x [0.90x, 0.90x] | >= 0.95x | **MISS** |" in table
+    assert verdict([], 0.95, True) == "n/a"
