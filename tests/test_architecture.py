@@ -146,12 +146,31 @@ def test_the_capacity_plan_does_not_import_the_config() -> None:
     assert {name: found for name, found in upward.items() if found} == {}
 
 
+def _test_modules_imported(source: str, package: str) -> set[str]:
+    """The test modules a module of `package` imports: absolute (tests.x.test_y) or relative (from .test_y import z)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0]
+                module = f"{base}.{module}" if module else base
+            found |= {module, *(f"{module}.{alias.name}" for alias in node.names)}
+    return {name for name in found if name.startswith("tests.") and name.split(".")[-1].startswith("test_")}
+
+
 def test_no_test_module_imports_another() -> None:
-    """Shared helpers live in tests/harness.py (or fixtures), never in a test module."""
+    """Shared helpers live in tests/harness.py, a helper module or fixtures, never in a test module."""
     offenders = [
         f"{path.relative_to(ROOT)} imports {name}"
         for path in sorted((ROOT / "tests").rglob("*.py"))
-        for name in _imports(path)
-        if name.split(".")[-1].startswith("test_") and name.startswith("tests.")
+        for name in sorted(_test_modules_imported(path.read_text(), ".".join(path.relative_to(ROOT).parent.parts)))
     ]
     assert offenders == []
+
+
+def test_relative_and_absolute_imports_of_a_test_module_are_seen() -> None:
+    source = "from .test_guard_e2e import headers\nfrom ..harness import STACKS\nimport tests.test_render\n"
+    assert _test_modules_imported(source, "tests.e2e") == {"tests.e2e.test_guard_e2e", "tests.test_render"}

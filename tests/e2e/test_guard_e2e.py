@@ -23,33 +23,13 @@ import pytest
 from localserve.server import LIMIT_MAX_PROMPT_TOKENS, LIMIT_MAX_TOKENS
 
 from .conftest import ServerInfo
+from .openai_errors import assert_openai_error, headers
 
 pytestmark = pytest.mark.e2e
 
 TIMEOUT_S = 60.0
 # The cap the guard derives for the local server's limits: the 1 MiB floor.
 BODY_CAP = 1024 * 1024
-INTERNAL_WORDS = ("traceback", "exception", "internal", "serializable", "object of type", "ray.llm", "vllm.")
-
-
-def headers(server: ServerInfo, **extra: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {server.api_key}", **extra}
-
-
-def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
-    """The status, and a body of exactly {"error": {message, type, param, code}} without internals."""
-    assert response.status_code == status, (response.status_code, response.text[:500])
-    doc = response.json()
-    assert set(doc) == {"error"}, doc
-    error = doc["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    assert isinstance(error["message"], str) and error["message"]
-    assert error["type"] == "invalid_request_error", error
-    assert error["param"] is None or isinstance(error["param"], str), error
-    assert error["code"] is None or isinstance(error["code"], str), error
-    text = json.dumps(error).lower()
-    assert not any(word in text for word in INTERNAL_WORDS), error
-    return dict(error)
 
 
 def post(server: ServerInfo, path: str, content: bytes, content_type: str | None) -> httpx.Response:

@@ -18,7 +18,7 @@ import pytest
 from localserve.server import LIMIT_MAX_TOKENS
 
 from .conftest import ServerInfo
-from .test_guard_e2e import assert_openai_error, headers
+from .openai_errors import assert_openai_error, headers
 
 pytestmark = pytest.mark.e2e
 
