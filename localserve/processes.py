@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from workloads.inference_server.catalog import WORKER_NICENESS_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = REPO / "workloads"
 
@@ -152,6 +154,9 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
             "PYTHONUNBUFFERED": "1",
             # vLLM's engine processes talk over this address: keep it on loopback.
             "VLLM_HOST_IP": "127.0.0.1",
+            # What the GPU nodes' containers set: the replicas' vLLM servers at
+            # the normal priority, not Ray's nice 15 for workers.
+            **WORKER_NICENESS_ENV,
         }
     )
     env.update(extra or {})

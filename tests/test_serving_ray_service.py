@@ -47,7 +47,7 @@ from infra.serving.serve_config import IMPORT_PATH, INGRESS_RESOURCE, MOUNTS, RE
 from tests.harness import group, manifests_of, ray_service_args, ray_services, reference_dir, render_stack
 from tests.harness import stack_config as config
 from twin.checks import no_local_ray_instance
-from workloads.inference_server.catalog import NODE_DRAIN_FILE, NODE_DRAIN_FILE_ENV
+from workloads.inference_server.catalog import NODE_DRAIN_FILE, NODE_DRAIN_FILE_ENV, WORKER_NICENESS_ENV
 
 STACKS = ["dev", "prod"]
 # Prod as it would render with every RayService on Serve LLM's OpenAI ingress.
@@ -635,6 +635,24 @@ def test_only_vllm_server_pods_name_the_drain_file_in_their_hook(stack: str) -> 
             assert (f'touch "{NODE_DRAIN_FILE}"' in script) == servers
             if servers:
                 assert env[NODE_DRAIN_FILE_ENV] == NODE_DRAIN_FILE
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_gpu_workers_start_ray_workers_at_normal_priority_and_the_head_keeps_rays_default(stack: str) -> None:
+    """vLLM runs in a Ray worker on a GPU node: not at Ray's nice 15 (catalog.WORKER_NICENESS_ENV)."""
+    for rs in ray_services(stack):
+        cluster = rs["spec"]["rayClusterConfig"]
+        gpu_groups = [
+            g
+            for g in cluster["workerGroupSpecs"]
+            if "nvidia.com/gpu" in g["template"]["spec"]["containers"][0]["resources"]["limits"]
+        ]
+        assert gpu_groups, rs["metadata"]["name"]
+        for g in gpu_groups:
+            env = {e["name"]: e.get("value") for e in g["template"]["spec"]["containers"][0].get("env", [])}
+            assert {k: env.get(k) for k in WORKER_NICENESS_ENV} == {"RAY_worker_niceness": "0"}
+        head_env = {e["name"] for e in cluster["headGroupSpec"]["template"]["spec"]["containers"][0].get("env", [])}
+        assert not head_env & set(WORKER_NICENESS_ENV)
 
 
 def test_the_prestop_hook_waits_for_serve_to_leave_the_node_and_no_longer(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 from localserve.processes import free_port
 from twin.checks import ParsedStart
 from twin.cluster import OBJECT_STORE_BYTES, NodeType, Shape
+from workloads.inference_server.catalog import WORKER_NICENESS_ENV
 
 MAX_NODE_CPUS = 4
 MAX_NODE_MEMORY = 2 * 2**30
@@ -190,7 +191,7 @@ def fit_shape(
 
 
 # Container environment the Ray and Serve processes read; the twin's nodes get it too.
-_FORWARDED_ENV_PREFIXES = ("RAY_SERVE_", "RAYLLM_", "RAY_SERVE_LLM_", "VLLM_")
+_FORWARDED_ENV_PREFIXES = ("RAY_SERVE_", "RAYLLM_", "RAY_SERVE_LLM_", "VLLM_", *WORKER_NICENESS_ENV)
 
 
 def pod_env(cluster: Mapping[str, Any]) -> dict[str, str]:

@@ -41,7 +41,7 @@ from infra.serving.pod_security import (
 )
 from infra.serving.ports import RAY_PORTS, Port
 from infra.serving.serve_config import INGRESS_RESOURCE, MOUNTS, READINESS, serve_config_yaml
-from workloads.inference_server.catalog import NODE_DRAIN_FILE, NODE_DRAIN_FILE_ENV, Layout
+from workloads.inference_server.catalog import NODE_DRAIN_FILE, NODE_DRAIN_FILE_ENV, WORKER_NICENESS_ENV, Layout
 
 RAY_SERVICE_TYPE = "kubernetes:ray.io/v1:RayService"
 RAY_CONTAINER = "ray"
@@ -438,6 +438,7 @@ def gpu_worker_env(
         # ENGINE_START_TIMEOUT_S, 3600 s by default); the cold-start rule holds it
         # above the budget (infra/capacity/cold_start.py).
         {"name": ENGINE_START_TIMEOUT_ENV, "value": str(timeouts.engine_start_seconds)},
+        *({"name": name, "value": value} for name, value in WORKER_NICENESS_ENV.items()),
     ]
     if layout == "vllm-server":
         env.append({"name": VLLM_SERVER_START_TIMEOUT_ENV, "value": str(timeouts.engine_start_seconds)})

@@ -110,6 +110,8 @@ class ServerInfo:
     start_seconds: float
     child: Child
     layout: str
+    # vllm-server: where the replicas publish their address and server pid.
+    address_dir: Path | None = None
 
 
 @dataclass
@@ -187,6 +189,7 @@ def server(
             start_seconds=seconds,
             child=local.child,
             layout=layout,
+            address_dir=local.address_dir,
         )
         print(f"\n[e2e] {layout} server ready in {info.start_seconds:.1f}s", flush=True)
         yield info

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
+from pathlib import Path
 
 import httpx
 import pytest
@@ -58,6 +59,32 @@ def test_routes_the_platform_does_not_offer_are_404_even_with_a_key(
     }
     response = httpx.request(method, root + path, json=body, headers=headers(vllm_server), timeout=TIMEOUT_S)
     assert_openai_error(response, 404)
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name (which may hold spaces): [0] is the state."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _tree(pid: int) -> list[int]:
+    found = [pid]
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found += _tree(int(child))
+    return found
+
+
+def test_the_replicas_server_and_the_replica_run_at_normal_priority(vllm_server: ServerInfo) -> None:
+    """Not Ray's nice 15 for workers (WORKER_NICENESS_ENV): vLLM's host side sets the GPU's pace."""
+    from localserve.server import replica_addresses
+
+    assert vllm_server.address_dir is not None
+    (published,) = replica_addresses(vllm_server.address_dir)[:1]
+    server = int(str(published["pid"]))
+    replica = int(_stat(server)[1])  # the Serve replica (a Ray worker) started the server
+    nice = {pid: int(_stat(pid)[16]) for pid in [replica, *_tree(server)]}
+    assert len(nice) >= 3, nice  # the replica, vLLM's API server and its engine core at least
+    assert set(nice.values()) == {0}, nice
 
 
 def test_metrics_are_on_their_own_port_without_a_key(vllm_server: ServerInfo) -> None:

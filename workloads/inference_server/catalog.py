@@ -34,6 +34,15 @@ Layout = Literal["vllm-server", "serve-ingress"]
 # can still reach its GCS. The pod's environment names it.
 NODE_DRAIN_FILE_ENV = "INFERENCE_NODE_DRAIN_FILE"
 NODE_DRAIN_FILE = "/tmp/inference-node-draining"
+# Ray starts every worker process at nice 15 (its `worker_niceness` setting,
+# read from RAY_worker_niceness; Ray's own job manager sets it to 0 for job
+# drivers, ray/dashboard/modules/job/job_manager.py). A Serve replica is a
+# worker, and the vLLM server it starts inherits the value: vLLM's host side
+# (API server, engine core), which sets the GPU's pace, would yield the CPU to
+# every daemon on the node. A container can not lower its own niceness
+# without CAP_SYS_NICE, which Pod Security `restricted` drops, so the raylet
+# of a node that serves models starts its workers at the normal priority.
+WORKER_NICENESS_ENV = {"RAY_worker_niceness": "0"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _S3_URI = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")
 # What the OpenAI API accepts as a model name and what is safe in a Serve deployment name.
