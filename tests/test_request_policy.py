@@ -19,6 +19,8 @@ from inference_server.request_policy import (
     ALLOWED_FIELDS,
     CHAT_PATH,
     COMPLETIONS_PATH,
+    ROUTER_ONLY_FIELDS,
+    ROUTER_VALUES,
     redact_model_cards,
     wants_prompt_logprobs,
 )
@@ -162,6 +164,113 @@ def test_ordinary_openai_requests_pass_unchanged() -> None:
     completion = {**COMPLETION, "echo": True, "logprobs": 5, "n": 2, "stream": False, "prompt": ["a", "b"]}
     assert call(guard, COMPLETIONS_PATH, body=completion).status == 200
     assert [json.loads(body) for _, body in downstream.calls] == [chat, completion]
+
+
+# ---------------------------------------------------------------- the router's own fields
+
+# What vllm-router 0.1.17 adds to every body it forwards (tests/test_router_bodies.py runs it).
+ROUTER_CHAT = {
+    "include_reasoning": True,
+    "no_stop_trim": False,
+    "return_hidden_states": False,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+}
+ROUTER_COMPLETION = {"no_stop_trim": False, "return_hidden_states": False}
+# The ones vLLM 0.29 does not define: the guard removes them.
+NOT_VLLMS = {"no_stop_trim", "return_hidden_states", "separate_reasoning", "stream_reasoning"}
+ROUTER_FIELDS = [(CHAT_PATH, f, v) for f, v in ROUTER_CHAT.items()] + [
+    (COMPLETIONS_PATH, f, v) for f, v in ROUTER_COMPLETION.items()
+]
+
+
+class LengthRecorder(Recorder):
+    """A :class:`Recorder` that also keeps the ``Content-Length`` each request reached it with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lengths: list[int] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.lengths.append(int(dict(scope["headers"])[b"content-length"]))
+        await super().__call__(scope, receive, send)
+
+
+@pytest.mark.parametrize(("path", "field", "value"), ROUTER_FIELDS)
+def test_each_router_field_passes_at_the_routers_value_and_vllm_gets_only_its_own_fields(
+    path: str, field: str, value: bool
+) -> None:
+    downstream = LengthRecorder()
+    guard, _ = make_guard(downstream=downstream)
+    base = CHAT if path == CHAT_PATH else COMPLETION
+    assert call(guard, path, body={**base, field: value}).status == 200
+    ((_, passed_on),) = downstream.calls
+    assert json.loads(passed_on) == (base if field in NOT_VLLMS else {**base, field: value})
+    assert downstream.lengths == [len(passed_on)]
+
+
+def test_every_router_field_at_once_and_the_rest_of_the_body_unchanged() -> None:
+    downstream = LengthRecorder()
+    guard, _ = make_guard(downstream=downstream)
+    # Text JSON escapes, a character outside the BMP, an unpaired surrogate (which has no UTF-8 form),
+    # floats and integers: what vLLM parses is what the client sent, less the router's own fields.
+    chat = {
+        **CHAT,
+        "messages": [{"role": "user", "content": 'caf\u00e9 \U0001f600 "quoted"\n'}],
+        "user": "\udc00",
+        "temperature": 0.1,
+        "seed": 2**62,
+        "logit_bias": {"5": -1.5e-7},
+    }
+    raw = json.dumps({**chat, **ROUTER_CHAT}).encode()
+    assert call(guard, CHAT_PATH, raw=raw).status == 200
+    ((_, passed_on),) = downstream.calls
+    assert json.loads(passed_on) == {**chat, "include_reasoning": True}
+    assert downstream.lengths == [len(passed_on)]
+    # Without a field to remove, the very bytes the client sent.
+    raw = json.dumps({**COMPLETION, "stream": False, "echo": False}).encode()
+    assert call(guard, COMPLETIONS_PATH, raw=raw).status == 200
+    assert downstream.calls[1] == (COMPLETIONS_PATH, raw)
+
+
+@pytest.mark.parametrize(("path", "field", "value"), ROUTER_FIELDS)
+@pytest.mark.parametrize("other", ["opposite", "string", 0, 1, 1.0, None, [], {}])
+def test_each_router_field_is_refused_at_any_other_value(path: str, field: str, value: bool, other: Any) -> None:
+    if other == "opposite":
+        other = not value
+    elif other == "string":
+        other = json.dumps(value)  # "false" or "true"
+    guard, downstream = make_guard()
+    base = CHAT if path == CHAT_PATH else COMPLETION
+    error = refused(call(guard, path, body={**base, field: other}), field, "unsupported_value")
+    assert error["message"].startswith(f"{field} is accepted only as {json.dumps(value)} by this server, not ")
+    assert "\n" not in error["message"]
+    assert downstream.calls == []
+
+
+@pytest.mark.parametrize("field", ["include_reasoning", "separate_reasoning", "stream_reasoning"])
+def test_the_routers_chat_fields_are_unknown_on_completions(field: str) -> None:
+    guard, downstream = make_guard()
+    error = refused(call(guard, COMPLETIONS_PATH, body={**COMPLETION, field: True}), field, "unsupported_parameter")
+    assert error["message"] == f"Unrecognized request argument supplied: {field}"
+    assert downstream.calls == []
+
+
+def test_the_router_fields_vllm_defines_pass_at_its_defaults_and_it_defines_no_other() -> None:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    for path, model, values in (
+        (CHAT_PATH, ChatCompletionRequest, ROUTER_CHAT),
+        (COMPLETIONS_PATH, CompletionRequest, ROUTER_COMPLETION),
+    ):
+        assert ROUTER_VALUES[path] == values
+        for field, value in values.items():
+            if field in NOT_VLLMS:
+                assert field not in model.model_fields, (model.__name__, field)
+            else:
+                assert model.model_fields[field].default is value, (model.__name__, field)
+    assert ROUTER_ONLY_FIELDS == NOT_VLLMS
 
 
 # ---------------------------------------------------------------- messages and content parts

@@ -17,10 +17,12 @@ What the guard promises, in order:
    without ``NaN``/``Infinity`` (400) and an object (400); a ``model`` the
    catalogue does not serve gets 404.
 5. On the generation routes, only the fields and content parts of the
-   request policy (:mod:`.request_policy`) are accepted; integer parameters
-   must be JSON integers; and ``max_tokens``, ``n``, logprobs, the number of
-   prompts, the request's total output and every prompt, counted exactly with
-   the model's tokenizer and chat template, stay within
+   request policy (:mod:`.request_policy`) are accepted (the router's own
+   fields at its values only, and those vLLM does not define are removed from
+   the body passed on); integer parameters must be JSON integers; and
+   ``max_tokens``, ``n``, logprobs, the number of prompts, the request's
+   total output and every prompt, counted exactly with the model's tokenizer
+   and chat template, stay within
    :class:`~inference_server.catalog.RequestLimits` (400).
 6. Any error the routes behind it answer is rewritten into the OpenAI shape
    ``{"error": {"message", "type", "param", "code"}}``; a 5xx never carries
@@ -711,6 +713,12 @@ def _capped(receive: Receive, limit: int) -> Receive:
     return capped
 
 
+def with_content_length(scope: Scope, length: int) -> Scope:
+    """A copy of ``scope`` whose ``Content-Length`` header is ``length``: the body passed on is not the one read."""
+    headers = [(k, v) for k, v in scope.get("headers") or () if bytes(k).lower() != b"content-length"]
+    return {**scope, "headers": [*headers, (b"content-length", str(length).encode())]}
+
+
 def _replay(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that hands the buffered body over once, then defers to the original."""
     sent = False
@@ -833,21 +841,22 @@ class ApiGuard:
             await self.app(scope, _capped(receive, self.max_body_bytes), shaped_send)
             return
 
-        refusal = check_content_type(scope)
-        raw = None
-        if refusal is None:
+        checked: Refusal | bytes | None = check_content_type(scope)
+        if checked is None:
             raw = await self._read_body(receive)
             if raw is None:
                 return  # the client went away
             if len(raw) > self.max_body_bytes:
-                refusal = too_large(self.max_body_bytes)
-        if refusal is None and raw is not None:
-            refusal = await self._check(path, raw)
-        if refusal is not None:
-            await send_json(send, refusal.status, refusal.body())
+                checked = too_large(self.max_body_bytes)
+            else:
+                checked = await self._check(path, raw)
+                if isinstance(checked, bytes) and checked is not raw:
+                    scope = with_content_length(scope, len(checked))
+        if isinstance(checked, Refusal):
+            await send_json(send, checked.status, checked.body())
             return
-        assert raw is not None
-        await self.app(scope, _replay(raw, receive), shaped_send)
+        assert checked is not None
+        await self.app(scope, _replay(checked, receive), shaped_send)
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         """The whole body, or no more than one chunk past the cap; None when the client disconnected."""
@@ -863,10 +872,20 @@ class ApiGuard:
             if size > self.max_body_bytes or not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _check(self, path: str, raw: bytes) -> Refusal | None:
+    async def _check(self, path: str, raw: bytes) -> Refusal | bytes:
+        """The refusal, or the body to pass on: ``raw`` itself unless the router's own fields were removed."""
         body = parse_json_object(raw)
         if isinstance(body, Refusal):
             return body
+        refusal = await self._refusal(path, body)
+        if refusal is not None:
+            return refusal
+        if policy.strip_router_fields(path, body):
+            # Written again only then: about as long as parsing it took (~10 ms for 1 MiB of token ids).
+            return policy.encode_body(body)
+        return raw
+
+    async def _refusal(self, path: str, body: dict[str, Any]) -> Refusal | None:
         refusal = check_model(body, self.model_ids)
         if refusal is not None or path not in LIMITED_PATHS:
             return refusal

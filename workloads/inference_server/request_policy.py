@@ -12,7 +12,11 @@ content parts. Everything else gets an OpenAI-style 400 naming the field.
 The allow-list is vLLM 0.29's own request models
 (``vllm/entrypoints/openai/{chat_completion,completion}/protocol.py``, which
 Ray Serve LLM 2.60 subclasses unchanged) cut down to the OpenAI API's fields
-plus the vLLM sampling switches whose cost the limits already bound.
+plus the vLLM sampling switches whose cost the limits already bound. The
+router in front of the vllm-server replicas (vllm-router) adds fields of its
+own to every body it forwards; those are accepted at the router's values only
+(:data:`ROUTER_VALUES`), and the ones vLLM does not define are removed before
+vLLM parses the body (:func:`strip_router_fields`).
 
 With the fields fixed, the prompt is what the engine will see: the guard
 counts it with the engine's own tokenizer and chat template (every prompt of
@@ -101,6 +105,43 @@ VLLM_OUTPUT = frozenset({"prompt_logprobs", "return_token_ids"})
 #   guard's exact count renders them the same way. Chat `echo` repeats the
 #   last message and asks prompt logprobs (bounded like the above).
 VLLM_CHAT = frozenset({"add_generation_prompt", "continue_final_message", "echo"})
+
+# The fields vllm-router 0.1.17 (the router in front of the vllm-server
+# replicas) writes into every body it forwards when the client left them out:
+# it parses each request into its own request type and serializes that type
+# back, defaults included. A value the client sent passes it unchanged, so each
+# field is accepted at the router's value alone (that JSON boolean, never
+# "false" or 0) and any other value is refused as a client's. The router also
+# writes `stream`, `echo` (completions), `logprobs`, `continue_final_message`
+# (chat), `ignore_eos` and `skip_special_tokens` at vLLM's own defaults; those
+# are in the allow-list above at either value, as before.
+# tests/test_router_bodies.py runs the router requirements-dev.txt pins and holds this list.
+ROUTER_VALUES: dict[str, dict[str, bool]] = {
+    CHAT_PATH: {
+        "include_reasoning": True,
+        "no_stop_trim": False,
+        "return_hidden_states": False,
+        "separate_reasoning": True,
+        "stream_reasoning": True,
+    },
+    COMPLETIONS_PATH: {"no_stop_trim": False, "return_hidden_states": False},
+}
+# Of those, the ones vLLM 0.29's request models do not define (SGLang's
+# names): vLLM would keep them as extras it never reads. They are removed
+# before vLLM parses the body, so every field vLLM sees is one of the
+# allow-list's, and a later vLLM that gives one of these names a meaning can
+# not act on a value nobody reviewed. `include_reasoning` is vLLM's own (chat,
+# default true) and passes at that value.
+ROUTER_ONLY_FIELDS = frozenset({"no_stop_trim", "return_hidden_states", "separate_reasoning", "stream_reasoning"})
+# Why a client's own value is refused; shown after the value accepted.
+_NOT_IMPLEMENTED = "the engine does not implement it"
+ROUTER_VALUE_REASONS = {
+    "include_reasoning": "answers carry the reasoning as the model's reasoning parser splits it",
+    "no_stop_trim": f"{_NOT_IMPLEMENTED}; use include_stop_str_in_output",
+    "return_hidden_states": _NOT_IMPLEMENTED,
+    "separate_reasoning": _NOT_IMPLEMENTED,
+    "stream_reasoning": _NOT_IMPLEMENTED,
+}
 
 ALLOWED_FIELDS = {
     CHAT_PATH: OPENAI_SHARED | OPENAI_CHAT | VLLM_SAMPLING | VLLM_OUTPUT | VLLM_CHAT,
@@ -240,8 +281,13 @@ def check_fields(path: str, body: dict[str, Any]) -> PolicyError | None:
     allowed = ALLOWED_FIELDS.get(path)
     if allowed is None:
         return None
+    router_values = ROUTER_VALUES[path]
     for field in body:
-        if field not in allowed:
+        if field in router_values:
+            refusal = _check_router_value(field, body[field], router_values[field])
+            if refusal is not None:
+                return refusal
+        elif field not in allowed:
             return _unsupported(str(field), str(field), REFUSED_FIELDS)
     for field in BOOLEAN_FIELDS:
         value = body.get(field)
@@ -261,6 +307,49 @@ def check_fields(path: str, body: dict[str, Any]) -> PolicyError | None:
         if refusal is not None:
             return refusal
     return _check_response_format(body.get("response_format")) or _check_stream_options(body.get("stream_options"))
+
+
+def _check_router_value(field: str, value: Any, accepted: bool) -> PolicyError | None:
+    # `is`: True and False are singletons, and neither 1, 1.0 nor "true" is one of them.
+    if value is accepted:
+        return None
+    if isinstance(value, str):
+        shown = json.dumps(value[:40])
+    elif isinstance(value, (bool, int, float)) or value is None:
+        shown = json.dumps(value)
+    else:
+        shown = _kind(value)
+    return PolicyError(
+        f"{field} is accepted only as {json.dumps(accepted)} by this server, not {shown}: "
+        f"{ROUTER_VALUE_REASONS[field]}.",
+        param=field,
+        code="unsupported_value",
+    )
+
+
+def strip_router_fields(path: str, body: dict[str, Any]) -> bool:
+    """Remove the router's fields vLLM does not define (:data:`ROUTER_ONLY_FIELDS`); True when any was there.
+
+    Only for a body :func:`check_fields` accepted, whose router fields hold the router's values.
+    """
+    if path not in ROUTER_VALUES:
+        return False
+    present = [field for field in ROUTER_ONLY_FIELDS if field in body]
+    for field in present:
+        del body[field]
+    return bool(present)
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    """The body as JSON in UTF-8, for the server behind the guard to parse into the same values.
+
+    A string with an unpaired surrogate (which JSON can carry as an escape)
+    has no UTF-8 form: such a body is sent with every non-ASCII character escaped.
+    """
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":")).encode()
 
 
 def check_messages(messages: Any) -> PolicyError | None:
