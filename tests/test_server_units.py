@@ -387,6 +387,8 @@ def test_json_content_types_with_parameters_pass(content_type: str) -> None:
         b"\xff\xfe{}",
         b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
         b'{"max_tokens": ' + b"9" * 5000 + b"}",
+        b'{"model": "m", "prompt": "a\\udc00"}',
+        b'{"model": "m", "messages": [{"role": "user", "content": "\\uD83D x"}]}',
     ],
     ids=[
         "nan",
@@ -402,6 +404,8 @@ def test_json_content_types_with_parameters_pass(content_type: str) -> None:
         "not-utf8",
         "deep",
         "huge-int",
+        "lone-low-surrogate",
+        "lone-high-surrogate",
     ],
 )
 def test_bodies_that_are_not_a_json_object_get_400(raw: bytes) -> None:
@@ -416,6 +420,8 @@ def test_bodies_that_are_not_a_json_object_get_400(raw: bytes) -> None:
 
 def test_parse_json_object_returns_the_object() -> None:
     assert parse_json_object(b'{"a": [1, 2.5, "\\u00e9"]}') == {"a": [1, 2.5, "é"]}
+    # A complete pair is one character; an escaped backslash before "ud800" is plain text.
+    assert parse_json_object(b'{"a": "\\ud83d\\ude00", "b": "\\\\ud800"}') == {"a": "\U0001f600", "b": "\\ud800"}
 
 
 def test_a_declared_length_over_the_cap_gets_413_before_reading() -> None:

@@ -363,6 +363,20 @@ def _finite_float(text: str) -> float:
     return value
 
 
+# A \uD800-\uDFFF escape: JSON allows one without its pair, Python parses it
+# to a lone surrogate, and that is not text (it can not be encoded as UTF-8,
+# so counting or tokenizing it fails). Only bodies that hold one are checked.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(body: Any) -> bool:
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any] | Refusal:
     """The body as a JSON object, or the 400 that says what is wrong with it."""
     try:
@@ -394,6 +408,14 @@ def parse_json_object(raw: bytes) -> dict[str, Any] | Refusal:
     if not isinstance(body, dict):
         return Refusal(
             400, f"The request body must be a JSON object, not {_json_kind(body)}.", param=None, code="invalid_json"
+        )
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(body):
+        return Refusal(
+            400,
+            "The request body holds a \\uD800-\\uDFFF escape without its pair, which is not text: "
+            "send UTF-8 text or complete surrogate pairs.",
+            param=None,
+            code="invalid_json",
         )
     return body
 
