@@ -212,12 +212,12 @@ def test_each_router_field_passes_at_the_routers_value_and_vllm_gets_only_its_ow
 def test_every_router_field_at_once_and_the_rest_of_the_body_unchanged() -> None:
     downstream = LengthRecorder()
     guard, _ = make_guard(downstream=downstream)
-    # Text JSON escapes, a character outside the BMP, an unpaired surrogate (which has no UTF-8 form),
+    # Text JSON escapes, a character outside the BMP (a surrogate pair in the body),
     # floats and integers: what vLLM parses is what the client sent, less the router's own fields.
     chat = {
         **CHAT,
         "messages": [{"role": "user", "content": 'caf\u00e9 \U0001f600 "quoted"\n'}],
-        "user": "\udc00",
+        "user": "\U0001f600",
         "temperature": 0.1,
         "seed": 2**62,
         "logit_bias": {"5": -1.5e-7},

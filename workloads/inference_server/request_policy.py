@@ -343,13 +343,10 @@ def strip_router_fields(path: str, body: dict[str, Any]) -> bool:
 def encode_body(body: dict[str, Any]) -> bytes:
     """The body as JSON in UTF-8, for the server behind the guard to parse into the same values.
 
-    A string with an unpaired surrogate (which JSON can carry as an escape)
-    has no UTF-8 form: such a body is sent with every non-ASCII character escaped.
+    Every string has a UTF-8 form: the guard refuses a body with an unpaired
+    surrogate escape before it gets here (guard.parse_json_object).
     """
-    try:
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError:
-        return json.dumps(body, separators=(",", ":")).encode()
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def check_messages(messages: Any) -> PolicyError | None:
