@@ -10,10 +10,12 @@ from infra.capacity.report import (
     cold_start_output,
     inflight_line,
     plan_stack,
+    preemption_warning,
     preview_line,
     stack_output,
     upgrade_line,
     upgrade_plan,
+    workload_line,
 )
 from infra.cluster_services.build import build_platform
 from infra.config import LoadedConfig, capacity_input
@@ -29,6 +31,11 @@ def build_stack(loaded: LoadedConfig) -> None:
     capacity = plan_stack(inputs)
     for plan in capacity:
         pulumi.log.info(preview_line(plan))
+        pulumi.log.info(workload_line(plan))
+        # A max_num_seqs the stack lets preempt (workload.allow_preemption); the config refuses it otherwise.
+        warning = preemption_warning(plan)
+        if warning is not None:
+            pulumi.log.warn(warning)
         pulumi.log.info(inflight_line(plan))
         pulumi.log.info(cold_start_line(plan.model.cold_start))
     # Each GPU group's headroom for a NewCluster upgrade, and its cost while it runs.

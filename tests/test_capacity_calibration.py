@@ -168,7 +168,8 @@ def test_devs_8b_on_an_l4_holds_what_vllm_would_log() -> None:
 
 
 def test_prods_models_on_l40s_hold_what_vllm_would_log() -> None:
-    """Pulumi.prod.yaml: the 70B at TP=4, utilization 0.92, max_num_seqs 128: the old plan's 78,432 was ~15% low."""
+    """Pulumi.prod.yaml's 70B at TP=4, utilization 0.92, as it ran before its workload profile (max_num_seqs 128):
+    the old plan's 78,432 was ~15% low."""
     seventy = engine(max_model_len=16384, gpu_memory_utilization=0.92, tensor_parallel_size=4, max_num_seqs=128)
     band = replica_kv_band(LLAMA_70B, 70.6, seventy, GPU_INSTANCE_TYPES["g6e.12xlarge"])
     assert band.tokens.holds(78_432 * 1.15)

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from infra.capacity.calibration import CUDA_MEMORY, overhead_band
 from infra.capacity.cost import BANDWIDTH_EFFICIENCY, decode_estimate, nodes_share, replica_cost
 from infra.capacity.geometry import PINNED, Geometry, pinned_model, resolve_geometry
+from infra.capacity.kv_band import replica_kv_band
 from infra.capacity.plan import (
     GIB,
     Device,
@@ -25,6 +26,7 @@ from infra.capacity.plan import (
     stages,
 )
 from infra.capacity.prices import PRICES, price
+from infra.capacity.workload import Tokens, Workload, concurrency
 from infra.instance_types import GB, GPU_INSTANCE_TYPES
 from tests.harness import engine
 from workloads.inference_server.catalog import ModelEntry
@@ -33,6 +35,8 @@ LLAMA_8B = resolve_geometry(None, "s3://b/meta-llama/Llama-3.1-8B-Instruct", "x"
 LLAMA_70B = resolve_geometry(None, "s3://b/meta-llama/Llama-3.3-70B-Instruct", "x")
 L4 = Device.of(GPU_INSTANCE_TYPES["g6.2xlarge"])
 L40S = Device.of(GPU_INSTANCE_TYPES["g6e.12xlarge"])
+# A chat profile: 4,096 + 1,024 tokens at p95 (320 blocks of 16), 1,500 + 300 at the mean.
+CHAT = Workload(Tokens(1500, 4096), Tokens(300, 1024), "test")
 
 
 def test_pinned_families_are_found_by_source_or_model_id() -> None:
@@ -181,17 +185,7 @@ def test_one_sequence_fits_only_beside_the_null_block() -> None:
     just = plan_replica(LLAMA_8B, 8.03, engine(kv_cache_memory_bytes=513 * block), L4)
     short = plan_replica(LLAMA_8B, 8.03, engine(kv_cache_memory_bytes=513 * block - 1), L4)
     assert (just.fits_one_sequence, just.max_model_len_sequences) == (True, 1)
-    assert (short.fits_one_sequence, short.max_model_len_sequences, short.recommended_max_num_seqs) == (False, 0, 0)
-
-
-def test_recommended_max_num_seqs_fills_the_cache_at_the_planning_context() -> None:
-    assert LLAMA_8B is not None
-    plan = plan_replica(LLAMA_8B, 8.03, engine(), L40S)
-    # Half of max_model_len: 256 blocks a sequence.
-    assert plan.recommended_max_num_seqs == (plan.num_blocks - 1) // 256
-    assert plan.recommended_max_num_seqs >= 2 * plan.max_model_len_sequences
-    tiny_context = plan_replica(LLAMA_8B, 8.03, engine(max_model_len=64), L40S)
-    assert tiny_context.recommended_max_num_seqs == 256  # vLLM's default bounds it
+    assert (short.fits_one_sequence, short.max_model_len_sequences) == (False, 0)
 
 
 def test_fp8_kv_cache_holds_twice_the_tokens() -> None:
@@ -216,15 +210,21 @@ def test_engine_settings_read_the_engine_overrides() -> None:
 
 def test_decode_roofline_reads_weights_and_the_batchs_kv_each_step() -> None:
     assert LLAMA_8B is not None
-    plan = plan_replica(LLAMA_8B, 8.03, engine(), L4)
-    decode = decode_estimate(plan)
+    settings = engine(max_model_len=16384)
+    plan = plan_replica(LLAMA_8B, 8.03, settings, L40S)
+    at = concurrency(plan, replica_kv_band(LLAMA_8B, 8.03, settings, GPU_INSTANCE_TYPES["g6e.12xlarge"]), CHAT)
+    decode = decode_estimate(plan, at)
     assert decode is not None
-    assert decode.batch == plan.recommended_max_num_seqs
-    moved = plan.stages[0].weight_bytes + decode.batch * 4096 * 131072
+    # At the recommended max_num_seqs, each sequence holding the mean prompt and half the mean answer.
+    assert decode.batch == at.recommended and decode.context_tokens == 1500 + 300 // 2
+    moved = plan.stages[0].weight_bytes + decode.batch * 1650 * 131072
     assert decode.bytes_per_step == moved
-    assert decode.tokens_per_second == pytest.approx(decode.batch * 300 * GB * BANDWIDTH_EFFICIENCY / moved)
-    capped = decode_estimate(replace(plan, engine=replace(plan.engine, max_num_seqs=2)))
+    assert decode.tokens_per_second == pytest.approx(decode.batch * 864 * GB * BANDWIDTH_EFFICIENCY / moved)
+    capped = decode_estimate(replace(plan, engine=replace(plan.engine, max_num_seqs=2)), at)
     assert capped is not None and capped.batch == 2 and capped.tokens_per_second < decode.tokens_per_second
+    # A max_num_seqs above what the cache holds at the mean runs only that many at once.
+    crowded = decode_estimate(replace(plan, engine=replace(plan.engine, max_num_seqs=10_000)), at)
+    assert crowded is not None and crowded.batch == at.at_mean
 
 
 def test_cost_is_the_replicas_share_of_its_nodes_at_the_pinned_price() -> None:
@@ -232,7 +232,7 @@ def test_cost_is_the_replicas_share_of_its_nodes_at_the_pinned_price() -> None:
     g6e = GPU_INSTANCE_TYPES["g6e.12xlarge"]
     assert nodes_share(4, g6e) == 1 and nodes_share(1, g6e) == 0.25 and nodes_share(8, g6e) == 2
     plan = plan_replica(LLAMA_8B, 8.03, engine(), L40S)
-    decode = decode_estimate(plan)
+    decode = decode_estimate(plan, concurrency(plan, replica_kv_band(LLAMA_8B, 8.03, engine(), g6e), CHAT))
     cost = replica_cost(plan, g6e, "on_demand", "us-east-1", decode)
     assert cost.price is not None and cost.usd_per_hour == pytest.approx(10.49264 / 4)
     assert decode is not None and cost.usd_per_million_tokens == pytest.approx(

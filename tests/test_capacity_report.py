@@ -22,6 +22,7 @@ from infra.capacity.report import (
     preview_line,
     stack_output,
     text,
+    workload_line,
 )
 from infra.config import capacity_input, load_stack_file
 from infra.render import ROOT, render
@@ -41,7 +42,9 @@ def test_every_example_model_fits_and_has_a_price(stack: str) -> None:
     plans = plan_stack(capacity_input(cfg))
     assert [p.name for p in plans] == [m.name for m in cfg.models]
     for p, model in zip(plans, cfg.models, strict=True):
-        assert p.replica.fits_one_sequence and p.replica.recommended_max_num_seqs >= p.replica.max_model_len_sequences
+        assert p.replica.fits_one_sequence and 1 <= p.concurrency.recommended <= p.concurrency.preemption_free
+        # A max_num_seqs the stack sets runs every sequence at the workload's p95 at once.
+        assert not p.concurrency.preempts(p.replica.engine.max_num_seqs or 0)
         assert p.decode is not None and p.decode.tokens_per_second > 0
         assert p.cost.usd_per_hour is not None and p.cost.usd_per_million_tokens is not None
         assert p.cost.region == cfg.region
@@ -114,10 +117,10 @@ def test_kv_heads_fewer_than_tp_ranks_are_replicated_and_lie_inside_the_band() -
 
 
 def test_the_labels_say_which_numbers_are_estimates() -> None:
-    assert [c for c in COLUMNS if "est." in c] == ["decode (est.)", "$/1M out (est.)"]
+    assert [c for c in COLUMNS if "est." in c] == ["decode (est. at workload)", "$/1M out (est. at workload)"]
     line = preview_line(plan_stack(capacity_input(config("dev")))[0])
     assert line.startswith("capacity llama-31-8b: 1 x L4 (g6.2xlarge, spot) in us-west-2: weights 15.0 GiB/GPU")
-    assert "estimates: ~" in line
+    assert "estimates at the workload profile: ~" in line
 
 
 @pytest.mark.parametrize("stack", STACKS)
@@ -135,8 +138,12 @@ def test_the_capacity_output_is_the_plan(stack: str) -> None:
 
 def test_the_program_logs_one_line_per_model() -> None:
     # What the program logs through pulumi.log, as the mock engine hands it over.
-    lines = [line for line in render("prod").log if line.startswith("capacity ")]
-    assert lines == [preview_line(p) for p in plan_stack(capacity_input(config("prod")))]
+    log = render("prod").log
+    plans = plan_stack(capacity_input(config("prod")))
+    assert [line for line in log if line.startswith("capacity ")] == [preview_line(p) for p in plans]
+    assert [line for line in log if line.startswith("workload ")] == [workload_line(p) for p in plans]
+    # prod keeps every max_num_seqs within its plan: no preemption warning.
+    assert not [line for line in log if line.startswith("preemption ")]
 
 
 def test_the_command_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,6 +6,7 @@ import base64
 import email
 import json
 import math
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,8 @@ from tests.harness import (
     stack_doc,
     stack_sections,
 )
-from workloads.inference_server.catalog import Catalog
-from workloads.inference_server.engine import engine_kwargs
+from workloads.inference_server.catalog import Catalog, S3Streamer
+from workloads.inference_server.engine import engine_kwargs, streamer_config
 
 NS = "llm-platform:"
 
@@ -173,21 +174,53 @@ def test_the_ray_autoscaler_reads_the_variables_the_program_sets() -> None:
 
 @pytest.mark.parametrize("stack", ["dev", "prod"])
 def test_s3_models_stream_with_settings_sized_from_the_network(stack: str) -> None:
+    """The streamer settings as the server parses them from the rendered serveConfigV2, and vLLM's arguments."""
     cfg = stack_config(stack)
     gpu = gpu_placements(cfg)
-    served = catalog(cfg, list(cfg.models), gpu)
-    for entry, model in zip(served.models, cfg.models, strict=True):
-        kwargs = engine_kwargs(entry, Catalog(models=[entry]))
-        assert kwargs["load_format"] == "runai_streamer"
-        io = host_io(gpu[model.gpu_group].instance.name)
-        extra = kwargs["model_loader_extra_config"]
-        # Enough S3 streams for the usable line rate, and a buffer of at most two seconds of it.
-        usable = io.network_bytes_s * cold_start.figure("s3_network_share")
-        assert extra["concurrency"] * cold_start.figure("s3_per_connection_bytes_s") >= min(
-            usable, cold_start.STREAMER_MAX_CONCURRENCY * cold_start.figure("s3_per_connection_bytes_s")
-        )
-        assert 0 < extra["memory_limit"] <= io.network_bytes_s * cold_start.STREAMER_BUFFER_SECONDS
+    per_stream = cold_start.figure("s3_per_connection_bytes_s")
+    seen = set()
+    for rs in ray_services(stack):
+        args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+        served = Catalog.model_validate(args)
+        for raw, entry in zip(args["models"], served.models, strict=True):
+            model = next(m for m in cfg.models if m.model_id == entry.model_id)
+            seen.add(model.name)
+            instance = gpu[model.gpu_group].instance
+            io, ranks = host_io(instance.name), min(model.num_devices, instance.gpus)
+            kwargs = engine_kwargs(entry, served)
+            assert kwargs["load_format"] == "runai_streamer"
+            extra = kwargs["model_loader_extra_config"]
+            # Distributed exactly where a node holds several ranks; elsewhere neither the args nor vLLM's name it.
+            assert extra.get("distributed", False) is (ranks > 1), model.name
+            assert ("distributed" in raw["streamer"]) is (ranks > 1), model.name
+            # The node's ranks together open enough S3 streams for its usable line rate, and not a rank's worth more.
+            usable = io.network_bytes_s * cold_start.figure("s3_network_share")
+            node_streams = extra["concurrency"] * ranks
+            assert node_streams * per_stream >= min(usable, node_streams * cold_start.STREAMER_MAX_CONCURRENCY)
+            assert extra["concurrency"] == cold_start.STREAMER_MIN_CONCURRENCY or (
+                (node_streams - ranks) * per_stream < usable
+            )
+            # A buffer of at most two seconds of line rate (distributed: for the node, split over its ranks).
+            assert 0 < extra["memory_limit"] <= io.network_bytes_s * cold_start.STREAMER_BUFFER_SECONDS
+    assert seen == {m.name for m in cfg.models}
     assert MOUNTS.cache_dir != MOUNTS.model_cache_dir
+
+
+def test_vllm_takes_the_streamer_config_the_server_builds() -> None:
+    """vLLM 0.29's runai loader refuses any other key, and a `distributed` that is not a bool."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.skip("vllm is not installed")
+    loader = (Path(spec.origin).parent / "model_executor/model_loader/runai_streamer_loader.py").read_text()
+    allowed = re.search(r"allowed_keys = \{([^}]*)\}", loader)
+    assert allowed is not None
+    config = streamer_config(S3Streamer(concurrency=23, memory_limit=2**30, distributed=True))
+    assert (
+        set(config) == set(re.findall(r'"(\w+)"', allowed.group(1))) == {"distributed", "concurrency", "memory_limit"}
+    )
+    assert config["distributed"] is True and "isinstance(distributed, bool)" in loader
 
 
 def test_a_faster_nic_gets_more_streams() -> None:
@@ -216,6 +249,67 @@ def test_budget_is_the_sum_of_its_phases_from_the_pinned_figures() -> None:
     assert budget.image_pull >= download
     line = cold_start_line(budget)
     assert line.startswith(f"cold start {big.name}: {budget.total:.0f} s budget on a new {budget.instance} node")
+
+
+def _prod_70b(cfg: Any) -> Any:
+    return next(m for m in cfg.models if m.name == "llama-33-70b")
+
+
+def test_the_prod_70b_reads_its_checkpoint_once_a_node_not_once_a_rank() -> None:
+    """70.6 B bf16 parameters are 141.2 GB; g6e.12xlarge's 100 Gbps at the S3 share streams 7.5 GB/s: 19 s.
+
+    Its four TP ranks stream distributed, so the node reads the checkpoint
+    once; if each rank read all of it (the streamer's default), four times:
+    75 s. The rendered settings are the ones that make the first true.
+    """
+    cfg = stack_config("prod")
+    big = _prod_70b(cfg)
+    assert (big.parameters_billion, big.dtype, big.tensor_parallel_size) == (70.6, "bfloat16", 4)
+    budget = cold_start_budget(cfg, big)
+    assert budget.instance == "g6e.12xlarge" and host_io(budget.instance).network_gbps == 100
+    checkpoint = 70.6e9 * 2
+    node_rate = 100e9 / 8 * cold_start.figure("s3_network_share")
+    assert budget.checkpoint_copies == 1 and budget.node_read_bytes == pytest.approx(checkpoint)
+    assert budget.weights == pytest.approx(checkpoint / node_rate)
+    one_copy = round(checkpoint / node_rate)
+    assert f", weights {one_copy} s for 141 GB a node, " in cold_start_line(budget)
+
+    (streamer,) = [e.streamer for e in catalog(cfg, [big], gpu_placements(cfg)).models]
+    assert streamer is not None and streamer.distributed
+    # Each of the 4 ranks opens a quarter of the streams the NIC's usable rate needs.
+    assert streamer.concurrency == math.ceil(node_rate / cold_start.figure("s3_per_connection_bytes_s") / 4)
+
+    def undistributed(c: dict[str, Any]) -> None:
+        (model,) = [m for m in c[f"{NS}models"] if m["name"] == big.name]
+        model["streamer"] = {"concurrency": streamer.concurrency, "memory_limit": streamer.memory_limit}
+
+    plain_cfg = parse(stack_sections("prod", undistributed))
+    plain = cold_start_budget(plain_cfg, _prod_70b(plain_cfg))
+    assert plain.checkpoint_copies == 4 and plain.node_read_bytes == pytest.approx(4 * checkpoint)
+    assert plain.weights == pytest.approx(4 * budget.weights)
+    assert f"weights {round(4 * checkpoint / node_rate)} s for 565 GB a node: 4 ranks each read all 141 GB" in (
+        cold_start.describe(plain)
+    )
+
+
+def test_a_replica_over_two_nodes_reads_the_whole_checkpoint_on_each() -> None:
+    """A pipeline stage on each one-GPU node: vLLM streams every file to every rank, so no node reads less.
+
+    Alone on its node, a rank has no one to share reads with: it streams as a one-rank replica does.
+    """
+
+    def two_stages(c: dict[str, Any]) -> None:
+        c[f"{NS}models"][0]["pipeline_parallel_size"] = 2
+        c[f"{NS}node_groups"]["gpu"][0]["max_size"] = 4
+
+    cfg, one_stage = parse(stack_sections("dev", two_stages)), stack_config("dev")
+    model = cfg.models[0]
+    assert model.num_devices == 2 and gpu_placements(cfg)[model.gpu_group].instance.gpus == 1
+    budget = cold_start_budget(cfg, model)
+    assert budget.node_read_bytes == pytest.approx(model.weights_gib() * 2**30)
+    assert budget.weights == pytest.approx(cold_start_budget(one_stage, one_stage.models[0]).weights)
+    (streamer,) = [e.streamer for e in catalog(cfg, [model], gpu_placements(cfg)).models]
+    assert streamer is not None and not streamer.distributed
 
 
 def test_every_figure_says_where_it_comes_from() -> None:

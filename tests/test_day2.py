@@ -12,7 +12,11 @@ import ipaddress
 from typing import Any
 
 import pytest
+import yaml
 
+from infra.capacity.report import plan_stack
+from infra.config import capacity_input, load_stack_file
+from infra.render import stack_file
 from infra.serving import kuberay
 from infra.serving.endpoint import NLB_CLASS, public_service_name
 from infra.serving.network import REDIS_PORT
@@ -276,3 +280,20 @@ def test_what_kuberays_spec_hash_leaves_out_starts_no_new_cluster() -> None:
 
     assert not needed(bounds) and not needed(tolerations) and not needed(appended)
     assert needed(resources)
+
+
+# --- render B's engine change stays within the capacity plan ---------------------------
+
+
+def test_render_b_changes_max_num_seqs_to_a_value_the_capacity_rule_accepts() -> None:
+    """The changed engine argument is the plan's recommendation: a value above the model's preemption-free
+    load would be refused before render B exists. (prod: day 2 plays a vllm-server RayService, dev has none.)"""
+    stack = "prod"
+    inputs = day2.upgrade_inputs(stack, render_stack(stack))
+    plans = {p.model.entry.model_id: p for p in plan_stack(capacity_input(load_stack_file(stack_file(stack))))}
+    catalog = yaml.safe_load(inputs.before["spec"]["serveConfigV2"])["applications"][0]["args"]
+    plan = plans[catalog["models"][0]["model_id"]]
+    assert inputs.engine_key == "max_num_seqs"
+    assert inputs.engine_value != plan.replica.engine.max_num_seqs
+    assert 1 <= inputs.engine_value <= plan.concurrency.preemption_free
+    assert inputs.engine_value == day2.engine_value(stack, plan.name)

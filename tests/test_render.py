@@ -20,6 +20,7 @@ from infra.capacity.report import (
     preview_line,
     upgrade_line,
     upgrade_plan,
+    workload_line,
 )
 from infra.config import capacity_input, cold_start_budget
 from infra.render import PLACEHOLDER_API_KEYS, ROOT
@@ -154,18 +155,24 @@ def test_ray_services_run_the_workloads_builder_from_the_built_image(stack: str)
 def test_the_render_prints_each_models_plan_and_cold_start_budget(stack: str, tmp_path: Path) -> None:
     done = render_cli("--stack", stack, "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
-    kinds = ("capacity ", "in flight ", "cold start ", "upgrade headroom ")
+    kinds = ("capacity ", "workload ", "in flight ", "cold start ", "upgrade headroom ")
     printed = [line for line in done.stdout.splitlines() if line.startswith(kinds)]
     cfg = stack_config(stack)
     expected = []
     inputs = capacity_input(cfg)
     for plan, model in zip(plan_stack(inputs), cfg.models, strict=True):
-        # The plan, what the replica's in-flight cap asks of its KV cache, the cold start.
-        expected += [preview_line(plan), inflight_line(plan), cold_start_line(cold_start_budget(cfg, model))]
+        # The plan, its workload profile and concurrency, what the replica's in-flight cap asks of its KV
+        # cache, the cold start (no preemption warning: the committed stacks keep max_num_seqs within the plan).
+        expected += [
+            preview_line(plan),
+            workload_line(plan),
+            inflight_line(plan),
+            cold_start_line(cold_start_budget(cfg, model)),
+        ]
     # Then each GPU group's room for a NewCluster upgrade.
     expected += [upgrade_line(u) for u in upgrade_plan(inputs)]
     assert printed == expected
-    assert len(printed) == 3 * len(cfg.models) + len({m.gpu_group for m in cfg.models})
+    assert len(printed) == 4 * len(cfg.models) + len({m.gpu_group for m in cfg.models})
     # Until the base image's digest is resolved (make pin-base), the preview says it builds from the tag.
     unpinned = [] if versions.RAY_LLM_BASE_PINNED else [UNPINNED_BASE_WARNING]
     assert render_stack(stack).log == expected + unpinned

@@ -48,7 +48,8 @@ LABELS: dict[str, set[str] | None] = {
     kuberay.NODE_TYPE: {"head", "worker"},
     "app.kubernetes.io/name": {BATCH_WORKER},
 }
-RECORDED = {r.record for r in alerts.RECORDING_RULES}
+# The recording rules' series, and those the capacity plan records per model.
+RECORDED = {r.record for r in alerts.RECORDING_RULES} | alerts.PLAN_RECORDS
 
 
 def _page(alert: str) -> Path:

@@ -4,6 +4,7 @@ alert has `promtool test rules` cases and a row in the alert table of docs/opera
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import json
@@ -22,7 +23,7 @@ from infra.config import Slo
 from infra.render import ROOT
 from infra.serving import alerts, dashboards
 from infra.serving.ports import RAY_PORTS
-from tests.harness import REFERENCE, manifests_of, reference_dir, render_stack
+from tests.harness import REFERENCE, manifests_of, reference_dir, render_config, render_stack, stack_doc
 from tests.harness import stack_config as config
 from tests.promql import metrics_in
 
@@ -31,7 +32,10 @@ RULES_DIR = Path(__file__).parent / "rules"
 CASE_SLO = Slo()
 CASE_NAMESPACE = "llm"
 ALERT_NAMES = [a.name for a in alerts.ALERTS]
-RECORDED = {r.record for r in alerts.RECORDING_RULES}
+# The static recording rules, and the series the capacity plan records per model.
+RECORDED = {r.record for r in alerts.RECORDING_RULES} | alerts.PLAN_RECORDS
+# The plan's preemption-free load of the models the cases let preempt (tests/rules/serving-alerts.yaml).
+CASE_PREEMPTION_FREE = {"crowded": 12, "tolerant": 12}
 # Names vLLM removed; they must not come back anywhere.
 REMOVED_BY_VLLM = ("gpu_cache_usage_perc", "time_per_output_token_seconds")
 
@@ -88,9 +92,13 @@ def test_rule_names_are_unique() -> None:
         assert re.fullmatch(r"llm:[a-z0-9_]+:[a-z0-9_]+", record), record
 
 
-def _rule(stack: str) -> dict[str, Any]:
-    (rule,) = [r for r in manifests_of(render_stack(stack), "PrometheusRule") if r["metadata"]["name"] == "llm-serving"]
+def _rule_of(rendered: Any) -> dict[str, Any]:
+    (rule,) = [r for r in manifests_of(rendered, "PrometheusRule") if r["metadata"]["name"] == "llm-serving"]
     return rule
+
+
+def _rule(stack: str) -> dict[str, Any]:
+    return _rule_of(render_stack(stack))
 
 
 def _rules(rule: dict[str, Any]) -> list[dict[str, Any]]:
@@ -156,6 +164,36 @@ def test_names_vllm_removed_appear_nowhere(stack: str) -> None:
     for path, content in _project_texts():
         for removed in REMOVED_BY_VLLM:
             assert removed not in content, f"{path.relative_to(ROOT)} names {removed}"
+
+
+def test_the_preemption_threshold_is_the_plans_figure_for_a_model_that_allows_preemption() -> None:
+    """Rendered as the plan prints it; a model kept within its plan (every committed one) records none."""
+    doc = copy.deepcopy(stack_doc("prod"))
+    seventy = doc["config"]["llm-platform:models"][1]
+    seventy["engine_overrides"]["max_num_seqs"] = 128
+    seventy["workload"]["allow_preemption"] = True
+    rendered = render_config(doc)
+    planned = rendered.outputs["capacity"]["models"][seventy["name"]]["preemption_free_sequences"]
+    assert planned < 128
+    # The program accepts it, with the plan's warning in the preview's log.
+    assert [line for line in rendered.log if line.startswith("preemption ")] == [
+        f"preemption {seventy['name']}: max_num_seqs 128 is above the {planned} sequences the KV cache holds at "
+        f"once at the workload's p95 (workload.allow_preemption: true): above {planned} running sequences of long "
+        f"requests vLLM preempts and recomputes them, and the preemption alerts take {planned} as the load where "
+        "it starts"
+    ]
+    (recording, alerting) = _rule_of(rendered)["spec"]["groups"]
+    plan = [r for r in recording["rules"] if r["record"] == alerts.PREEMPTION_FREE]
+    labels = {"model_name": seventy["model_id"]}
+    assert plan == [{"record": alerts.PREEMPTION_FREE, "expr": f"vector({planned})", "labels": labels}]
+    assert [r["record"] for r in recording["rules"]] == [r.record for r in alerts.RECORDING_RULES] + [
+        alerts.PREEMPTION_FREE
+    ]
+    by_alert = {r["alert"]: r for r in alerting["rules"]}
+    assert by_alert["LlmRunningAbovePreemptionFree"]["expr"].endswith(f"> on (model_name) {alerts.PREEMPTION_FREE}")
+    for stack in ("dev", "prod"):
+        recorded = [r.get("record") for g in _rule(stack)["spec"]["groups"] for r in g["rules"]]
+        assert not alerts.PLAN_RECORDS & set(recorded)
 
 
 def test_thresholds_come_from_the_slos() -> None:
@@ -374,7 +412,7 @@ CASE_FILES = sorted(RULES_DIR.glob("*.yaml"))
 @pytest.mark.parametrize("case", [p.name for p in CASE_FILES])
 def test_promtool_rule_cases(case: str, tmp_path: Path) -> None:
     promtool = _promtool()
-    rule = alerts.prometheus_rule(CASE_SLO, CASE_NAMESPACE, {})
+    rule = alerts.prometheus_rule(CASE_SLO, CASE_NAMESPACE, {}, preemption_free=CASE_PREEMPTION_FREE)
     # promtool compares annotations exactly; their templates are checked by
     # `promtool check rules` above, the cases here test when alerts fire.
     for group in rule["spec"]["groups"]:

@@ -150,9 +150,28 @@ SERVICE = "day2"
 # A certificate ARN's account and region are kept; its id changes.
 NEW_CERTIFICATE_ID = "0a0b0c0d-1e2f-4a3b-8c4d-5e6f7a8b9c0d"
 NEW_SOURCE_RANGE = "203.0.113.0/24"
-# The engine argument render B changes (it runs on the CPU too).
+# The engine argument render B changes (it runs on the CPU too); its value is `engine_value`'s.
 ENGINE_KEY = "max_num_seqs"
-ENGINE_VALUE = 48
+
+
+def engine_value(stack: str, model: str) -> int:
+    """A max_num_seqs for render B that the capacity rule accepts and the committed stack does not run with.
+
+    The plan's recommendation for the model at its workload, else one less,
+    else its preemption-free load: a value above that load would be refused
+    before the render (infra/capacity/rules.py).
+    """
+    from infra.capacity.report import plan_stack
+    from infra.config import capacity_input, load_stack_file
+    from infra.render import stack_file
+
+    plan = next(p for p in plan_stack(capacity_input(load_stack_file(stack_file(stack)))) if p.name == model)
+    at = plan.concurrency
+    choices = (at.recommended, at.recommended - 1, at.preemption_free)
+    value = next((n for n in choices if n >= 1 and n != plan.replica.engine.max_num_seqs), None)
+    if value is None:
+        raise RuntimeError(f"{stack}: the plan leaves '{model}' no other max_num_seqs to change to")
+    return value
 
 
 def with_endpoint_change(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -270,16 +289,15 @@ def upgrade_inputs(stack: str, before: Rendered) -> Any:
         for m in stack_document(stack)["config"]["llm-platform:models"]
         if m.get("model_id") == catalog["models"][0]["model_id"]
     )
-    after_render = render_document(
-        stack, changed_engine(stack_document(stack), model["name"], ENGINE_KEY, ENGINE_VALUE)
-    )
+    value = engine_value(stack, model["name"])
+    after_render = render_document(stack, changed_engine(stack_document(stack), model["name"], ENGINE_KEY, value))
     after = next(m for m in after_render.manifests if m.get("kind") == "RayService" and m["metadata"]["name"] == name)
     lb = next(
         m
         for m in before.manifests
         if m.get("kind") == "Service" and m["spec"]["selector"].get("llm-platform/ray-service") == name
     )
-    return UpgradeInputs(rs, with_image(after), lb, ENGINE_KEY, ENGINE_VALUE)
+    return UpgradeInputs(rs, with_image(after), lb, ENGINE_KEY, value)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,7 +83,8 @@ def _family(metric: str) -> alerts.MetricFamily:
     return next(f for f in alerts.METRIC_INVENTORY if metric in f.names)
 
 
-_RECORDED = {r.record: r.metrics for r in alerts.RECORDING_RULES}
+# The capacity plan's recorded figures read no exporter metric.
+_RECORDED = {r.record: r.metrics for r in alerts.RECORDING_RULES} | {name: () for name in alerts.PLAN_RECORDS}
 
 
 def inventory_metrics(names: Iterable[str]) -> set[str]:
@@ -150,8 +151,22 @@ FAULT_NOT_IN_LAYOUT: dict[tuple[str, str], str] = {
 }
 
 
+# Alerts that compare the live replicas with the capacity plan's figures for the stack's GPUs, and why
+# the twin's replicas can not be held to them.
+PLANNED_FOR_GPUS: dict[str, str] = {
+    "LlmRunningAbovePreemptionFree": (
+        "its threshold is the capacity plan's preemption-free load of a GPU replica's KV cache, recorded only for "
+        "a model whose workload allows preemption; the twin's stacks keep every model within its plan, and the "
+        "tiny model's few-MiB KV cache is not the cache that load was planned for"
+    ),
+}
+
+
 def alert_absent_reason(alert: alerts.AlertSpec) -> str | None:
-    """Why ``alert`` can not fire in the twin (an exporter it reads is absent); None when it can."""
+    """Why ``alert`` can not fire in the twin (an exporter it reads is absent, or it holds the replicas to
+    figures planned for the stack's GPUs); None when it can."""
+    if alert.name in PLANNED_FOR_GPUS:
+        return PLANNED_FOR_GPUS[alert.name]
     for metric in sorted(inventory_metrics(alert.metrics)):
         why = absent_reason(metric)
         if why is not None:

@@ -3,7 +3,8 @@
     node ready   provisioner reaction + EC2 launch + boot + kubelet Ready with the GPU advertised
     image pull   the serving image over the node's network (SOCI parallel pull) and unpacked on NVMe
     ray start    the container's Ray worker registered with the head
-    weights      the replica's weights streamed from S3 (runai_streamer) at the network's usable rate
+    weights      what each node reads from S3 (runai_streamer) at the network's usable rate: the checkpoint
+                 once with distributed streaming (more than one rank a node), once per rank without
     engine init  vLLM after the weights: KV profiling, torch.compile (cold cache on a new node), CUDA graphs
     serve ready  Serve marks the replica healthy and the proxies route to it
 
@@ -106,6 +107,36 @@ def figure(key: str) -> float:
 
 
 # --- The S3 streamer, sized from the network --------------------------------
+#
+# How vLLM 0.29 and runai-model-streamer 0.17.1 read a checkpoint, which the
+# sizing and the budget follow:
+# - Every rank reads every tensor of the checkpoint, whatever its TP shard or
+#   PP stage: vLLM's loader lists all the files and streams them all
+#   (model_loader/runai_streamer_loader.py: `hf_weights_files =
+#   list_safetensors(path=hf_folder)`, then
+#   `runai_safetensors_weights_iterator(hf_weights_files, ..., self._is_distributed)`).
+#   Without distributed streaming a node of R ranks reads it R times.
+# - `model_loader_extra_config={"distributed": true}` makes the ranks sharing a
+#   host split the tensors and broadcast their shares to each other
+#   (runai_model_streamer/distributed_streamer/distributed_streamer.py:
+#   `group = self.create_local_distribution_group()`, "all ranks on the current
+#   node", then `partition_for_rank(...)`): each node reads the checkpoint once.
+#   On GPUs vLLM hands it a CUDA device (model_loader/weight_utils.py:
+#   `f"cuda:{current_platform.current_device()}" if is_distributed and is_cuda_alike`)
+#   and the broadcast runs over NCCL, which the streamer's "auto" mode takes
+#   (`elif enable_dist == "auto" and backend_name != "nccl":` falls back).
+# - A world of one rank falls back to plain streaming anyway
+#   (`self.is_distributed = self.is_distributed and self.get_group_size() > 1`),
+#   but vLLM would still pick the CUDA device: replicas with one rank a node
+#   are left as they were.
+# - RUNAI_STREAMER_CONCURRENCY is read by each rank's own reader (the S3
+#   reader is not divided by RUNAI_STREAMER_PROCESS_GROUP_SIZE, which only the
+#   file-system queue depth is), so the node's NIC is shared by ranks x concurrency.
+# - RUNAI_STREAMER_MEMORY_LIMIT is a node total in distributed mode, divided
+#   over the host's ranks (`per_rank = max(limit // ranks, self.max_chunk)`).
+# - Each rank also holds two staging buffers of max(1 GiB, the largest tensor)
+#   on its GPU while loading; with less free it falls back to plain streaming
+#   (`if free_memory < 2 * self.params.max_chunk:`).
 
 STREAMER_MIN_CONCURRENCY = 16  # runai_streamer's own default
 STREAMER_MAX_CONCURRENCY = 128
@@ -116,15 +147,37 @@ STREAMER_BUFFER_SECONDS = 2.0
 STREAMER_MEMORY_SHARE = 0.25
 
 
-def streamer_concurrency(io: HostIo) -> int:
-    """Parallel S3 reads that fill the usable line rate, at S3's per-connection rate."""
+def ranks_per_node(num_devices: int, gpus_per_node: int) -> int:
+    """One replica's ranks on each of its nodes: all of them, or a whole node per pipeline stage beyond one node."""
+    return min(num_devices, gpus_per_node)
+
+
+def streams_distributed(ranks: int) -> bool:
+    """Whether a replica with `ranks` on each node streams distributed: whenever a node has more than one.
+
+    The ranks sharing a host split the reads; a rank alone on its node (a
+    pipeline stage per one-GPU node) would only add the broadcast's GPU buffers.
+    """
+    return ranks > 1
+
+
+def checkpoint_copies_per_node(ranks: int, distributed: bool) -> int:
+    """How many times one node reads the whole checkpoint from S3: once distributed, else once per rank."""
+    return 1 if distributed else ranks
+
+
+def streamer_concurrency(io: HostIo, ranks: int = 1) -> int:
+    """Each rank's parallel S3 reads: the node's `ranks` together fill its usable line rate, at S3's rate a stream."""
     target = io.network_bytes_s * figure("s3_network_share")
-    wanted = math.ceil(target / figure("s3_per_connection_bytes_s"))
+    wanted = math.ceil(target / figure("s3_per_connection_bytes_s") / ranks)
     return max(STREAMER_MIN_CONCURRENCY, min(STREAMER_MAX_CONCURRENCY, wanted))
 
 
 def streamer_memory_limit(io: HostIo, pod_memory_gib: int) -> int:
-    """runai_streamer's CPU buffer in bytes: a couple of seconds of line rate, within a share of the pod's memory."""
+    """runai_streamer's CPU buffer in bytes: a couple of seconds of line rate, within a share of the pod's memory.
+
+    The pod's total: a one-rank replica uses it all, and distributed streaming divides it over the ranks.
+    """
     buffer = io.network_bytes_s * STREAMER_BUFFER_SECONDS
     cap = pod_memory_gib * 2**30 * STREAMER_MEMORY_SHARE
     return int(min(buffer, cap)) // MIB * MIB
@@ -145,6 +198,9 @@ class ColdStart:
     weights: float
     engine_init: float
     serve_ready: float
+    # What each node reads from S3 (the `weights` phase's bytes), and how many checkpoints that is.
+    node_read_bytes: float
+    checkpoint_copies: int
 
     @property
     def total(self) -> float:
@@ -187,9 +243,9 @@ def image_pull_seconds(io: HostIo) -> float:
     return max(download, unpack)
 
 
-def weights_seconds(weight_bytes_per_node: float, io: HostIo) -> float:
-    """One node's share of the replica's weights at the usable S3 rate of its NIC."""
-    return weight_bytes_per_node / (io.network_bytes_s * figure("s3_network_share"))
+def weights_seconds(node_read_bytes: float, io: HostIo) -> float:
+    """What one node reads from S3 at the usable rate of its NIC (its ranks share it)."""
+    return node_read_bytes / (io.network_bytes_s * figure("s3_network_share"))
 
 
 def engine_init_seconds(tensor_parallel_size: int, enforce_eager: bool) -> float:
@@ -202,21 +258,29 @@ def cold_start(
     model: str,
     instance: GpuInstanceType,
     weight_bytes: float,
-    hosts: int,
+    checkpoint_copies: int,
     tensor_parallel_size: int,
     enforce_eager: bool,
 ) -> ColdStart:
-    """The budget of one replica of `weight_bytes` over `hosts` nodes of `instance`."""
+    """The budget of one replica of `weight_bytes` on new `instance` nodes.
+
+    Each node reads the checkpoint `checkpoint_copies` times. A replica over
+    several nodes loads no faster than one: each node reads the whole
+    checkpoint (see the streamer's notes above), all of them at once.
+    """
     io = host_io(instance.name)
+    node_read_bytes = weight_bytes * checkpoint_copies
     return ColdStart(
         model=model,
         instance=instance.name,
         node_ready=node_ready_seconds(instance),
         image_pull=image_pull_seconds(io),
         ray_start=figure("ray_start"),
-        weights=weights_seconds(weight_bytes / hosts, io),
+        weights=weights_seconds(node_read_bytes, io),
         engine_init=engine_init_seconds(tensor_parallel_size, enforce_eager),
         serve_ready=figure("serve_ready"),
+        node_read_bytes=node_read_bytes,
+        checkpoint_copies=checkpoint_copies,
     )
 
 
@@ -259,8 +323,23 @@ def timeout_problems(budget: ColdStart, timeouts: list[Timeout]) -> list[tuple[s
 
 
 def describe(budget: ColdStart) -> str:
-    """The phases as one short string."""
-    return ", ".join(f"{k.replace('_', ' ')} {v} s" for k, v in budget.phases().items())
+    """The phases as one short string; the weights with what each node reads."""
+    parts = []
+    for key, seconds in budget.phases().items():
+        part = f"{key.replace('_', ' ')} {seconds} s"
+        if key == "weights":
+            part += f" for {weights_read(budget)}"
+        parts.append(part)
+    return ", ".join(parts)
+
+
+def weights_read(budget: ColdStart) -> str:
+    """What each node reads from S3, e.g. "141 GB a node" or "564 GB a node: 4 ranks each read all 141 GB"."""
+    read = f"{budget.node_read_bytes / GB:.0f} GB a node"
+    if budget.checkpoint_copies > 1:
+        checkpoint = budget.node_read_bytes / budget.checkpoint_copies
+        read += f": {budget.checkpoint_copies} ranks each read all {checkpoint / GB:.0f} GB"
+    return read
 
 
 def output(budget: ColdStart) -> dict[str, Any]:
@@ -269,6 +348,7 @@ def output(budget: ColdStart) -> dict[str, Any]:
         "instance_type": budget.instance,
         "total_seconds": round(budget.total),
         "phases_seconds": budget.phases(),
+        "weights_read_per_node_gb": round(budget.node_read_bytes / GB, 1),
     }
 
 

@@ -8,10 +8,11 @@ Every number here is an estimate, and says so where it is shown:
   (peak memory bandwidth x BANDWIDTH_EFFICIENCY); the GPUs of a replica work
   in parallel (TP shards, pipeline stages kept busy), so the slowest GPU sets
   the pace. Output tokens per second = batch / step time.
-- The batch is the configured max_num_seqs (else the recommended one),
-  capped by the sequences the KV cache holds at the planning context
-  (plan.PLANNING_CONTEXT_SHARE of max_model_len); the context is that
-  planning context.
+- The batch is the configured max_num_seqs (else the recommended one,
+  workload.py), capped by the mean sequences the KV cache holds at once at
+  the model's workload profile; the context is what a mean sequence holds
+  on average while it decodes (its prompt and half its answer). So every
+  figure is an estimate at that profile, and the plan says which.
 - Prefill, scheduling gaps and network time are left out: the figure is a
   ceiling for a saturated replica, not a latency.
 """
@@ -20,18 +21,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infra.capacity.plan import PLANNING_CONTEXT_SHARE, ReplicaPlan
+from infra.capacity.plan import ReplicaPlan
 from infra.capacity.prices import CapacityType, Price, price
+from infra.capacity.workload import Concurrency
 from infra.instance_types import GpuInstanceType
 
 # The share of peak memory bandwidth decode kernels reach.
 BANDWIDTH_EFFICIENCY = 0.7
 ROOFLINE = (
-    "decode estimate: memory-bound roofline, step = (weights per GPU + batch x context x KV bytes per token) / "
-    f"({BANDWIDTH_EFFICIENCY:.0%} of peak memory bandwidth); batch = max_num_seqs (set, else recommended) capped by "
-    "the sequences the KV cache "
-    f"holds at {PLANNING_CONTEXT_SHARE:.0%} of max_model_len, context = {PLANNING_CONTEXT_SHARE:.0%} of max_model_len; "
-    "prefill and scheduling gaps left out"
+    "decode estimate, at each model's workload profile: memory-bound roofline, step = (weights per GPU + batch x "
+    f"context x KV bytes per token) / ({BANDWIDTH_EFFICIENCY:.0%} of peak memory bandwidth); batch = max_num_seqs "
+    "(set, else recommended) capped by the mean sequences the KV cache holds at once, context = the mean prompt and "
+    "half the mean output; prefill and scheduling gaps left out"
 )
 
 
@@ -46,12 +47,13 @@ class Decode:
     tokens_per_second: float
 
 
-def decode_estimate(plan: ReplicaPlan) -> Decode | None:
-    """Output tokens per second of one replica at the roofline; None when the cache holds no sequence."""
-    batch = min(plan.planned_max_num_seqs, plan.planning_sequences)
+def decode_estimate(plan: ReplicaPlan, at: Concurrency) -> Decode | None:
+    """Output tokens per second of one replica at the roofline, at the workload of `at`; None when the cache
+    holds no sequence at that profile."""
+    batch = min(plan.engine.max_num_seqs or at.recommended, at.at_mean)
     if batch < 1:
         return None
-    context = plan.planning_context_tokens
+    context = round(at.workload.mean_context)
     bytes_per_step = max(s.weight_bytes + batch * context * s.kv_bytes_per_token for s in plan.stages)
     step = bytes_per_step / (plan.device.bandwidth_bytes_s * BANDWIDTH_EFFICIENCY)
     return Decode(batch, context, bytes_per_step, step, batch / step)

@@ -12,6 +12,7 @@ from infra.capacity.cold_start import ColdStart
 from infra.capacity.geometry import Geometry
 from infra.capacity.prices import CapacityType
 from infra.capacity.upgrade import Fleet, UpgradeHeadroom, UpgradeNeed
+from infra.capacity.workload import Workload
 from infra.instance_types import GpuInstanceType
 from workloads.inference_server.catalog import ModelEntry
 
@@ -33,7 +34,8 @@ class GroupInput:
 
 @dataclass(frozen=True)
 class ModelInput:
-    """One model: the catalogue entry its engine starts from, its size and shape, its group, and its cold start."""
+    """One model: the catalogue entry its engine starts from, its size and shape, its group, its cold start,
+    and the traffic it is planned for."""
 
     name: str
     entry: ModelEntry
@@ -42,6 +44,8 @@ class ModelInput:
     geometry: Geometry | None
     group: GroupInput
     cold_start: ColdStart
+    # The model's `workload` block, or the full-length profile when it gives none (workload.full_length).
+    workload: Workload
 
 
 @dataclass(frozen=True)

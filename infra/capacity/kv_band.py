@@ -22,6 +22,8 @@ class KvBand:
 
     memory: Range
     tokens: Range
+    # vLLM's blocks at each end (the null block included), which tokens are counted from.
+    blocks: Range
     low_assumption: str
     high_assumption: str
 
@@ -62,9 +64,11 @@ def replica_kv_band(
         return int(num_blocks / per_sequence * engine.max_model_len)
 
     name, over = gpu.ray_accelerator_type, overs[binding]
+    fewest = Range(min(b.low for b in blocks), min(b.high for b in blocks))
     return KvBand(
         memory=memory[binding],
-        tokens=Range(tokens(min(b.low for b in blocks)), tokens(min(b.high for b in blocks))),
+        tokens=Range(tokens(fewest.low), tokens(fewest.high)),
+        blocks=fewest,
         low_assumption=f"{name} reports {total.low_bytes / GIB:.2f} GiB to CUDA; {over.describe('high')}",
         high_assumption=f"{name} reports {total.high_bytes / GIB:.2f} GiB to CUDA; {over.describe('low')}",
     )

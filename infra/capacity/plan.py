@@ -90,8 +90,10 @@ OVERHEADS = (
     "skips profiling and takes it as given."
 )
 # A running sequence holds, on average, this share of max_model_len in the
-# KV cache (its prompt and half its answer, typically): what the recommended
-# max_num_seqs and the decode estimate assume.
+# KV cache (its prompt and half its answer, typically): what the in-flight
+# rule (rules.py) assumes of the requests a replica queues. The recommended
+# max_num_seqs and the estimates read the model's workload profile instead
+# (workload.py).
 PLANNING_CONTEXT_SHARE = 0.5
 
 
@@ -312,7 +314,6 @@ class ReplicaPlan:
     max_model_len_sequences: int
     planning_context_tokens: int
     planning_sequences: int
-    recommended_max_num_seqs: int
     default_max_num_seqs: int
 
     @property
@@ -340,11 +341,6 @@ class ReplicaPlan:
         """The max_num_seqs the engine runs with: the configured one, or vLLM's default."""
         return self.engine.max_num_seqs or self.default_max_num_seqs
 
-    @property
-    def planned_max_num_seqs(self) -> int:
-        """The max_num_seqs the estimates assume: the configured one, or the recommended one."""
-        return self.engine.max_num_seqs or self.recommended_max_num_seqs
-
 
 def plan_replica(geometry: Geometry, parameters_billion: float, engine: EngineSettings, device: Device) -> ReplicaPlan:
     """The plan of one replica of a model of `geometry` with `engine` settings on `device` GPUs."""
@@ -356,7 +352,6 @@ def plan_replica(geometry: Geometry, parameters_billion: float, engine: EngineSe
     planning = max(1, math.ceil(engine.max_model_len * PLANNING_CONTEXT_SHARE))
     planning_sequences = usable // -(-planning // block_size)
     default_seqs = device.batch_defaults(engine.world_size)[1]
-    recommended = min(planning_sequences, default_seqs) if usable >= per_sequence else 0
     binding = min(staged, key=lambda s: s.num_blocks)
     return ReplicaPlan(
         engine=engine,
@@ -370,6 +365,5 @@ def plan_replica(geometry: Geometry, parameters_billion: float, engine: EngineSe
         max_model_len_sequences=usable // per_sequence,
         planning_context_tokens=planning,
         planning_sequences=planning_sequences,
-        recommended_max_num_seqs=recommended,
         default_max_num_seqs=default_seqs,
     )

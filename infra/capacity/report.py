@@ -27,6 +27,7 @@ from infra.capacity.plan import (
 from infra.capacity.prices import ON_DEMAND_AS_OF, ON_DEMAND_SOURCE, SPOT_AS_OF, SPOT_SOURCE
 from infra.capacity.rules import MAX_INFLIGHT_KV_ROUNDS, inflight_tokens
 from infra.capacity.upgrade import UpgradeCost, UpgradeNeed, upgrade_cost
+from infra.capacity.workload import RECOMMENDED_SHARE, Concurrency, concurrency
 from infra.instance_types import GpuInstanceType
 
 MEMORY = (
@@ -44,7 +45,14 @@ PRICES = (
     f"prices pinned in infra/capacity/prices.py: on-demand {ON_DEMAND_SOURCE}, {ON_DEMAND_AS_OF}; "
     f"spot {SPOT_SOURCE}, {SPOT_AS_OF}"
 )
-ASSUMPTIONS = (OVERHEADS, KV_BAND, ROOFLINE, PRICES, MEMORY)
+CONCURRENCY = (
+    "concurrency at each model's workload profile (its workload block, else every request at the longest "
+    "serving.limits admits): the blocks at the KV band's low end, less vLLM's null block, over the blocks of one "
+    "sequence at p95 (p95 prompt + p95 output tokens) is the load up to which vLLM never preempts; the recommended "
+    f"max_num_seqs is {RECOMMENDED_SHARE:.0%} of it, and a max_num_seqs set above it is refused unless "
+    "workload.allow_preemption (infra/capacity/workload.py)"
+)
+ASSUMPTIONS = (OVERHEADS, KV_BAND, CONCURRENCY, ROOFLINE, PRICES, MEMORY)
 COLUMNS = (
     "model",
     "replica",
@@ -54,9 +62,9 @@ COLUMNS = (
     "KV tokens (band)",
     "max_model_len seqs",
     "max_num_seqs",
-    "decode (est.)",
+    "decode (est. at workload)",
     "$/h (replica)",
-    "$/1M out (est.)",
+    "$/1M out (est. at workload)",
     "$/h (min-max replicas)",
 )
 
@@ -70,6 +78,8 @@ class ModelPlan:
     replica: ReplicaPlan
     # The KV tokens between the calibrated overheads' ends; the replica's own figure lies inside.
     kv_band: KvBand
+    # The sequences one replica runs at once at the model's workload profile, from the band's low end.
+    concurrency: Concurrency
     decode: Decode | None
     cost: Cost
 
@@ -90,9 +100,10 @@ def plan_model(model: ModelInput, region: str) -> ModelPlan:
     engine = EngineSettings.of(entry)
     replica = plan_replica(geometry, model.parameters_billion, engine, Device.of(instance))
     band = replica_kv_band(geometry, model.parameters_billion, engine, instance)
-    decode = decode_estimate(replica)
+    at = concurrency(replica, band, model.workload)
+    decode = decode_estimate(replica, at)
     cost = replica_cost(replica, instance, group.capacity_type, region, decode)
-    return ModelPlan(model, instance, replica, band, decode, cost)
+    return ModelPlan(model, instance, replica, band, at, decode, cost)
 
 
 def cold_start_line(budget: cold_start.ColdStart) -> str:
@@ -138,14 +149,52 @@ def band_line(p: ModelPlan) -> str:
     return f"KV band {p.name}: {p.kv_band.describe()}"
 
 
+def _estimates(p: ModelPlan) -> str:
+    decode = (
+        f"~{p.decode.tokens_per_second:,.0f} output tokens/s at batch {p.decode.batch}"
+        if p.decode
+        else "no decode estimate"
+    )
+    return f"{decode}, {_usd(p.cost.usd_per_million_tokens)} per 1M output tokens"
+
+
+def workload_line(p: ModelPlan) -> str:
+    """One line: the model's workload profile, the load at which preemption starts, and the estimates at it."""
+    at, r = p.concurrency, p.replica
+    now = f"set {r.engine.max_num_seqs}" if r.engine.max_num_seqs else f"unset, vLLM's default {r.default_max_num_seqs}"
+    return (
+        f"workload {p.name}: {at.workload.describe()}: no preemption up to {at.preemption_free} sequences at once at "
+        f"p95 ({at.arithmetic()}), typically from about {at.at_mean} at the mean ({at.mean_blocks:,} blocks a "
+        f"sequence); max_num_seqs {at.recommended} recommended ({RECOMMENDED_SHARE:.0%} of {at.preemption_free}), "
+        f"{now}; estimates at this profile: {_estimates(p)}"
+    )
+
+
+def preemption_warning(p: ModelPlan) -> str | None:
+    """The warning a max_num_seqs above the preemption-free load gets when the stack accepts preemption, else None.
+
+    Without workload.allow_preemption the config refuses it (rules.preemption_problems).
+    """
+    at, configured = p.concurrency, p.replica.engine.max_num_seqs
+    if configured is None or not at.preempts(configured):
+        return None
+    return (
+        f"preemption {p.name}: max_num_seqs {configured} is above the {at.preemption_free} sequences the KV cache "
+        f"holds at once at the workload's p95 (workload.allow_preemption: true): above {at.preemption_free} running "
+        "sequences of long requests vLLM preempts and recomputes them, and the preemption alerts take "
+        f"{at.preemption_free} as the load where it starts"
+    )
+
+
 def _replica(p: ModelPlan) -> str:
     kind = p.cost.capacity_type.replace("_", "-")
     return f"{p.replica.engine.world_size} x {p.instance.gpu_model} ({p.instance.name}, {kind})"
 
 
-def _max_num_seqs(r: ReplicaPlan) -> str:
+def _max_num_seqs(p: ModelPlan) -> str:
+    r, at = p.replica, p.concurrency
     now = f"set {r.engine.max_num_seqs}" if r.engine.max_num_seqs else f"vLLM default {r.default_max_num_seqs}"
-    return f"{r.recommended_max_num_seqs} recommended ({now})"
+    return f"{at.recommended} recommended, {at.preemption_free} preemption-free at p95 ({now})"
 
 
 def _replicas_cost(p: ModelPlan) -> str:
@@ -168,7 +217,7 @@ def row(p: ModelPlan) -> list[str]:
         _kib(r.kv_bytes_per_token),
         _kv_tokens(p),
         f"{r.max_model_len_sequences} x {r.engine.max_model_len:,}",
-        _max_num_seqs(r),
+        _max_num_seqs(p),
         decode,
         _usd(p.cost.usd_per_hour),
         _usd(p.cost.usd_per_million_tokens),
@@ -271,6 +320,10 @@ def _upgrade_notes(inputs: StackInput) -> list[str]:
     return [upgrade_line(u) for u in upgrade_plan(inputs)]
 
 
+def _warnings(plans: list[ModelPlan]) -> list[str]:
+    return [w for p in plans if (w := preemption_warning(p)) is not None]
+
+
 def markdown(stack: str, inputs: StackInput, plans: list[ModelPlan]) -> str:
     """The plan as Markdown: a heading, one row per model, the upgrade headroom, and the assumptions."""
     upgrades = _upgrade_notes(inputs)
@@ -284,6 +337,11 @@ def markdown(stack: str, inputs: StackInput, plans: list[ModelPlan]) -> str:
         "KV tokens (band), what each end assumes:",
         "",
         *(f"- {band_line(p)}" for p in plans),
+        "",
+        "Workload profile, concurrency and estimates at it:",
+        "",
+        *(f"- {workload_line(p)}" for p in plans),
+        *(f"- {w}" for w in _warnings(plans)),
         "",
         *(["During a NewCluster upgrade of every model:", "", *(f"- {u}" for u in upgrades), ""] if upgrades else []),
         "Estimates, and what they assume:",
@@ -307,6 +365,9 @@ def text(stack: str, inputs: StackInput, plans: list[ModelPlan]) -> str:
         "",
         *(band_line(p) for p in plans),
         "",
+        *(workload_line(p) for p in plans),
+        *_warnings(plans),
+        "",
         *([*upgrades, ""] if upgrades else []),
         *notes,
     ]
@@ -321,8 +382,9 @@ def preview_line(p: ModelPlan) -> str:
         f"capacity {p.name}: {_replica(p)} in {p.cost.region}: weights {_gib(r.weight_bytes_per_gpu)}/GPU, "
         f"KV cache {_gib(r.binding.kv_memory_bytes)}/GPU = {r.kv_tokens:,} tokens "
         f"(band {p.kv_band.tokens.low:,}-{p.kv_band.tokens.high:,}) = "
-        f"{r.max_model_len_sequences} sequences of {r.engine.max_model_len:,}; max_num_seqs {_max_num_seqs(r)}; "
-        f"estimates: {decode}, {_usd(p.cost.usd_per_hour)}/h, {_usd(p.cost.usd_per_million_tokens)}/1M output tokens"
+        f"{r.max_model_len_sequences} sequences of {r.engine.max_model_len:,}; max_num_seqs {_max_num_seqs(p)}; "
+        f"estimates at the workload profile: {decode}, {_usd(p.cost.usd_per_hour)}/h, "
+        f"{_usd(p.cost.usd_per_million_tokens)}/1M output tokens"
     )
 
 
@@ -342,6 +404,16 @@ def inflight_line(p: ModelPlan) -> str:
         f"{inflight_ratio(p):.1f} x the KV cache's {r.kv_tokens:,} (at most {MAX_INFLIGHT_KV_ROUNDS}): about "
         f"{running} run at once at that length, the rest wait in vLLM's queue"
     )
+
+
+def _workload_output(at: Concurrency) -> dict[str, Any]:
+    w = at.workload
+    return {
+        "prompt_tokens": {"mean": round(w.prompt.mean, 1), "p95": w.prompt.p95},
+        "output_tokens": {"mean": round(w.output.mean, 1), "p95": w.output.p95},
+        "source": w.source,
+        "allow_preemption": w.allow_preemption,
+    }
 
 
 def _model_output(p: ModelPlan) -> dict[str, Any]:
@@ -367,7 +439,10 @@ def _model_output(p: ModelPlan) -> dict[str, Any]:
         "gpu_memory_gib": round(r.device.memory_bytes / GIB, 2),
         "max_model_len": r.engine.max_model_len,
         "max_model_len_sequences": r.max_model_len_sequences,
-        "recommended_max_num_seqs": r.recommended_max_num_seqs,
+        "workload": _workload_output(p.concurrency),
+        "preemption_free_sequences": p.concurrency.preemption_free,
+        "sequences_at_mean": p.concurrency.at_mean,
+        "recommended_max_num_seqs": p.concurrency.recommended,
         "max_num_seqs": r.max_num_seqs,
         "max_ongoing_requests": p.model.entry.autoscaling.max_ongoing_requests,
         "inflight_kv_ratio": round(inflight_ratio(p), 2),

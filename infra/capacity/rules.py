@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from infra.capacity.geometry import Geometry
+from infra.capacity.kv_band import replica_kv_band
 from infra.capacity.plan import (
     GIB,
     INT_OVERRIDES,
@@ -21,6 +22,7 @@ from infra.capacity.plan import (
     plan_replica,
     positive_int,
 )
+from infra.capacity.workload import Concurrency, Workload, concurrency
 from infra.instance_types import GpuInstanceType
 from workloads.inference_server.catalog import ModelEntry
 
@@ -129,20 +131,58 @@ def inflight_problems(name: str, entry: ModelEntry, plan: ReplicaPlan) -> Iterab
         )
 
 
+def preemption_message(name: str, max_num_seqs: int, at: Concurrency) -> str:
+    """Why `max_num_seqs` would preempt at the workload's p95, with the arithmetic and the ways out."""
+    return (
+        f"'{name}': {max_num_seqs} sequences at once would preempt at the workload's p95 ({at.workload.source}): "
+        f"{at.arithmetic()} fit at once; set at most {at.preemption_free} "
+        f"(the plan recommends {at.recommended}), give workload the traffic's real figures, or accept preemption "
+        "at p95 with workload.allow_preemption: true"
+    )
+
+
+def preemption_problems(name: str, entry: ModelEntry, at: Concurrency) -> Iterable[tuple[str, str]]:
+    """A max_num_seqs the stack sets keeps every sequence at the workload's p95 in the KV cache at once.
+
+    Above that vLLM preempts under a full load of long requests: it frees a
+    running sequence's blocks and recomputes it from the start, so that
+    request pays its prefill again and everyone's latency climbs. With
+    workload.allow_preemption the stack accepts it, and the plan prints a
+    warning instead (report.preemption_warning). vLLM's own default, when
+    the stack sets none, is shown beside the recommendation, not judged.
+    """
+    configured = positive_int(entry.engine_overrides.get("max_num_seqs"))
+    if configured is not None and at.preempts(configured) and not at.workload.allow_preemption:
+        yield ("engine_overrides.max_num_seqs", preemption_message(name, configured, at))
+
+
 def capacity_problems(
-    name: str, entry: ModelEntry, geometry: Geometry, parameters_billion: float, gpu: GpuInstanceType | None
+    name: str,
+    entry: ModelEntry,
+    geometry: Geometry,
+    parameters_billion: float,
+    gpu: GpuInstanceType | None,
+    workload: Workload,
 ) -> list[tuple[str, str]]:
-    """Every capacity rule for one model; the KV rule only on a `gpu` its parallelism fits and its weights fit."""
+    """Every capacity rule for one model; the KV rules only on a `gpu` its parallelism fits and its weights fit.
+
+    The preemption rule only once the profile fits max_model_len (the
+    workload rule in infra/config/workload.py says so otherwise).
+    """
     problems = [*context_problems(name, entry, geometry), *kv_dtype_problems(entry), *engine_value_problems(entry)]
     if gpu is None:
         return problems
     problems += head_problems(name, entry, geometry)
     if problems:
         return problems
-    plan = plan_replica(geometry, parameters_billion, EngineSettings.of(entry), Device.of(gpu))
+    engine = EngineSettings.of(entry)
+    plan = plan_replica(geometry, parameters_billion, engine, Device.of(gpu))
     # Weights beyond the GPU are the weights rule's to report.
     if plan.weight_bytes_per_gpu < gpu.gpu_memory_bytes * entry.gpu_memory_utilization and not plan.fits_one_sequence:
         problems.append(("max_model_len", kv_message(name, plan)))
     elif plan.fits_one_sequence:
         problems += inflight_problems(name, entry, plan)
+        if workload.p95_tokens <= entry.max_model_len:
+            band = replica_kv_band(geometry, parameters_billion, engine, gpu)
+            problems += preemption_problems(name, entry, concurrency(plan, band, workload))
     return problems

@@ -18,6 +18,7 @@ storage.py         `storage`: the model bucket and the StorageClass
 ray.py             `ray`: GCS fault tolerance, cold-start timeouts, the upgrade strategy
 serving.py         `serving`: limits, layout, ingress
 models.py          `models`: each model on its GPU group, its weights, vLLM's engine arguments
+workload.py        a model's `workload`: the traffic its capacity is planned for, figures or a trace
 autoscaling.py     `autoscaling`: cluster-autoscaler and the pre-scale windows
 observability.py   `observability`: Prometheus, the SLOs, alerting, tracing
 endpoint.py        `endpoint`: how clients reach the API, and its DNS
@@ -38,7 +39,7 @@ its modules: the split is this package's own business.
 from infra.config.arns import ARN_RULES, ArnRule, region_partition
 from infra.config.autoscaling import Autoscaling, ClusterAutoscaling, PreScale, cron_problem, timezone_problem
 from infra.config.batch import BATCH_VISIBILITY_MARGIN_SECONDS, Batch
-from infra.config.capacity_plan import capacity_input
+from infra.config.capacity_plan import capacity_input, preemption_free_sequences
 from infra.config.cluster import Cluster, LogType
 from infra.config.cold_start import (
     PULUMI_WAIT_BIG_MODEL_GIB,
@@ -175,6 +176,7 @@ __all__ = [
     "longest_generation_seconds",
     "model_cold_start",
     "parse",
+    "preemption_free_sequences",
     "pulumi_wait_seconds",
     "quantity_value",
     "read_stack_file",

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from infra.capacity.inputs import GroupInput, ModelInput, StackInput
+from infra.capacity.report import plan_stack
 from infra.config.cold_start import cold_start_budget
 from infra.config.rules import upgrade_need
 from infra.config.stack import StackConfig
+from infra.config.workload import workload_profile
 
 
 def capacity_input(cfg: StackConfig) -> StackInput:
@@ -30,6 +32,7 @@ def capacity_input(cfg: StackConfig) -> StackInput:
             geometry=m.geometry,
             group=by_name[m.gpu_group],
             cold_start=cold_start_budget(cfg, m),
+            workload=workload_profile(m.workload, m.max_model_len, cfg.serving.limits),
         )
         for m in cfg.models
     )
@@ -40,3 +43,17 @@ def capacity_input(cfg: StackConfig) -> StackInput:
         upgrade_strategy=cfg.ray.upgrade_strategy,
         upgrade_headroom=cfg.ray.upgrade_headroom,
     )
+
+
+def preemption_free_sequences(cfg: StackConfig) -> dict[str, int]:
+    """Model id -> the plan's preemption-free load, for each model whose workload allows preemption.
+
+    What the serving alerts compare running sequences with: any other model
+    keeps max_num_seqs within that load (the preemption rule), so its
+    replicas never run more.
+    """
+    return {
+        p.model.entry.model_id: p.concurrency.preemption_free
+        for p in plan_stack(capacity_input(cfg))
+        if p.model.workload.allow_preemption
+    }

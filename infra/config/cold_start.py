@@ -10,13 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from infra.capacity.cold_start import ColdStart, Timeout, cold_start, timeout_problems
+from infra.capacity.cold_start import (
+    ColdStart,
+    Timeout,
+    checkpoint_copies_per_node,
+    cold_start,
+    ranks_per_node,
+    streams_distributed,
+    timeout_problems,
+)
 from infra.capacity.plan import GIB
 from infra.config.fields import duration_seconds
 from infra.config.models import Model
 from infra.config.node_groups import GpuNodeGroupSettings, usable_group
 from infra.config.problems import Problem
 from infra.config.stack import StackConfig
+from infra.instance_types import GpuInstanceType
 
 # Pulumi's default wait for a RayService's Ready (infra/serving/ray_service.py):
 # big models stream tens of GiB and compile longer.
@@ -68,13 +77,28 @@ def _cold_start_timeouts(cfg: StackConfig, model: Model) -> list[Timeout]:
     ]
 
 
+def checkpoint_copies(model: Model, instance: GpuInstanceType) -> int:
+    """How many times each node of a replica reads the checkpoint: once, unless its S3 ranks stream undistributed.
+
+    The streamer settings are the stack's own when it sets them, else the
+    platform's (infra/serving/serve_config.py), which stream distributed
+    whenever a node holds more than one of the replica's ranks.
+    """
+    if model.weights_kind != "s3":
+        return 1
+    ranks = ranks_per_node(model.num_devices, instance.gpus)
+    streamer = model.streamer
+    distributed = streamer.distributed if streamer is not None else streams_distributed(ranks)
+    return checkpoint_copies_per_node(ranks, distributed)
+
+
 def model_cold_start(cfg: StackConfig, model: Model, group: GpuNodeGroupSettings) -> ColdStart:
     """A model's cold-start budget on its group (infra/capacity/cold_start.py)."""
     instance = group.instance()
-    hosts = 1 if model.num_devices <= instance.gpus else model.pipeline_parallel_size
     eager = str(model.engine_overrides.get("enforce_eager", False)).lower() == "true"
     weight_bytes = model.weights_gib() * GIB
-    return cold_start(model.name, instance, weight_bytes, hosts, model.tensor_parallel_size, eager)
+    copies = checkpoint_copies(model, instance)
+    return cold_start(model.name, instance, weight_bytes, copies, model.tensor_parallel_size, eager)
 
 
 def cold_start_budget(cfg: StackConfig, model: Model) -> ColdStart:

@@ -17,8 +17,9 @@ from infra.capacity.rules import capacity_problems
 from infra.config.fields import K8sName
 from infra.config.node_groups import GpuNodeGroupSettings, usable_group
 from infra.config.problems import Problem
+from infra.config.workload import Workload, check_workload, workload_profile
 from infra.instance_types import GpuInstanceType
-from workloads.inference_server.catalog import ModelEntry
+from workloads.inference_server.catalog import ModelEntry, RequestLimits
 
 # KubeRay appends suffixes to a RayService's name for its clusters and
 # Services; longer names are rejected by its webhook.
@@ -48,6 +49,9 @@ class Model(ModelEntry):
     # The model's shape for the capacity plan (infra/capacity/); the pinned
     # families of infra/capacity/geometry.py need none.
     geometry: Geometry | None = None
+    # The traffic its capacity is planned for (infra/config/workload.py);
+    # without it the plan takes the longest requests serving.limits admits.
+    workload: Workload | None = None
 
     @property
     def service_name(self) -> str:
@@ -144,6 +148,7 @@ def check_model(
     model_bucket: str,
     is_prod: bool,
     allow_hub_download: bool,
+    limits: RequestLimits,
 ) -> Iterable[Problem]:
     """One model: its group fits it, its weights come from where the stack allows, vLLM takes its settings."""
     path = f"models[{i}]"
@@ -173,10 +178,13 @@ def check_model(
             f"('{model.name}' has {model.autoscaling.min_replicas})",
         )
     yield from _check_engine_overrides(path, model)
-    yield from _check_capacity(path, model, group if usable_group(group) else None)
+    yield from check_workload(path, model.workload, model.max_model_len)
+    yield from _check_capacity(path, model, group if usable_group(group) else None, limits)
 
 
-def _check_capacity(path: str, model: Model, group: GpuNodeGroupSettings | None) -> Iterable[Problem]:
+def _check_capacity(
+    path: str, model: Model, group: GpuNodeGroupSettings | None, limits: RequestLimits
+) -> Iterable[Problem]:
     """The model's geometry is known, and its context, TP and KV cache fit it (infra/capacity/rules.py)."""
     geometry = resolve_geometry(model.geometry, model.source, model.model_id)
     if geometry is None:
@@ -185,7 +193,8 @@ def _check_capacity(path: str, model: Model, group: GpuNodeGroupSettings | None)
     gpu = group.instance() if group is not None else None
     if gpu is not None and list(check_parallelism(path, model, gpu)):
         gpu = None
-    for key, message in capacity_problems(model.name, model, geometry, model.parameters_billion, gpu):
+    workload = workload_profile(model.workload, model.max_model_len, limits)
+    for key, message in capacity_problems(model.name, model, geometry, model.parameters_billion, gpu, workload):
         yield Problem(f"{path}.{key}", message)
 
 

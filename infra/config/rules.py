@@ -46,6 +46,7 @@ def check_rules(cfg: StackConfig) -> list[Problem]:
             model_bucket=cfg.storage.model_bucket,
             is_prod=cfg.is_prod,
             allow_hub_download=cfg.serving.allow_hub_download,
+            limits=cfg.serving.limits,
         )
     problems += _check_upgrade_headroom(cfg, gpu_groups)
     problems += _check_names(cfg)

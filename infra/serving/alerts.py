@@ -19,7 +19,7 @@ annotation names.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -202,11 +202,19 @@ GENERATION_TOKENS_RATE = "llm:generation_tokens:rate5m"
 PROMPT_TOKENS_RATE = "llm:prompt_tokens:rate5m"
 REQUESTS_WAITING = "llm:requests_waiting:sum"
 REQUESTS_RUNNING = "llm:requests_running:sum"
+REQUESTS_RUNNING_MAX = "llm:requests_running:max"
 KV_CACHE_USAGE = "llm:kv_cache_usage:max"
 PREEMPTIONS_RATE = "llm:preemptions:rate5m"
 HTTP_REQUESTS_RATE = "llm:http_requests:rate5m"
 HTTP_5XX_RATIO = "llm:http_5xx_ratio:rate5m"
 GPU_UTIL_ALLOCATED = "llm:gpu_util_allocated:percent"
+# The capacity plan's preemption-free load of a model (infra/capacity/workload.py): the sequences its
+# replica runs at once with every one at the workload's p95. A constant per model, recorded only for a
+# model whose workload allows preemption (`plan_rules`): any other keeps max_num_seqs at or below it, so
+# its replicas never run more.
+PREEMPTION_FREE = "llm:preemption_free_sequences:plan"
+# Recorded series the capacity plan writes, with no exporter metric behind them.
+PLAN_RECORDS = frozenset({PREEMPTION_FREE})
 
 
 def _ratio(part: str, whole: str) -> str:
@@ -247,6 +255,12 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
     RecordingRule(
         record=REQUESTS_RUNNING,
         expr="sum by (model_name) (ray_vllm_num_requests_running)",
+        metrics=("ray_vllm_num_requests_running",),
+    ),
+    # The busiest replica (engine) of each model, against the plan's per-replica figures.
+    RecordingRule(
+        record=REQUESTS_RUNNING_MAX,
+        expr="max by (model_name) (ray_vllm_num_requests_running)",
         metrics=("ray_vllm_num_requests_running",),
     ),
     RecordingRule(
@@ -415,16 +429,34 @@ ALERTS: tuple[AlertSpec, ...] = (
         ),
         metrics=(KV_CACHE_USAGE,),
     ),
+    # The plan keeps a model's max_num_seqs within what its KV cache holds at the workload's p95, so a
+    # preemption means requests run longer than the profile. A model that accepts preemption
+    # (workload.allow_preemption) preempts by design above the plan's load: there only a preemption at
+    # or below it counts, and LlmRunningAbovePreemptionFree reports the load itself.
     AlertSpec(
         name="LlmRequestsPreempted",
-        expr=f"{PREEMPTIONS_RATE} > 0",
+        expr=f"{PREEMPTIONS_RATE} > 0\nunless on (model_name)\n"
+        f"(max_over_time({REQUESTS_RUNNING_MAX}[5m]) > on (model_name) {PREEMPTION_FREE})",
         for_="10m",
         severity="warning",
         summary="vLLM is preempting requests of {{ $labels.model_name }}",
         description="vLLM evicts running sequences from the KV cache ({{ $value | humanize }}/s) and recomputes "
         "them from the start when blocks free up: every preempted request pays its prefill again and latency "
-        "climbs. Lower max_num_seqs, add replicas, or give the KV cache more memory.",
-        metrics=(PREEMPTIONS_RATE,),
+        "climbs. The capacity plan holds the model's running sequences to what its KV cache keeps at the "
+        "workload's p95, so requests are longer than the workload profile, or the cache smaller than planned. "
+        "Measure the workload again, lower max_num_seqs, add replicas, or give the KV cache more memory.",
+        metrics=(PREEMPTIONS_RATE, REQUESTS_RUNNING_MAX, PREEMPTION_FREE),
+    ),
+    AlertSpec(
+        name="LlmRunningAbovePreemptionFree",
+        expr=f"{REQUESTS_RUNNING_MAX} > on (model_name) {PREEMPTION_FREE}",
+        for_="10m",
+        severity="warning",
+        summary="{{ $labels.model_name }} runs more sequences than its KV cache holds at the workload's p95",
+        description="A replica runs {{ $value }} sequences at once, above the load the capacity plan found "
+        "preemption-free at the model's workload profile (its workload allows preemption): long requests are "
+        "preempted and recomputed. Add replicas, or lower max_num_seqs to the plan's figure.",
+        metrics=(REQUESTS_RUNNING_MAX, PREEMPTION_FREE),
     ),
     AlertSpec(
         name="LlmHttp5xxRatioHigh",
@@ -536,9 +568,17 @@ ALERTS: tuple[AlertSpec, ...] = (
 )
 
 
-def recording_rules() -> list[dict[str, Any]]:
-    """Per-model and per-application series for the dashboards and alerts."""
-    return [r.rule() for r in RECORDING_RULES]
+def plan_rules(preemption_free: Mapping[str, int]) -> list[dict[str, Any]]:
+    """The capacity plan's preemption-free load as a series per model (model id -> sequences)."""
+    return [
+        {"record": PREEMPTION_FREE, "expr": f"vector({sequences})", "labels": {"model_name": model}}
+        for model, sequences in sorted(preemption_free.items())
+    ]
+
+
+def recording_rules(preemption_free: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+    """Per-model and per-application series for the dashboards and alerts, then the plan's figures."""
+    return [r.rule() for r in RECORDING_RULES] + plan_rules(preemption_free or {})
 
 
 def alert_rules(slo: Slo, namespace: str, runbook_base_url: str | None = None) -> list[dict[str, Any]]:
@@ -548,16 +588,20 @@ def alert_rules(slo: Slo, namespace: str, runbook_base_url: str | None = None) -
 
 
 def prometheus_rule(
-    slo: Slo, namespace: str, labels: dict[str, str], runbook_base_url: str | None = None
+    slo: Slo,
+    namespace: str,
+    labels: dict[str, str],
+    runbook_base_url: str | None = None,
+    preemption_free: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
-    """The PrometheusRule object."""
+    """The PrometheusRule object; `preemption_free`: the plan's figure of each model that allows preemption."""
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
         "metadata": {"name": RULE_NAME, "namespace": namespace, "labels": {**PART_OF, **labels}},
         "spec": {
             "groups": [
-                {"name": RECORDING_GROUP, "interval": RECORDING_INTERVAL, "rules": recording_rules()},
+                {"name": RECORDING_GROUP, "interval": RECORDING_INTERVAL, "rules": recording_rules(preemption_free)},
                 {"name": ALERT_GROUP, "rules": alert_rules(slo, namespace, runbook_base_url)},
             ]
         },
@@ -665,6 +709,8 @@ class ServingAlertsArgs:
     vllm_servers: list[str] = field(default_factory=list)
     # `observability.runbook_base_url`: where the alerts' runbook links point.
     runbook_base_url: str | None = None
+    # Model id -> the capacity plan's preemption-free sequences, for each model whose workload allows preemption.
+    preemption_free: dict[str, int] = field(default_factory=dict)
 
 
 class ServingAlerts(pulumi.ComponentResource):
@@ -673,7 +719,11 @@ class ServingAlerts(pulumi.ComponentResource):
     def __init__(self, name: str, args: ServingAlertsArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("llm-platform:serving:Alerts", name, None, opts)
         k8s_opts = pulumi.ResourceOptions(parent=self)
-        objects = [prometheus_rule(args.slo, args.namespace, args.prometheus_selector_labels, args.runbook_base_url)]
+        objects = [
+            prometheus_rule(
+                args.slo, args.namespace, args.prometheus_selector_labels, args.runbook_base_url, args.preemption_free
+            )
+        ]
         objects += pod_monitors(args.namespace, args.prometheus_selector_labels, args.vllm_servers)
         for obj in objects:
             k8s.apiextensions.CustomResource(

@@ -6,7 +6,7 @@ import pulumi
 
 from infra.aws.layer import AwsLayer
 from infra.cluster_services.layer import PlatformLayer
-from infra.config import StackConfig
+from infra.config import StackConfig, preemption_free_sequences
 from infra.serving import kuberay
 from infra.serving.alerts import ServingAlerts, ServingAlertsArgs
 from infra.serving.autoscaler_scope import AutoscalerScopeArgs, RayAutoscalerScope
@@ -128,6 +128,7 @@ def _observability(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer, ns:
             prometheus_selector_labels=dict(platform.prometheus_selector_labels),
             vllm_servers=[name for name, layout in cfg.layouts().items() if layout == "vllm-server"],
             runbook_base_url=cfg.observability.runbook_base_url,
+            preemption_free=preemption_free_sequences(cfg),
         ),
         _after(aws, *ns.ready, platform.monitoring_crds),
     )

@@ -85,14 +85,20 @@ def catalog_entry(model: Model, placement: GpuPlacement) -> ModelEntry:
 def streamer_settings(model: Model, placement: GpuPlacement) -> S3Streamer:
     """runai_streamer sized from the node's network (infra/capacity/cold_start.py), unless the stack sets it.
 
-    The pod's memory share is its GPUs' share of the node, as ray_service sizes it.
+    A replica with more than one rank on a node streams distributed, so each
+    node reads the checkpoint once; the ranks on a node share its NIC, so each
+    opens its share of the node's S3 reads. The memory limit is the pod's:
+    its GPUs' share of the node, as ray_service sizes it, which the streamer
+    divides over the ranks when distributed.
     """
     instance = placement.instance
     io = host_io(instance.name)
     pod_memory_gib = int(instance.memory_gib * min(1.0, model.num_devices / instance.gpus))
+    ranks = cold_start.ranks_per_node(model.num_devices, instance.gpus)
     return S3Streamer(
-        concurrency=cold_start.streamer_concurrency(io),
+        concurrency=cold_start.streamer_concurrency(io, ranks),
         memory_limit=cold_start.streamer_memory_limit(io, pod_memory_gib),
+        distributed=cold_start.streams_distributed(ranks),
     )
 
 
@@ -166,11 +172,21 @@ def catalog_args(catalog_: Catalog) -> dict[str, Any]:
 
     `tracing` only when it is on: a stack without a collector renders the
     same serveConfigV2 as before tracing existed (a change is applied live).
+    Likewise a streamer's `distributed` only when it is on: a model that
+    streams as before keeps the args it had before the field existed.
     """
     unused = set(_UNUSED_FIELDS[catalog_.layout])
     if not catalog_.tracing.enabled:
         unused.add("tracing")
-    return catalog_.model_dump(mode="json", exclude=unused)
+    exclude: dict[Any, Any] = dict.fromkeys(unused, True)
+    plain = {
+        i: {"streamer": {"distributed"}}
+        for i, m in enumerate(catalog_.models)
+        if m.streamer is not None and not m.streamer.distributed
+    }
+    if plain:
+        exclude["models"] = plain
+    return catalog_.model_dump(mode="json", exclude=exclude)
 
 
 def serve_config(

@@ -13,10 +13,17 @@ the second test runs the streamer's C++ client against one that does.
 
 Then the same model from a local directory: the outputs must be token-identical,
 and both load times are printed (docs/capacity.md).
+
+Tensor parallelism (docs/capacity.md, the cold-start budget): two ranks load
+through vLLM's runai_streamer loader, once plain and once with
+`distributed`, each behind its own byte-counting pass-through to moto; plain,
+each rank reads the whole checkpoint, distributed they split it and both get
+every tensor exactly.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -36,9 +43,10 @@ from infra.serving.ray_service import gpu_worker_env
 from localserve import moto_server
 from localserve.processes import Child, child_env
 from tests.e2e.conftest import GREEDY_MAX_TOKENS, GREEDY_PROMPT
+from tests.e2e.s3_byte_counter import ByteCounter
 from tests.e2e.s3_load_main import weights_seconds
 from workloads.inference_server.catalog import Catalog, ModelEntry, S3Streamer
-from workloads.inference_server.engine import S3_LOAD_FORMAT, engine_kwargs
+from workloads.inference_server.engine import S3_LOAD_FORMAT, engine_kwargs, streamer_config
 
 pytestmark = pytest.mark.e2e
 
@@ -54,6 +62,16 @@ LOAD_TIMEOUT_S = 150
 STRIPPED = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL")
 # CPU engine settings of the other e2e tests (a small KV cache, no compile).
 CPU_ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 64 * 1024 * 1024, "seed": 0, "max_model_len": 512}
+TP = 2
+RANKS_TIMEOUT_S = 90
+# What the CPU build needs for TP=2 where a GPU node needs nothing: vLLM's CPU
+# workers form a gloo group, over which runai_streamer's "auto" mode does not
+# distribute (distributed_streamer.py: `elif enable_dist == "auto" and
+# backend_name != "nccl":` falls back; GPU ranks use NCCL), so it is asked
+# for; and with one NUMA node vLLM will not bind two CPU workers itself ("Not
+# enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"), so they
+# run unbound.
+CPU_TP_ENV = {"RUNAI_STREAMER_DIST": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 class FakeAgent:
@@ -136,7 +154,9 @@ def pod_env(endpoint: str, agent: FakeAgent, work: Path) -> dict[str, str]:
     return {**env, **rendered, **identity, **endpoint_env}
 
 
-def load(name: str, model: str, kwargs: dict[str, Any], env: dict[str, str], work: Path) -> dict[str, Any]:
+def load(
+    name: str, model: str, kwargs: dict[str, Any], env: dict[str, str], work: Path, max_tokens: int = GREEDY_MAX_TOKENS
+) -> dict[str, Any]:
     argv = [
         sys.executable,
         str(HERE / "s3_load_main.py"),
@@ -147,7 +167,7 @@ def load(name: str, model: str, kwargs: dict[str, Any], env: dict[str, str], wor
         "--prompt",
         GREEDY_PROMPT,
         "--max-tokens",
-        str(GREEDY_MAX_TOKENS),
+        str(max_tokens),
     ]
     child = Child.start(name, argv, env, work / f"{name}.log")
     try:
@@ -208,6 +228,88 @@ def test_s3_weights_load_like_prod_and_match_a_local_load(
         f"local dir weights {from_dir['weights_seconds']} s, engine {from_dir['engine_seconds']:.1f} s, "
         f"process {local_wall:.1f} s"
     )
+
+
+def safetensors_header_bytes(path: Path) -> int:
+    """The file's length prefix and JSON header: every rank reads them itself, distributed or not."""
+    with path.open("rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+def fingerprints(path: Path) -> dict[str, str]:
+    """sha256 of every tensor's bytes in a safetensors file, by name (as runai_rank_main.py prints them)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        names = list(f.keys())
+        return {name: hashlib.sha256(f.get_tensor(name).tobytes()).hexdigest() for name in names}
+
+
+def test_ranks_streaming_distributed_read_the_checkpoint_once_between_them(
+    tiny_model: Path, s3: moto_server.MotoServer, agent: FakeAgent, e2e_dir: Path
+) -> None:
+    """Two ranks through vLLM's loader: plain, each reads the whole checkpoint; distributed, they split it.
+
+    No engine: each rank joins a gloo group and loads through
+    RunaiModelStreamerLoader.load_weights (runai_rank_main.py), behind its
+    own byte counter, so what each rank took from S3 is measured, not inferred.
+    """
+    work = e2e_dir / "s3-ranks"
+    work.mkdir(exist_ok=True)
+    weights = tiny_model / "model.safetensors"
+    client = s3.client("s3")
+    sources: dict[str, str] = {}
+    for mode in ("plain", "distributed"):
+        client.upload_file(str(weights), BUCKET, f"ranks-{mode}/model.safetensors")
+        sources[mode] = f"s3://{BUCKET}/ranks-{mode}"
+    streamer = S3Streamer(concurrency=4, memory_limit=64 * 1024 * 1024)
+    extra = {
+        mode: streamer_config(streamer.model_copy(update={"distributed": mode == "distributed"})) for mode in sources
+    }
+    assert extra["distributed"]["distributed"] is True and "distributed" not in extra["plain"]
+
+    init = work / "process-group"
+    init.unlink(missing_ok=True)
+    counters = [ByteCounter(s3.endpoint) for _ in range(TP)]
+    children: list[Child] = []
+    try:
+        for rank, counter in enumerate(counters):
+            argv = [sys.executable, str(HERE / "runai_rank_main.py"), "--rank", str(rank), "--world-size", str(TP)]
+            argv += ["--init-method", f"file://{init}"]
+            for mode, source in sources.items():
+                argv += ["--source", source, "--extra-config", json.dumps(extra[mode])]
+            env = {**pod_env(counter.endpoint, agent, work), **CPU_TP_ENV}
+            children.append(Child.start(f"rank{rank}", argv, env, work / f"rank{rank}.log"))
+        results = []
+        for child in children:
+            try:
+                child.proc.wait(timeout=RANKS_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                # One rank stuck is usually the other one's failure: show both.
+                pytest.fail("\n".join(f"{c.log_path.name}:\n{c.log_tail()}" for c in children))
+            assert child.proc.returncode == 0, child.log_tail()
+            lines = [ln for ln in child.log_path.read_text(errors="replace").splitlines() if ln.startswith('{"rank"')]
+            assert lines, child.log_tail()
+            results.append(json.loads(lines[-1]))
+    finally:
+        for child in children:
+            child.stop(grace_s=5)
+        for counter in counters:
+            counter.stop()
+
+    expected = fingerprints(weights)
+    for result in results:
+        for mode, source in sources.items():
+            assert result["tensors"][source] == expected, f"rank {result['rank']} loaded other tensors ({mode})"
+    size, header = weights.stat().st_size, safetensors_header_bytes(weights)
+    plain = [c.read_of("/ranks-plain/model.safetensors") for c in counters]
+    shared = [c.read_of("/ranks-distributed/model.safetensors") for c in counters]
+    # Plain: every rank reads all of it, so a node of TP ranks reads it TP times.
+    assert all(n >= size for n in plain), (plain, size)
+    # Distributed: together once (each reads the header itself), neither near the whole.
+    assert size <= sum(shared) <= size + TP * header, (shared, size)
+    assert all(0 < n < 0.75 * size for n in shared), (shared, size)
+    print(f"\n{size} B checkpoint, per rank from S3: plain {plain}, distributed {shared}")
 
 
 STREAM_ONE_FILE = """

@@ -59,6 +59,19 @@ def test_every_alert_has_a_fault_here_or_a_reason_it_can_not_fire() -> None:
     assert set(observe.FAULT_OF.values()) == set(observe.FAULTS)
 
 
+@pytest.mark.parametrize("stack", ["dev", "prod"])
+def test_the_twins_stacks_record_no_plan_threshold_so_the_overload_fires_the_preemption_alert(stack: str) -> None:
+    """The overload preempts on the tiny model's cache: LlmRequestsPreempted must fire on any preemption there,
+    which holds while no model of the stack records the plan's load (none allows preemption)."""
+    groups = rule_groups(manifests_of(render_stack(stack), "PrometheusRule"))
+    assert not [r for g in groups for r in g["rules"] if r.get("record") in alerts.PLAN_RECORDS]
+    assert observe.FAULT_OF["LlmRequestsPreempted"] == observe.OVERLOAD
+    assert "LlmRunningAbovePreemptionFree" not in observe.FAULT_OF
+    assert observe.inventory_metrics([alerts.PREEMPTION_FREE, alerts.REQUESTS_RUNNING_MAX]) == {
+        "ray_vllm_num_requests_running"
+    }
+
+
 def test_the_series_expected_follow_each_layout() -> None:
     ingress, _ = observe.expected_here({"serve-ingress"})
     server, absent = observe.expected_here({"vllm-server"})

@@ -340,13 +340,25 @@ class KeyFairness(_Strict):
 class S3Streamer(_Strict):
     """How vLLM's runai_streamer reads S3 weights (its `model_loader_extra_config`).
 
-    The platform sizes both from the node's network (infra/serving/serve_config.py):
-    enough parallel S3 reads to fill the line rate, and a CPU staging buffer
-    that holds a couple of seconds of it.
+    The platform sizes them from the node's network (infra/serving/serve_config.py):
+    enough parallel S3 reads, over the ranks on a node, to fill the line rate,
+    and a CPU staging buffer that holds a couple of seconds of it; and it
+    streams distributed whenever a node holds more than one of a replica's ranks.
     """
 
-    concurrency: int = Field(ge=1, le=256, description="Parallel S3 reads (RUNAI_STREAMER_CONCURRENCY).")
-    memory_limit: int = Field(ge=-1, description="CPU buffer in bytes (RUNAI_STREAMER_MEMORY_LIMIT; -1 unlimited).")
+    concurrency: int = Field(
+        ge=1, le=256, description="Parallel S3 reads of each rank (RUNAI_STREAMER_CONCURRENCY, read per process)."
+    )
+    memory_limit: int = Field(
+        ge=-1,
+        description="CPU buffer in bytes (RUNAI_STREAMER_MEMORY_LIMIT; -1 unlimited); "
+        "with distributed streaming a total for the ranks on a node, which the streamer divides between them.",
+    )
+    distributed: bool = Field(
+        default=False,
+        description="Distributed streaming: the ranks on a node each read a share of the checkpoint from S3 and "
+        "broadcast it to the others, so the node reads it once, not once per rank.",
+    )
 
 
 class ModelEntry(_Strict):

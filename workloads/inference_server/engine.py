@@ -103,9 +103,18 @@ def serve_tracing_config(tracing: Tracing) -> dict[str, Any] | None:
     }
 
 
-def streamer_config(streamer: S3Streamer) -> dict[str, int]:
-    """vLLM's ``model_loader_extra_config`` for runai_streamer: the two keys it accepts besides ``distributed``."""
-    return {"concurrency": streamer.concurrency, "memory_limit": streamer.memory_limit}
+def streamer_config(streamer: S3Streamer) -> dict[str, int | bool]:
+    """vLLM's ``model_loader_extra_config`` for runai_streamer.
+
+    vLLM 0.29 accepts exactly these three keys (runai_streamer_loader.py:
+    ``allowed_keys = {"distributed", "concurrency", "memory_limit"}``) and
+    refuses a ``distributed`` that is not a bool. Off is vLLM's default, so a
+    one-rank replica's arguments carry no ``distributed`` at all.
+    """
+    config: dict[str, int | bool] = {"concurrency": streamer.concurrency, "memory_limit": streamer.memory_limit}
+    if streamer.distributed:
+        config["distributed"] = True
+    return config
 
 
 def engine_kwargs(entry: ModelEntry, catalog: Catalog) -> dict[str, Any]:
