@@ -145,11 +145,29 @@ def test_a_max_num_seqs_that_would_preempt_at_p95_is_refused_in_one_line_naming_
     assert "/ 320 per p95 sequence of 4,096 + 1,024 tokens = " in line and "workload.allow_preemption: true" in line
 
 
-def test_the_rule_judges_a_max_num_seqs_the_stack_sets_not_vllms_default() -> None:
+def test_with_a_workload_an_unset_max_num_seqs_is_judged_as_vllms_default() -> None:
     def unset(raw: dict[str, Any]) -> None:
         raw["models"][1]["engine_overrides"].pop("max_num_seqs")
 
-    assert problems("prod", unset) == []
+    (line,) = problems("prod", unset)
+    assert line.startswith(
+        "config error: models[1].engine_overrides.max_num_seqs: 'llama-33-70b': unset, vLLM's default of 256 "
+        "sequences at once would preempt at the workload's p95 (its workload block): "
+    )
+
+    def unset_and_accepted(raw: dict[str, Any]) -> None:
+        unset(raw)
+        raw["models"][1]["workload"]["allow_preemption"] = True
+
+    assert problems("prod", unset_and_accepted) == []
+
+
+def test_without_a_workload_vllms_default_is_shown_not_judged() -> None:
+    def unset_without_workload(raw: dict[str, Any]) -> None:
+        raw["models"][0].pop("workload")
+        raw["models"][0]["engine_overrides"].pop("max_num_seqs")
+
+    assert problems("prod", unset_without_workload) == []
 
 
 def test_a_model_without_a_workload_is_planned_at_the_longest_requests() -> None:

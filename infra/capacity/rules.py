@@ -131,29 +131,38 @@ def inflight_problems(name: str, entry: ModelEntry, plan: ReplicaPlan) -> Iterab
         )
 
 
-def preemption_message(name: str, max_num_seqs: int, at: Concurrency) -> str:
+def preemption_message(name: str, max_num_seqs: int, at: Concurrency, *, unset: bool = False) -> str:
     """Why `max_num_seqs` would preempt at the workload's p95, with the arithmetic and the ways out."""
+    what = f"unset, vLLM's default of {max_num_seqs}" if unset else f"{max_num_seqs}"
     return (
-        f"'{name}': {max_num_seqs} sequences at once would preempt at the workload's p95 ({at.workload.source}): "
+        f"'{name}': {what} sequences at once would preempt at the workload's p95 ({at.workload.source}): "
         f"{at.arithmetic()} fit at once; set at most {at.preemption_free} "
         f"(the plan recommends {at.recommended}), give workload the traffic's real figures, or accept preemption "
         "at p95 with workload.allow_preemption: true"
     )
 
 
-def preemption_problems(name: str, entry: ModelEntry, at: Concurrency) -> Iterable[tuple[str, str]]:
+def preemption_problems(
+    name: str, entry: ModelEntry, at: Concurrency, default_max_num_seqs: int
+) -> Iterable[tuple[str, str]]:
     """A max_num_seqs the stack sets keeps every sequence at the workload's p95 in the KV cache at once.
 
     Above that vLLM preempts under a full load of long requests: it frees a
     running sequence's blocks and recomputes it from the start, so that
     request pays its prefill again and everyone's latency climbs. With
     workload.allow_preemption the stack accepts it, and the plan prints a
-    warning instead (report.preemption_warning). vLLM's own default, when
-    the stack sets none, is shown beside the recommendation, not judged.
+    warning instead (report.preemption_warning). Where the stack gives a
+    workload and sets no max_num_seqs, vLLM's own default is judged the same
+    way: it is what the engine would admit. Without a workload the plan
+    assumes full-length requests, and the default is shown, not judged.
     """
     configured = positive_int(entry.engine_overrides.get("max_num_seqs"))
-    if configured is not None and at.preempts(configured) and not at.workload.allow_preemption:
+    if at.workload.allow_preemption:
+        return
+    if configured is not None and at.preempts(configured):
         yield ("engine_overrides.max_num_seqs", preemption_message(name, configured, at))
+    elif configured is None and at.workload.given and at.preempts(default_max_num_seqs):
+        yield ("engine_overrides.max_num_seqs", preemption_message(name, default_max_num_seqs, at, unset=True))
 
 
 def capacity_problems(
@@ -184,5 +193,5 @@ def capacity_problems(
         problems += inflight_problems(name, entry, plan)
         if workload.p95_tokens <= entry.max_model_len:
             band = replica_kv_band(geometry, parameters_billion, engine, gpu)
-            problems += preemption_problems(name, entry, concurrency(plan, band, workload))
+            problems += preemption_problems(name, entry, concurrency(plan, band, workload), plan.default_max_num_seqs)
     return problems

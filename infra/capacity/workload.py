@@ -60,6 +60,9 @@ class Workload:
     # The stack accepts preemption at p95 (workload.allow_preemption): a max_num_seqs above the
     # preemption-free concurrency is printed as a warning instead of refused.
     allow_preemption: bool = False
+    # The stack gave these figures (a workload block or a trace); False for the
+    # full-length profile the plan assumes when it gives none (full_length).
+    given: bool = True
 
     @property
     def p95_tokens(self) -> int:
@@ -108,7 +111,7 @@ def full_length(max_model_len: int, max_prompt_tokens: int, max_tokens: int, sou
     """
     prompt = min(max_prompt_tokens, max_model_len - 1)
     output = max(1, min(max_tokens, max_model_len - prompt))
-    return Workload(Tokens(prompt, prompt), Tokens(output, output), source)
+    return Workload(Tokens(prompt, prompt), Tokens(output, output), source, given=False)
 
 
 def blocks_for(tokens: float, block_size: int) -> int:
