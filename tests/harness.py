@@ -21,7 +21,7 @@ import yaml
 
 from infra.aws.layer import AwsLayer, KarpenterAccess, PodIdentity
 from infra.capacity.plan import EngineSettings
-from infra.config import StackConfig, load_stack_file, parse, read_stack_file, sections
+from infra.config import ConfigError, StackConfig, load_stack_file, parse, read_stack_file, sections
 from infra.render import ROOT, SECRET, Rendered, render, render_document, run_under_mocks, stack_document
 from infra.scheduling import gpu_placements, system_placement
 from infra.serving.endpoint import serve_service_spec
@@ -136,6 +136,17 @@ def stack_sections(stack: str, edit: ConfigEdit | None = None) -> dict[str, Any]
         path = Path(tmp) / f"Pulumi.{stack}.yaml"
         path.write_text(yaml.safe_dump(doc))
         return sections(read_stack_file(path)[0])
+
+
+def config_problems(stack: str, change: Callable[[dict[str, Any]], None]) -> list[str]:
+    """The one-line problems the config reports for a stack's sections after `change`; [] if it accepts them."""
+    raw = stack_sections(stack)
+    change(raw)
+    try:
+        parse(raw)
+    except ConfigError as err:
+        return [str(p) for p in err.problems]
+    return []
 
 
 def doc_config(doc: dict[str, Any]) -> StackConfig:

@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from infra.capacity.geometry import PINNED
-from infra.config import ConfigError, parse
+from infra.config import parse
+from tests.harness import config_problems as problems
 from tests.harness import stack_sections
 
 LLAMA_70B = PINNED[1].geometry.model_dump()
 MYSTERY = {"source": "s3://acme-llm-weights-dev/acme/mystery-7b", "model_id": "mystery-7b"}
-
-
-def problems(stack: str, change: Callable[[dict[str, Any]], None]) -> list[str]:
-    raw = copy.deepcopy(stack_sections(stack))
-    change(raw)
-    try:
-        parse(raw)
-    except ConfigError as err:
-        return [str(p) for p in err.problems]
-    return []
 
 
 def test_the_example_stacks_pass_and_state_the_pinned_parameter_counts() -> None:

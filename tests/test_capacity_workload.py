@@ -24,8 +24,9 @@ from infra.capacity.workload import (
     percentile,
     profile_of,
 )
-from infra.config import ConfigError, capacity_input, parse, preemption_free_sequences
+from infra.config import capacity_input, parse, preemption_free_sequences
 from infra.instance_types import GPU_INSTANCE_TYPES
+from tests.harness import config_problems as problems
 from tests.harness import engine, stack_sections
 
 LLAMA_8B = resolve_geometry(None, "s3://b/meta-llama/Llama-3.1-8B-Instruct", "x")
@@ -100,16 +101,6 @@ def test_without_a_profile_every_request_is_the_longest_the_limits_admit() -> No
 
 
 # --- The `workload` block and the rule. ---
-
-
-def problems(stack: str, change: Callable[[dict[str, Any]], None]) -> list[str]:
-    raw = copy.deepcopy(stack_sections(stack))
-    change(raw)
-    try:
-        parse(raw)
-    except ConfigError as err:
-        return [str(p) for p in err.problems]
-    return []
 
 
 def _seventy(**changes: Any) -> Callable[[dict[str, Any]], None]:
