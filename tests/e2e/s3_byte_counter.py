@@ -9,17 +9,18 @@ in that mode, so the changed Host does not matter).
 from __future__ import annotations
 
 import http.client
-import threading
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import urlsplit
+
+from tests.e2e.loopback_http import LoopbackHttp
 
 # Per hop, never forwarded: the proxy frames each response itself.
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
 
 
-class ByteCounter:
+class ByteCounter(LoopbackHttp):
     """An HTTP pass-through to `upstream` on 127.0.0.1; `got[path]` is the body bytes GETs of that path returned."""
 
     def __init__(self, upstream: str) -> None:
@@ -67,19 +68,13 @@ class ByteCounter:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        super().__init__(Handler)
 
     @property
     def endpoint(self) -> str:
         """The URL a reader uses as its S3 endpoint."""
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        return self.base_url
 
     def read_of(self, suffix: str) -> int:
         """Body bytes GETs returned for the paths ending in `suffix` (path-style: /bucket/key)."""
         return sum(n for path, n in self.got.items() if path.endswith(suffix))
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()

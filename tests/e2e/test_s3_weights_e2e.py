@@ -27,11 +27,10 @@ import hashlib
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from infra.serving.ray_service import gpu_worker_env
 from localserve import moto_server
 from localserve.processes import Child, child_env
 from tests.e2e.conftest import GREEDY_MAX_TOKENS, GREEDY_PROMPT
+from tests.e2e.loopback_http import LoopbackHttp
 from tests.e2e.s3_byte_counter import ByteCounter
 from tests.e2e.s3_load_main import weights_seconds
 from workloads.inference_server.catalog import Catalog, ModelEntry, S3Streamer
@@ -74,7 +74,7 @@ RANKS_TIMEOUT_S = 90
 CPU_TP_ENV = {"RUNAI_STREAMER_DIST": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
-class FakeAgent:
+class FakeAgent(LoopbackHttp):
     """The EKS Pod Identity agent on 127.0.0.1: credentials for the right token, 401 otherwise (or always)."""
 
     def __init__(self, keys: dict[str, str] | None = None) -> None:
@@ -102,17 +102,11 @@ class FakeAgent:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        super().__init__(Handler)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1/credentials"
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        return f"{self.base_url}/v1/credentials"
 
 
 @pytest.fixture(scope="module")
