@@ -78,6 +78,9 @@ APP_TIMEOUT_S = float(os.environ.get("E2E_SERVER_START_TIMEOUT_S", "300"))
 RECOVERY_TIMEOUT_S = 120.0
 # Traffic kept up after the head is back, so new requests are seen served.
 AFTER_RECOVERY_S = 6.0
+# The application is RUNNING once the replica's server answers; its engine
+# process is looked for a little longer on a busy machine.
+ENGINE_LOOKUP_S = 20.0
 
 
 def say(line: str) -> None:
@@ -307,8 +310,8 @@ def test_serving_survives_a_gcs_kill(cluster: Cluster, tls_redis: TlsRedis) -> N
     strays = [s for s in listening_sockets(cluster.head.pids() | cluster.worker.pids()) if not is_loopback(s[2])]
     # Ray Serve's replicas open their inter-deployment gRPC server on [::]:0 (replica.py); nothing else may.
     assert all(comm.startswith("ray::ServeRepli") for _, comm, _ in strays), strays
-    engines = _engine_pids(cluster.worker)
-    assert engines, "no vLLM engine process on the worker"
+    engines = _wait_engine_pids(cluster.worker, ENGINE_LOOKUP_S)
+    assert engines, f"no vLLM engine on the worker after {ENGINE_LOOKUP_S:.0f}s; {_process_table(cluster.worker)}"
     say(f"{len(replicas)} replicas on worker node {worker_node[:8]}; non-loopback listeners: {strays or 'none'}")
 
     load = StreamLoad(
@@ -338,6 +341,29 @@ def test_serving_survives_a_gcs_kill(cluster: Cluster, tls_redis: TlsRedis) -> N
     _check_new_requests(outcomes, recovered)
     _check_replicas_kept(cluster, after, replicas, engines)
     _report_gap(outcomes, load.health, killed, recovered)
+
+
+def _wait_engine_pids(node: RayNode, timeout_s: float) -> set[int]:
+    """The node's engine processes, looked for until one shows or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := _engine_pids(node)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return found
+
+
+def _process_table(node: RayNode) -> str:
+    """The node's processes as pid/ppid/comm, and every vLLM-titled process on the machine, for a failure's message."""
+    rows = []
+    for pid in sorted(node.pids()):
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+            rows.append(f"{pid}<-{stat[1]} {Path(f'/proc/{pid}/comm').read_text().strip()}")
+    vllm = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and (entry / "comm").read_text().startswith("VLLM::"):
+                vllm.append(f"{entry.name} {(entry / 'comm').read_text().strip()}")
+    return f"node processes: {', '.join(rows)}; VLLM-titled processes anywhere: {', '.join(vllm) or 'none'}"
 
 
 def _engine_pids(node: RayNode) -> set[int]:
