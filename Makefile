@@ -106,11 +106,12 @@ system-deps-test:
 system-deps-twin:
 	@bash scripts/system-deps.sh twin
 
-# bench-quick last: the benchmark's whole code path once, so it can not rot
-# between the runs someone measures with (about 2.5 min).
+# tests/run.py: the latency tests alone, then each stack's twin (with its
+# Prometheus and every alert's fault) beside the rest of the suite, then
+# bench-quick, the benchmark's whole code path once, so it can not rot between
+# the runs someone measures with. About 40 min on two cores.
 test: system-deps-test lint $(VENV)/.dev $(VENV)/.bench
-	E2E=1 E2E_REQUIRED=1 $(BIN)/python -m pytest -q
-	PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks --quick --out build/bench-quick
+	PYTHONUNBUFFERED=1 $(BIN)/python -m tests.run
 
 # The local twin of every RayService of a stack: Ray's own code reads the
 # render (ray start, autoscaling config, Serve LLM's bundles), then a local

@@ -45,7 +45,8 @@ from localserve.server import (
 
 from .conftest import SERVER_START_TIMEOUT_S
 
-pytestmark = pytest.mark.e2e
+# Measured against an idle baseline: `make test` runs these alone (tests/run.py).
+pytestmark = [pytest.mark.e2e, pytest.mark.timing]
 
 TIMEOUT_S = 60.0
 # The layouts under attack: the default, and Ray Serve LLM's ingress.

@@ -36,7 +36,8 @@ import pytest
 from localserve.processes import Child, child_env, free_port
 from localserve.server import LIMIT_MAX_TOKENS, MODEL_ID, catalog_for
 
-pytestmark = pytest.mark.e2e
+# Measured against an idle baseline: `make test` runs these alone (tests/run.py).
+pytestmark = [pytest.mark.e2e, pytest.mark.timing]
 
 START_TIMEOUT_S = 300.0
 TIMEOUT_S = 60.0

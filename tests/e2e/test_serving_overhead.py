@@ -23,7 +23,8 @@ import pytest
 from benchmarks.serving_overhead import SETTLE_S, Server, deprioritize, restore_priority, run_load, start
 from benchmarks.stats import median
 
-pytestmark = pytest.mark.e2e
+# Measured against an idle baseline: `make test` runs these alone (tests/run.py).
+pytestmark = [pytest.mark.e2e, pytest.mark.timing]
 
 PAIRS = int(os.environ.get("E2E_OVERHEAD_PAIRS", "6"))
 REQUESTS_PER_CELL = 12

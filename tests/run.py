@@ -1,0 +1,126 @@
+"""`make test`: the whole suite in the time a two-core machine allows.
+
+Run in sequence, the suite takes about an hour here, most of it in the
+twins (`tests/e2e/test_twin.py`: each stack's local twin, its Prometheus
+and each alert's fault, and `make local`), which wait on Ray, vLLM and
+Prometheus far more than they compute. So the run has three phases:
+
+1. the tests that measure latency against an idle baseline (marker
+   ``timing``), alone, so nothing else on the machine moves their figures;
+2. the twins in one pytest, beside everything else in another, each with
+   a port range of its own (``LLM_PLATFORM_PORT_RANGE``), so a port one has
+   picked but not yet bound is never picked by the other;
+3. the benchmark's quick run (`python -m benchmarks --quick`), alone, as it
+   pins the server it measures to a core.
+
+Every phase runs even when an earlier one failed, so one run shows every
+failure. Each suite's output is printed whole when it ends. Extra arguments
+go to every pytest, e.g. ``python -m tests.run --durations=40``.
+
+Ports: Ray gives its workers ports from 10002-19999 unless told otherwise,
+and the kernel's ephemeral range here is 32768-60999; the two suites' ranges
+lie between, apart from both.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+ROOT = Path(__file__).resolve().parents[1]
+LOGS = ROOT / "build" / "test-logs"
+TWINS = "tests/e2e/test_twin.py"
+HEARTBEAT_S = 120.0
+
+
+@dataclass
+class Suite:
+    """One pytest (or other) command run to completion, its output kept in a log."""
+
+    name: str
+    argv: list[str]
+    ports: str | None = None
+    started: float = 0.0
+    took: float = 0.0
+    code: int | None = None
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    out: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def log(self) -> Path:
+        return LOGS / f"{self.name}.log"
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "E2E": "1", "E2E_REQUIRED": "1"}
+        if self.ports:
+            env["LLM_PLATFORM_PORT_RANGE"] = self.ports
+        self.out = self.log.open("wb")
+        self.started = time.monotonic()
+        print(f"[run] {self.name}: {' '.join(self.argv)}", flush=True)
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=self.out, stderr=subprocess.STDOUT)
+
+    def poll(self) -> bool:
+        """Whether it has ended; prints its whole output the moment it does."""
+        assert self.proc is not None and self.out is not None
+        if self.code is None and (code := self.proc.poll()) is not None:
+            self.code, self.took = code, time.monotonic() - self.started
+            self.out.close()
+            print(f"\n========== {self.name} (exit {code}, {self.took / 60:.1f} min) ==========", flush=True)
+            sys.stdout.write(self.log.read_text(errors="replace"))
+            sys.stdout.flush()
+        return self.code is not None
+
+
+def pytest(name: str, *args: str, ports: str | None = None, extra: list[str] | None = None) -> Suite:
+    return Suite(name, [sys.executable, "-m", "pytest", "-q", *args, *(extra or [])], ports=ports)
+
+
+def phases(extra: list[str] | None = None) -> list[list[Suite]]:
+    """The run's phases, in order; the suites of one phase run at once. ``extra`` goes to every pytest."""
+    return [
+        [pytest("timing", "-m", "timing", extra=extra)],
+        [
+            pytest("twins", TWINS, ports="20000-26383", extra=extra),
+            pytest("rest", "-m", "not timing", f"--ignore={TWINS}", ports="26384-32767", extra=extra),
+        ],
+        [Suite("bench-quick", [sys.executable, "-m", "benchmarks", "--quick", "--out", "build/bench-quick"])],
+    ]
+
+
+def run_together(suites: list[Suite]) -> None:
+    for suite in suites:
+        suite.start()
+    last = time.monotonic()
+    while not all(suite.poll() for suite in suites):
+        time.sleep(1.0)
+        if time.monotonic() - last >= HEARTBEAT_S:
+            last = time.monotonic()
+            running = [f"{s.name} {(last - s.started) / 60:.0f} min" for s in suites if s.code is None]
+            print(f"[run] still running: {', '.join(running)}", flush=True)
+
+
+def main() -> int:
+    LOGS.mkdir(parents=True, exist_ok=True)
+    # The tiny model every e2e test and twin serves, built once before two suites could both build it.
+    from twin.model import tiny_model_dir
+
+    tiny_model_dir()
+    ordered = phases(sys.argv[1:])
+    for phase in ordered:
+        run_together(phase)
+    suites = [suite for phase in ordered for suite in phase]
+    print("\n[run] " + "; ".join(f"{s.name}: exit {s.code} in {s.took / 60:.1f} min" for s in suites), flush=True)
+    failed = [s.name for s in suites if s.code != 0]
+    if failed:
+        print(f"[run] FAILED: {', '.join(failed)} (logs in {LOGS.relative_to(ROOT)}/)", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
