@@ -22,7 +22,7 @@ from tests import run
 ROOT = Path(__file__).resolve().parents[1]
 # Ray's default worker ports (`ray start --min-worker-port/--max-worker-port`).
 RAY_WORKER_PORTS = range(10002, 20000)
-E2E_DIR = "tests/e2e"
+E2E_DIR = run.E2E_DIR
 
 
 def _collected(*args: str) -> set[str]:
@@ -56,6 +56,16 @@ def test_the_suites_run_every_end_to_end_test_once() -> None:
     assert set().union(*picked) == everything
 
 
+def test_only_end_to_end_tests_are_marked_timing() -> None:
+    """The timing suite collects only tests/e2e; a timing test elsewhere would run in no suite."""
+    marked = [
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "tests").rglob("*.py")
+        if path != Path(__file__) and "mark.timing" in path.read_text() and not path.is_relative_to(ROOT / E2E_DIR)
+    ]
+    assert marked == []
+
+
 def test_the_timing_tests_are_alone_and_the_twins_beside_the_rest() -> None:
     suites = _suites()
     timing = {line.split("::")[0] for line in _e2e_of(suites["timing"])}
@@ -64,7 +74,8 @@ def test_the_timing_tests_are_alone_and_the_twins_beside_the_rest() -> None:
         "tests/e2e/test_fairness_e2e.py",
         "tests/e2e/test_serving_overhead.py",
     }
-    assert {line.split("::")[0] for line in _e2e_of(suites["twins"])} == {run.TWINS}
+    assert {line.split("::")[0] for line in _e2e_of(suites["twins"])} == set(run.BESIDE)
+    assert run.TWINS in run.BESIDE
     phase_of = {suite.name: i for i, phase in enumerate(run.phases()) for suite in phase}
     assert phase_of["twins"] == phase_of["rest"] and len({phase_of["timing"], phase_of["twins"]}) == 2
 
