@@ -174,3 +174,10 @@ def test_a_fault_that_began_before_the_wait_counts_from_its_start(monkeypatch: p
     assert fired["LlmRequestsWaiting"].after_s >= 10
     unanchored = observe.wait_firing(cast(TwinPrometheus, prom), ["LlmRequestsWaiting"], 60)
     assert unanchored["LlmRequestsWaiting"].pending_from_s == pytest.approx(-5, abs=0.5)
+
+
+def test_the_overloads_alerts_get_time_to_fill_the_kv_cache_and_other_faults_do_not() -> None:
+    fors = {"LlmKvCacheNearlyFull": 15.0, "LlmRequestsWaiting": 10.0}
+    base = 15.0 + observe.FIRE_SLACK_S
+    assert observe.fire_timeout(observe.OVERLOAD, fors) == base + observe.OVERLOAD_FILL_S
+    assert observe.fire_timeout(observe.KILL_SERVER, fors) == base
