@@ -24,6 +24,7 @@ lie between, apart from both.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -41,6 +42,8 @@ TWINS = f"{E2E_DIR}/test_twin.py"
 # alone took 29 min, the rest 34, the S3 test 2 of those).
 BESIDE = (TWINS, f"{E2E_DIR}/test_s3_weights_e2e.py")
 HEARTBEAT_S = 120.0
+# How long an interrupted suite gets to end its servers before the run returns.
+INTERRUPT_GRACE_S = 60.0
 
 
 @dataclass
@@ -98,6 +101,10 @@ def phases(extra: list[str] | None = None) -> list[list[Suite]]:
     ]
 
 
+def _shown(path: Path) -> Path:
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
 def run_together(suites: list[Suite]) -> None:
     for suite in suites:
         suite.start()
@@ -117,13 +124,22 @@ def main() -> int:
 
     tiny_model_dir()
     ordered = phases(sys.argv[1:])
-    for phase in ordered:
-        run_together(phase)
+    try:
+        for phase in ordered:
+            run_together(phase)
+    except KeyboardInterrupt:
+        # Ctrl-C reached the suites too (one process group): each pytest ends its tests' servers itself.
+        for suite in (s for phase in ordered for s in phase if s.proc is not None and s.code is None):
+            assert suite.proc is not None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                suite.proc.wait(timeout=INTERRUPT_GRACE_S)
+        print(f"\n[run] interrupted; each suite's output so far is in {_shown(LOGS)}/", flush=True)
+        return 130
     suites = [suite for phase in ordered for suite in phase]
     print("\n[run] " + "; ".join(f"{s.name}: exit {s.code} in {s.took / 60:.1f} min" for s in suites), flush=True)
     failed = [s.name for s in suites if s.code != 0]
     if failed:
-        print(f"[run] FAILED: {', '.join(failed)} (logs in {LOGS.relative_to(ROOT)}/)", flush=True)
+        print(f"[run] FAILED: {', '.join(failed)} (logs in {_shown(LOGS)}/)", flush=True)
         return 1
     return 0
 

@@ -119,3 +119,25 @@ def test_without_a_range_the_kernel_chooses(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.delenv(PORT_RANGE_ENV, raising=False)
     low, high = (int(p) for p in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     assert port_range() is None and low <= free_port() <= high
+
+
+def test_ctrl_c_waits_for_the_running_suites_and_returns_130(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import twin.model
+
+    monkeypatch.setattr(twin.model, "tiny_model_dir", lambda: tmp_path)
+    monkeypatch.setattr(run, "LOGS", tmp_path / "logs")
+    monkeypatch.setattr(sys, "argv", ["run"])
+    suite = run.Suite("short", [sys.executable, "-c", "import time; time.sleep(1)"])
+    monkeypatch.setattr(run, "phases", lambda extra=None: [[suite]])
+
+    def interrupted(suites: list[run.Suite]) -> None:
+        for s in suites:
+            s.start()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "run_together", interrupted)
+    assert run.main() == 130
+    assert suite.proc is not None and suite.proc.returncode == 0
+    assert "[run] interrupted" in capsys.readouterr().out
