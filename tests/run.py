@@ -1,25 +1,20 @@
-"""`make test`: the whole suite in the time a two-core machine allows.
-
-Run in sequence, the suite takes about an hour here, most of it in the
-twins (`tests/e2e/test_twin.py`: each stack's local twin, its Prometheus
-and each alert's fault, and `make local`), which wait on Ray, vLLM and
-Prometheus far more than they compute. So the run has three phases:
+"""`make test`: the whole suite, in phases that keep measurements apart from load.
 
 1. the tests that measure latency against an idle baseline (marker
    ``timing``), alone, so nothing else on the machine moves their figures;
-2. the twins in one pytest, beside everything else in another, each with
-   a port range of its own (``LLM_PLATFORM_PORT_RANGE``), so a port one has
-   picked but not yet bound is never picked by the other;
+2. everything else, the twins of both stacks included;
 3. the benchmark's quick run (`python -m benchmarks --quick`), alone, as it
    pins the server it measures to a core.
+
+One phase may run several suites at once (each with a port range of its own,
+``LLM_PLATFORM_PORT_RANGE``). None does today: run beside the rest of the
+suite on two cores, the monitored twins failed (a steady-state TTFT alert
+fired, a Ray node timed out starting, `make local` did not come up), so
+they run in sequence, and the monitoring twins only with TWIN_MONITORING=1.
 
 Every phase runs even when an earlier one failed, so one run shows every
 failure. Each suite's output is printed whole when it ends. Extra arguments
 go to every pytest, e.g. ``python -m tests.run --durations=40``.
-
-Ports: Ray gives its workers ports from 10002-19999 unless told otherwise,
-and the kernel's ephemeral range here is 32768-60999; the two suites' ranges
-lie between, apart from both.
 """
 
 from __future__ import annotations
@@ -36,11 +31,6 @@ from typing import IO
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / "build" / "test-logs"
 E2E_DIR = "tests/e2e"
-TWINS = f"{E2E_DIR}/test_twin.py"
-# The files run beside the rest of the suite: the twins, and the S3 weights
-# test, so that both suites end together (measured on two cores: the twins
-# alone took 29 min, the rest 34, the S3 test 2 of those).
-BESIDE = (TWINS, f"{E2E_DIR}/test_s3_weights_e2e.py")
 HEARTBEAT_S = 120.0
 # How long an interrupted suite gets to end its servers before the run returns.
 INTERRUPT_GRACE_S = 60.0
@@ -93,10 +83,7 @@ def phases(extra: list[str] | None = None) -> list[list[Suite]]:
     return [
         # Timing tests live in tests/e2e: collecting only it saves the whole suite's collection (most of a minute).
         [pytest("timing", "-m", "timing", E2E_DIR, extra=extra)],
-        [
-            pytest("twins", *BESIDE, ports="20000-26383", extra=extra),
-            pytest("rest", "-m", "not timing", *(f"--ignore={f}" for f in BESIDE), ports="26384-32767", extra=extra),
-        ],
+        [pytest("rest", "-m", "not timing", extra=extra)],
         [Suite("bench-quick", [sys.executable, "-m", "benchmarks", "--quick", "--out", "build/bench-quick"])],
     ]
 

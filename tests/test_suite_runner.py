@@ -1,4 +1,4 @@
-"""`make test`'s runner (tests/run.py): its suites split the tests without gap or overlap; each picks ports apart.
+"""`make test`'s runner (tests/run.py): its suites split the tests without gap or overlap; a port range holds.
 
 The split is checked on tests/e2e, whose collection takes seconds where the
 whole suite's takes most of a minute; outside it, every test is in `rest`
@@ -66,7 +66,7 @@ def test_only_end_to_end_tests_are_marked_timing() -> None:
     assert marked == []
 
 
-def test_the_timing_tests_are_alone_and_the_twins_beside_the_rest() -> None:
+def test_the_timing_tests_run_alone() -> None:
     suites = _suites()
     timing = {line.split("::")[0] for line in _e2e_of(suites["timing"])}
     assert timing == {
@@ -74,27 +74,7 @@ def test_the_timing_tests_are_alone_and_the_twins_beside_the_rest() -> None:
         "tests/e2e/test_fairness_e2e.py",
         "tests/e2e/test_serving_overhead.py",
     }
-    assert {line.split("::")[0] for line in _e2e_of(suites["twins"])} == set(run.BESIDE)
-    assert run.TWINS in run.BESIDE
-    phase_of = {suite.name: i for i, phase in enumerate(run.phases()) for suite in phase}
-    assert phase_of["twins"] == phase_of["rest"] and len({phase_of["timing"], phase_of["twins"]}) == 2
-
-
-def test_the_suites_port_ranges_are_apart_from_each_other_rays_and_the_kernels() -> None:
-    low, high = (int(p) for p in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    ranges = []
-    for suite in _suites().values():
-        if suite.ports is not None:
-            os.environ[PORT_RANGE_ENV] = suite.ports
-            try:
-                ranges.append(port_range())
-            finally:
-                del os.environ[PORT_RANGE_ENV]
-    assert len(ranges) == 2
-    first, second = (set(r or ()) for r in ranges)
-    assert first and second and not first & second
-    for ports in (first, second):
-        assert not ports & set(RAY_WORKER_PORTS) and not ports & set(range(low, high + 1))
+    assert all(len(phase) == 1 for phase in run.phases())
 
 
 def test_free_port_takes_distinct_free_ports_from_the_range(monkeypatch: pytest.MonkeyPatch) -> None:

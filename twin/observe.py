@@ -56,9 +56,9 @@ STEADY_MARGIN_S = 10.0
 # condition needs a few scrapes, and the rule a few evaluations, to hold.
 FIRE_SLACK_S = 60.0
 # The overload's alerts wait for its streams to fill the KV cache first. On two
-# cores shared with the rest of `make test` (tests/run.py), dev's took up to
-# 75 s of the 75 s its alerts had (KvCacheNearlyFull pending 165 s, fired
-# 180 s into the fault); quiet, the same fill takes about half that.
+# cores shared with the rest of the test suite, dev's took up to the 75 s its
+# alerts had (KvCacheNearlyFull fired 180 s into the fault, its last stream
+# started about 105 s in); quiet, the same fill takes about half that.
 OVERLOAD_FILL_S = 60.0
 SETTLE_S = 8.0
 # Each fault starts from quiet: its alerts (and those that must stay quiet
