@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -29,47 +28,9 @@ WORKLOADS = REPO / "workloads"
 # port again, and two components told the same port refuse to start.
 _HANDED_OUT: set[int] = set()
 
-# A range of ports ("low-high") this run takes its ports from, instead of the
-# kernel's ephemeral range. `make test` gives each suite it runs at once a
-# range of its own (tests/run.py), so a port one suite has picked but not yet
-# bound can not be picked by the other; ports the kernel hands out (Ray's and
-# vLLM's own) stay in its ephemeral range, outside every such range.
-PORT_RANGE_ENV = "LLM_PLATFORM_PORT_RANGE"
-
-
-class PortRangeError(ValueError):
-    """The port range in the environment is not "low-high" within 1024-65535."""
-
-
-def port_range() -> range | None:
-    """The range named by ``LLM_PLATFORM_PORT_RANGE``, or None to let the kernel choose."""
-    text = os.environ.get(PORT_RANGE_ENV, "").strip()
-    if not text:
-        return None
-    low, sep, high = text.partition("-")
-    if not (sep and low.isdigit() and high.isdigit() and 1024 <= int(low) < int(high) <= 65535):
-        raise PortRangeError(f"{PORT_RANGE_ENV}: {text!r} is not low-high with 1024 <= low < high <= 65535")
-    return range(int(low), int(high) + 1)
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
 
 def free_port() -> int:
-    """A loopback port free now and not handed out before by this process (from the run's range, if it has one)."""
-    ports = port_range()
-    if ports is not None:
-        for port in random.sample(ports, len(ports)):
-            if port not in _HANDED_OUT and _bindable(port):
-                _HANDED_OUT.add(port)
-                return port
-        raise PortRangeError(f"{PORT_RANGE_ENV}: no free port left in {ports.start}-{ports.stop - 1}")
+    """A loopback port free now and not handed out before by this process."""
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))

@@ -1,4 +1,4 @@
-"""`make test`'s runner (tests/run.py): its suites split the tests without gap or overlap; a port range holds.
+"""`make test`'s runner (tests/run.py): its suites split the tests without gap or overlap, and Ctrl-C ends it cleanly.
 
 The split is checked on tests/e2e, whose collection takes seconds where the
 whole suite's takes most of a minute; outside it, every test is in `rest`
@@ -8,20 +8,15 @@ or, if marked `timing`, in `timing`.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from localserve import processes
-from localserve.processes import PORT_RANGE_ENV, PortRangeError, free_port, port_range
 from tests import run
 
 ROOT = Path(__file__).resolve().parents[1]
-# Ray's default worker ports (`ray start --min-worker-port/--max-worker-port`).
-RAY_WORKER_PORTS = range(10002, 20000)
 E2E_DIR = run.E2E_DIR
 
 
@@ -39,7 +34,7 @@ def _collected(*args: str) -> set[str]:
 
 
 def _suites() -> dict[str, run.Suite]:
-    return {suite.name: suite for phase in run.phases() for suite in phase}
+    return {suite.name: suite for suite in run.suites()}
 
 
 def _e2e_of(suite: run.Suite) -> set[str]:
@@ -74,50 +69,35 @@ def test_the_timing_tests_run_alone() -> None:
         "tests/e2e/test_fairness_e2e.py",
         "tests/e2e/test_serving_overhead.py",
     }
-    assert all(len(phase) == 1 for phase in run.phases())
+    assert list(_suites()) == ["timing", "rest", "bench-quick"]
 
 
-def test_free_port_takes_distinct_free_ports_from_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(PORT_RANGE_ENV, "27000-27009")
-    monkeypatch.setattr(processes, "_HANDED_OUT", set())
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
-        taken.bind(("127.0.0.1", 27004))
-        ports = [free_port() for _ in range(9)]
-        assert sorted(ports) == [p for p in range(27000, 27010) if p != 27004]
-        with pytest.raises(PortRangeError, match=f"{PORT_RANGE_ENV}: no free port left in 27000-27009"):
-            free_port()
-
-
-@pytest.mark.parametrize("text", ["27000", "27000-", "a-b", "900-2000", "3000-2000", "27000-70000"])
-def test_a_bad_port_range_is_one_line_naming_the_variable(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
-    monkeypatch.setenv(PORT_RANGE_ENV, text)
-    with pytest.raises(PortRangeError, match=f"^{PORT_RANGE_ENV}: '{text}' is not low-high"):
-        port_range()
-
-
-def test_without_a_range_the_kernel_chooses(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(PORT_RANGE_ENV, raising=False)
-    low, high = (int(p) for p in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    assert port_range() is None and low <= free_port() <= high
-
-
-def test_ctrl_c_waits_for_the_running_suites_and_returns_130(
+def test_ctrl_c_waits_for_the_running_suite_and_returns_130(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import twin.model
+    class Interrupted(run.Suite):
+        def run(self) -> int:
+            self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+            raise KeyboardInterrupt
 
-    monkeypatch.setattr(twin.model, "tiny_model_dir", lambda: tmp_path)
+    suite = Interrupted("short", [])
     monkeypatch.setattr(run, "LOGS", tmp_path / "logs")
     monkeypatch.setattr(sys, "argv", ["run"])
-    suite = run.Suite("short", [sys.executable, "-c", "import time; time.sleep(1)"])
-    monkeypatch.setattr(run, "phases", lambda extra=None: [[suite]])
-
-    def interrupted(suites: list[run.Suite]) -> None:
-        for s in suites:
-            s.start()
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(run, "run_together", interrupted)
+    monkeypatch.setattr(run, "suites", lambda extra=None: [suite])
     assert run.main() == 130
     assert suite.proc is not None and suite.proc.returncode == 0
     assert "[run] interrupted" in capsys.readouterr().out
+
+
+def test_a_suite_runs_to_its_end_and_prints_its_output(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(run, "LOGS", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["run"])
+    ok = run.Suite("ok", [sys.executable, "-c", "print('hello from ok')"])
+    bad = run.Suite("bad", [sys.executable, "-c", "import sys; print('broken'); sys.exit(3)"])
+    monkeypatch.setattr(run, "suites", lambda extra=None: [bad, ok])
+    assert run.main() == 1
+    out = capsys.readouterr().out
+    assert "hello from ok" in out and "broken" in out and (tmp_path / "bad.log").read_text() == "broken\n"
+    assert "[run] FAILED: bad" in out and (bad.code, ok.code) == (3, 0)
