@@ -40,24 +40,46 @@ def free_port() -> int:
             return port
 
 
-def _stat_fields() -> Iterator[tuple[int, list[str]]]:
-    """Every process's /proc/<pid>/stat fields after the parenthesised command name: state ppid pgrp session ..."""
+# /proc/<pid>/stat after the parenthesised command name (which may hold spaces
+# and parentheses, hence the last ")"), 0-based: state, ppid, pgrp, session, ...
+STAT_PPID = 1
+STAT_SESSION = 3
+STAT_UTIME = 11
+STAT_STIME = 12
+STAT_NICE = 16
+STAT_START_TIME = 19
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """``pid``'s /proc/<pid>/stat fields after its command name (see STAT_*), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()
+
+
+def process_name(pid: int) -> str | None:
+    """``pid``'s executable name or the title it set (/proc/<pid>/comm, at most 15 characters), or None once gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text(errors="replace").strip()
+    except OSError:
+        return None
+
+
+def every_process() -> Iterator[tuple[int, list[str]]]:
+    """Every process on the machine with its stat fields (Linux /proc)."""
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as handle:
-                stat = handle.read()
-        except OSError:
-            continue
-        yield int(entry), stat.rsplit(")", 1)[-1].split()
+        if entry.isdigit() and (fields := stat_fields(int(entry))) is not None:
+            yield int(entry), fields
 
 
 def with_descendants(roots: set[int]) -> set[int]:
     """``roots`` and every process below them (Linux /proc)."""
     children: dict[int, list[int]] = {}
-    for pid, fields in _stat_fields():
-        children.setdefault(int(fields[1]), []).append(pid)
+    for pid, fields in every_process():
+        children.setdefault(int(fields[STAT_PPID]), []).append(pid)
     found = set(roots)
     todo = list(roots)
     while todo:
@@ -70,7 +92,7 @@ def with_descendants(roots: set[int]) -> set[int]:
 
 def session_members(sid: int) -> list[int]:
     """Process ids whose session id is ``sid`` (Linux /proc)."""
-    return [pid for pid, fields in _stat_fields() if len(fields) > 3 and int(fields[3]) == sid]
+    return [pid for pid, fields in every_process() if len(fields) > STAT_SESSION and int(fields[STAT_SESSION]) == sid]
 
 
 def marked_processes(marker: str) -> list[int]:

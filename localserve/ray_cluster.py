@@ -39,7 +39,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from localserve.processes import REPO, Child, child_env, free_port, marked_processes, session_members, with_descendants
+from localserve.processes import (
+    REPO,
+    Child,
+    child_env,
+    free_port,
+    marked_processes,
+    process_name,
+    session_members,
+    with_descendants,
+)
 from twin import kuberay as mirror
 
 HOST = "127.0.0.1"
@@ -228,11 +237,7 @@ class RayNode:
 
     def process_named(self, comm: str) -> int | None:
         """The pid of this node's process whose executable name is `comm` (e.g. gcs_server)."""
-        for pid in sorted(self.pids()):
-            with contextlib.suppress(OSError):
-                if Path(f"/proc/{pid}/comm").read_text().strip() == comm:
-                    return pid
-        return None
+        return next((pid for pid in sorted(self.pids()) if process_name(pid) == comm), None)
 
     def stop(self, grace_s: float = 5.0) -> None:
         """End every run's processes by pid."""

@@ -8,8 +8,8 @@
 
 The suites run one after another. Run beside the rest of the suite on two
 cores, the monitored twins failed (a steady-state TTFT alert fired, a Ray node
-timed out starting, `make local` did not come up), so the monitoring twins run
-only with TWIN_MONITORING=1.
+timed out starting, `make local` did not come up), so they run inside the
+second suite, with the rest (TWIN_MONITORING=0 leaves their monitoring out).
 
 Every suite runs even when an earlier one failed, so one run shows every
 failure. Each suite's output is printed whole when it ends. Extra arguments

@@ -55,10 +55,11 @@ STEADY_MARGIN_S = 10.0
 # A fault's alert may take its scaled `for`, plus this, to fire: the
 # condition needs a few scrapes, and the rule a few evaluations, to hold.
 FIRE_SLACK_S = 60.0
-# The overload's alerts wait for its streams to fill the KV cache first. On two
-# cores shared with the rest of the test suite, dev's took up to the 75 s its
-# alerts had (KvCacheNearlyFull fired 180 s into the fault, its last stream
-# started about 105 s in); quiet, the same fill takes about half that.
+# The overload's alerts wait for its streams to fill the KV cache first. When
+# each stream's client built its own TLS context, dev's last stream started
+# 84-105 s in and KvCacheNearlyFull fired 120-180 s into the fault; with one
+# shared context (localserve.traffic) the streams start in seconds and all four
+# alerts fired within 36 s. The margin stays for a machine busier than that.
 OVERLOAD_FILL_S = 60.0
 SETTLE_S = 8.0
 # Each fault starts from quiet: its alerts (and those that must stay quiet

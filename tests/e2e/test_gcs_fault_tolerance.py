@@ -20,7 +20,6 @@ Run with ``E2E=1 pytest -s tests/e2e/test_gcs_fault_tolerance.py``.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib.util
 import itertools
@@ -39,7 +38,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from localserve.processes import free_port
+from localserve.processes import STAT_PPID, every_process, free_port, process_name, stat_fields
 from localserve.ray_cluster import (
     STARTED,
     RayNode,
@@ -355,25 +354,16 @@ def _process_table(node: RayNode) -> str:
     """The node's processes as pid/ppid/comm, and every vLLM-titled process on the machine, for a failure's message."""
     rows = []
     for pid in sorted(node.pids()):
-        with contextlib.suppress(OSError):
-            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
-            rows.append(f"{pid}<-{stat[1]} {Path(f'/proc/{pid}/comm').read_text().strip()}")
-    vllm = []
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):
-            if entry.name.isdigit() and (entry / "comm").read_text().startswith("VLLM::"):
-                vllm.append(f"{entry.name} {(entry / 'comm').read_text().strip()}")
+        fields, name = stat_fields(pid), process_name(pid)
+        if fields is not None and name is not None:
+            rows.append(f"{pid}<-{fields[STAT_PPID]} {name}")
+    vllm = [f"{pid} {name}" for pid, _ in every_process() if (name := process_name(pid) or "").startswith("VLLM::")]
     return f"node processes: {', '.join(rows)}; VLLM-titled processes anywhere: {', '.join(vllm) or 'none'}"
 
 
 def _engine_pids(node: RayNode) -> set[int]:
     """The node's vLLM engine processes (EngineCore, started by the model replica)."""
-    found = set()
-    for pid in node.pids():
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::EngineCor"):
-                found.add(pid)
-    return found
+    return {pid for pid in node.pids() if (process_name(pid) or "").startswith("VLLM::EngineCor")}
 
 
 def _check_in_flight(outcomes: list[Outcome], killed: float) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from localserve.processes import STAT_NICE, STAT_PPID, stat_fields
 from localserve.server import LIMIT_MAX_TOKENS
 
 from .conftest import ServerInfo
@@ -62,8 +63,9 @@ def test_routes_the_platform_does_not_offer_are_404_even_with_a_key(
 
 
 def _stat(pid: int) -> list[str]:
-    """/proc/<pid>/stat's fields after the command name (which may hold spaces): [0] is the state."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = stat_fields(pid)
+    assert fields is not None, f"process {pid} is gone"
+    return fields
 
 
 def _tree(pid: int) -> list[int]:
@@ -81,8 +83,8 @@ def test_the_replicas_server_and_the_replica_run_at_normal_priority(vllm_server:
     assert vllm_server.address_dir is not None
     (published,) = replica_addresses(vllm_server.address_dir)[:1]
     server = int(str(published["pid"]))
-    replica = int(_stat(server)[1])  # the Serve replica (a Ray worker) started the server
-    nice = {pid: int(_stat(pid)[16]) for pid in [replica, *_tree(server)]}
+    replica = int(_stat(server)[STAT_PPID])  # the Serve replica (a Ray worker) started the server
+    nice = {pid: int(_stat(pid)[STAT_NICE]) for pid in [replica, *_tree(server)]}
     assert len(nice) >= 3, nice  # the replica, vLLM's API server and its engine core at least
     assert set(nice.values()) == {0}, nice
 
