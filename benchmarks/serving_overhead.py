@@ -77,7 +77,17 @@ from benchmarks.server_tree import (  # noqa: E402
     wait_for_tree,
 )
 from localserve import server as localserver  # noqa: E402
-from localserve.processes import Child, child_env, free_port, session_members, with_descendants  # noqa: E402
+from localserve.processes import (  # noqa: E402
+    STAT_START_TIME,
+    STAT_STIME,
+    STAT_UTIME,
+    Child,
+    child_env,
+    free_port,
+    session_members,
+    stat_fields,
+    with_descendants,
+)
 from localserve.server import (  # noqa: E402
     KV_CACHE_BYTES,
     LIMIT_MAX_TOKENS,
@@ -219,9 +229,10 @@ class Server:
 
 
 def _start_time(pid: int) -> int | None:
+    fields = stat_fields(pid)
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return int(fields[STAT_START_TIME]) if fields is not None else None
+    except (IndexError, ValueError):
         return None
 
 
@@ -496,11 +507,10 @@ class QuietWait:
 
 
 def _cpu_ticks(pid: int) -> int | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
-    except OSError:
+    fields = stat_fields(pid)
+    if fields is None:
         return None
-    return int(fields[11]) + int(fields[12])  # utime, stime
+    return int(fields[STAT_UTIME]) + int(fields[STAT_STIME])
 
 
 def cpu_seconds(pids: set[int]) -> float:

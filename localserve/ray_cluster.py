@@ -385,8 +385,9 @@ def listening_sockets(pids: set[int]) -> list[tuple[int, str, str]]:
                     listening[fields[9]] = _address(fields[1], v6)
     found = []
     for pid in sorted(pids):
+        if (comm := process_name(pid)) is None:
+            continue
         with contextlib.suppress(OSError):
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")

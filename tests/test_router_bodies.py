@@ -13,10 +13,8 @@ from __future__ import annotations
 import http.server
 import json
 import re
-import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -29,6 +27,8 @@ from inference_server.request_policy import CHAT_PATH, COMPLETIONS_PATH, ROUTER_
 from inference_server.vllm_guard import SETTINGS_ENV, VllmServerGuard
 from pydantic import BaseModel
 
+from localserve.processes import free_port
+from tests.e2e.loopback_http import LoopbackHttp
 from tests.guard_calls import Recorder, call, make_guard, send_to
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,7 +127,7 @@ def router_cli() -> Any:
     )
 
 
-def _replica(seen: list[tuple[str, dict[str, Any]]]) -> http.server.ThreadingHTTPServer:
+def _replica(seen: list[tuple[str, dict[str, Any]]]) -> LoopbackHttp:
     """A stand-in replica: healthy, it keeps each body and answers as vLLM would, streamed or not."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -152,16 +152,7 @@ def _replica(seen: list[tuple[str, dict[str, Any]]]) -> http.server.ThreadingHTT
             else:
                 self._answer(b'{"id":"x","object":"text_completion","choices":[]}', "application/json")
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return LoopbackHttp(Handler)
 
 
 def _post(base: str, path: str, body: dict[str, Any]) -> None:
@@ -176,15 +167,15 @@ def forwarded(router_cli: Any) -> Iterator[tuple[Forwarded, Forwarded]]:
     """(path, body sent, body a replica got) for the ordinary requests, then for the clients' own values."""
     seen: list[tuple[str, dict[str, Any]]] = []
     replicas = [_replica(seen) for _ in range(2)]
-    port = _free_port()
+    port = free_port()
     router = subprocess.Popen(
         [
             *(sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port)),
             "--worker-urls",
-            *(f"http://127.0.0.1:{r.server_address[1]}" for r in replicas),
+            *(r.base_url for r in replicas),
             # power_of_two (the policy needs two replicas); the bodies are the same with the other
             # policies that do not render the prompt on a replica first.
-            *("--policy", "power_of_two", "--prometheus-port", str(_free_port())),
+            *("--policy", "power_of_two", "--prometheus-port", str(free_port())),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -215,7 +206,7 @@ def forwarded(router_cli: Any) -> Iterator[tuple[Forwarded, Forwarded]]:
         except subprocess.TimeoutExpired:
             router.kill()
         for replica in replicas:
-            replica.shutdown()
+            replica.stop()
 
 
 def test_the_installed_router_is_the_pinned_one(router_cli: Any) -> None:

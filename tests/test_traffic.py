@@ -5,30 +5,26 @@ from __future__ import annotations
 import http.server
 import json
 import ssl
-import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
 from localserve.traffic import StreamLoad
+from tests.e2e.loopback_http import LoopbackHttp
 
 STREAMS = 12
 
 
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    peers: list[int]
-
-
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server: _Server
+    # The client port of each whole answer; the _Replica that serves it sets its own list.
+    peers: ClassVar[list[int]]
 
     def do_POST(self) -> None:
         request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
         if not request.get("stream"):
-            self.server.peers.append(self.client_address[1])
+            self.peers.append(self.client_address[1])
             self._send(
                 "application/json",
                 json.dumps(
@@ -64,28 +60,29 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _Replica(LoopbackHttp):
+    """Answers chat completions as vLLM's server does, streamed or whole, and keeps each whole answer's client port."""
+
+    def __init__(self) -> None:
+        self.peers: list[int] = []
+        super().__init__(type("Handler", (_Handler,), {"peers": self.peers}))
+        # The whole-answer clients' keep-alive connections stay open after the test: daemon
+        # handler threads, so that stop() does not wait for them (read per request, so set in time).
+        self.server.daemon_threads = True
+
+
 @pytest.fixture
-def server() -> Iterator[_Server]:
-    srv = _Server(("127.0.0.1", 0), _Handler)
-    srv.peers = []
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+def server() -> Iterator[_Replica]:
+    replica = _Replica()
+    yield replica
+    replica.stop()
 
 
-def _load(server: _Server, mixed: bool = False) -> StreamLoad:
-    return StreamLoad(
-        base_url=f"http://127.0.0.1:{server.server_address[1]}/v1",
-        api_key="k",
-        streams=STREAMS,
-        think_s=0.05,
-        mixed=mixed,
-    )
+def _load(server: _Replica, mixed: bool = False) -> StreamLoad:
+    return StreamLoad(base_url=f"{server.base_url}/v1", api_key="k", streams=STREAMS, think_s=0.05, mixed=mixed)
 
 
-def test_the_streams_load_the_ca_bundle_once(server: _Server, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_streams_load_the_ca_bundle_once(server: _Replica, monkeypatch: pytest.MonkeyPatch) -> None:
     # Each client building its own TLS context loads the CA bundle again (45 ms of CPU):
     # 160 overload streams then began 84 s after their fault's clock started.
     loads: list[object] = []
@@ -103,7 +100,7 @@ def test_the_streams_load_the_ca_bundle_once(server: _Server, monkeypatch: pytes
     assert len(loads) <= 1, f"{len(loads)} CA bundle loads for {STREAMS} streams"
 
 
-def test_each_whole_answer_client_keeps_its_own_connection(server: _Server) -> None:
+def test_each_whole_answer_client_keeps_its_own_connection(server: _Replica) -> None:
     # The mixed load's non-streamed clients read their whole answer, so each one's
     # keep-alive connection carries its next request (a load balancer then sees
     # long-lived connections). openai's sync stream stops reading at [DONE] and
