@@ -273,6 +273,52 @@ def test_the_server_process_gets_the_engine_arguments_by_name() -> None:
         server_args({**spec, "engine_kwargs": {**kwargs, "no_such_argument": 1}})
 
 
+# What an engine process does first, as multiprocessing's spawn runs it for a
+# server started with `python -m inference_server.vllm_main`: import the main
+# module by name (spawn.prepare), then vLLM (unpickling its process object),
+# then title itself as vLLM's EngineCore does.
+_ENGINE_START = """
+import multiprocessing.spawn, sys
+if sys.argv[1] == "main-first":
+    multiprocessing.spawn.prepare({"init_main_from_name": "inference_server.vllm_main"})
+import vllm
+from vllm.utils.system_utils import set_process_title
+set_process_title("EngineCore")
+print(open("/proc/self/comm").read().strip())
+"""
+
+
+def test_the_engine_process_is_titled_whatever_the_environments_order() -> None:
+    pytest.importorskip("vllm")
+    import os
+    import subprocess
+    import sys
+
+    # `import vllm` rewrites this variable (vllm/env_override.py); first in
+    # the environment, it broke setproctitle's setup in the engine process.
+    rewritten = "TORCHINDUCTOR_COMPILE_THREADS"
+    env = {rewritten: "1", **{k: v for k, v in os.environ.items() if k != rewritten}}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "workloads"), env.get("PYTHONPATH", "")])
+    runs = {
+        how: subprocess.Popen(
+            [sys.executable, "-c", _ENGINE_START, how],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for how in ("main-first", "vllm-only")
+    }
+    titles = {}
+    for how, proc in runs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+        titles[how] = out.strip().splitlines()[-1]
+    # Without the server's main module first, the condition is real: the title is lost.
+    assert titles["main-first"] == "VLLM::EngineCor", titles
+    assert titles["vllm-only"] != "VLLM::EngineCor", titles
+
+
 def test_a_stopping_replica_serves_through_its_notice_then_stops_its_server(tmp_path: Path) -> None:
     pytest.importorskip("ray.serve")
     import http.server

@@ -15,6 +15,20 @@ import signal
 import sys
 from typing import Any
 
+import setproctitle  # vLLM depends on it
+
+# First, before anything imports vLLM. vLLM titles its processes
+# (VLLM::EngineCore, VLLM::Worker) with setproctitle, after `import vllm` has
+# rewritten environment variables (vllm/env_override.py). setproctitle sets
+# itself up on its first call, finding the argv area it overwrites by walking
+# back from the first environment string; when that variable was rewritten,
+# the string is on the heap, the setup fails silently and the engine stays
+# "python" in ps, top and /proc (whether it does depends on the environment's
+# order). Multiprocessing's spawn imports this module first in every engine
+# process, so this call sets it up while the environment is as exec left it.
+setproctitle.getproctitle()
+
+
 SPEC_ENV = "INFERENCE_VLLM_SERVER_SPEC"
 GUARD_MIDDLEWARE = "inference_server.vllm_guard.VllmServerGuard"
 
