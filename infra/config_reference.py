@@ -138,6 +138,20 @@ NOTES: Mapping[str, str] = {
     ),
     "serving.ingress.max_replicas_per_node": "Replicas spread over pods, pods over nodes.",
     "serving.allow_hub_download": "Allow hub ids as sources outside prod.",
+    "serving.routing": (
+        "vllm-router in front of each `vllm-server` service's replicas (see [Request-level routing]"
+        "(routing.md#request-level-routing)); the load balancer then sends to the router."
+    ),
+    "serving.routing.enabled": "Needs at least one `vllm-server` service.",
+    "serving.routing.policy": (
+        "`cache_aware`: prefix-cache affinity, balanced by load when out of balance; `power_of_two`: the shorter "
+        "of two queues; `round_robin`: in turn."
+    ),
+    "serving.routing.cache_threshold": "`cache_aware`: the share of a prompt a replica's cache must match.",
+    "serving.routing.balance_abs_threshold": "`cache_aware`: balance by load past this many requests' difference.",
+    "serving.routing.balance_rel_threshold": "`cache_aware`: ... and past this ratio of busiest to idlest.",
+    "serving.routing.min_replicas": "Prod at least 2 (spread over zones).",
+    "serving.routing.queue_size": "Requests held while every replica is at its cap, then 429.",
     "models[].name": "The RayService name, at most 47 characters.",
     "models[].source": "`s3://<model bucket>/<prefix>` in a deployed stack.",
     "models[].accelerator_type": "Optional: derived from the group's GPU; a value that disagrees is refused.",

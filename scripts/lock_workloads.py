@@ -37,6 +37,11 @@ BASE_PROVIDES = {
     "urllib3": "requests, under Ray's dashboard and job SDK",
     "python-dateutil": "pandas, under Ray Data (ray[llm])",
     "six": "python-dateutil",
+    "aiohttp": "vLLM's server and Ray Serve",
+    "fastapi": "vLLM's server and Ray Serve",
+    "uvicorn": "vLLM's server and Ray Serve",
+    "requests": "vLLM and Ray",
+    "setproctitle": "vLLM (its process titles)",
 }
 # The image's interpreter and platform (ray-llm 2.60 is CPython 3.11 on Ubuntu 22.04).
 PYTHON = "3.11"

@@ -82,6 +82,19 @@ def render_config(doc: dict[str, Any], stack: str = "custom") -> Rendered:
     return render_document(stack, doc)
 
 
+# What tests/test_selectors.py, test_serving_router.py and test_security_pods.py turn on.
+ROUTING = {"enabled": True, "min_replicas": 2, "policy": "cache_aware", "cache_threshold": 0.5}
+
+
+@cache
+def render_routed(stack: str) -> Rendered:
+    """A committed stack with its request router on (`serving.routing` = ROUTING)."""
+    doc = copy.deepcopy(stack_doc(stack))
+    config = doc["config"]
+    config["llm-platform:serving"] = {**config.get("llm-platform:serving", {}), "routing": ROUTING}
+    return render_config(doc, f"{stack}-routed")
+
+
 def stack_doc(stack: str) -> dict[str, Any]:
     """A committed stack file as a dict, to copy and break in tests."""
     return stack_document(stack)

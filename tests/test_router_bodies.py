@@ -114,10 +114,14 @@ CLIENT_VALUES = [
 Forwarded = list[tuple[str, dict[str, Any], dict[str, Any]]]
 
 
-def _pinned_router() -> str:
-    match = re.search(r"^vllm-router==(\S+)$", (ROOT / "requirements-dev.txt").read_text(), re.MULTILINE)
-    assert match, "requirements-dev.txt pins no vllm-router"
+def _pinned_router(requirements: str = "requirements-dev.txt") -> str:
+    match = re.search(r"^vllm-router==(\S+)$", (ROOT / requirements).read_text(), re.MULTILINE)
+    assert match, f"{requirements} pins no vllm-router"
     return match[1]
+
+
+def test_the_tests_run_the_router_release_the_image_carries() -> None:
+    assert _pinned_router() == _pinned_router("workloads/requirements.txt")
 
 
 @pytest.fixture(scope="module")

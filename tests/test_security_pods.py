@@ -24,6 +24,7 @@ from tests.harness import (
     AUTOSCALER_CONTAINER,
     WAIT_GCS_CONTAINER,
     manifests_of,
+    render_routed,
     render_stack,
     stack_config,
     workload_pods,
@@ -318,3 +319,20 @@ def test_pod_identity_pods_keep_their_accounts(stack: str) -> None:
     assert gpu and all(p["spec"]["serviceAccountName"] == MODEL_READER_SA for p in gpu)
     if "batch-worker" in pods:
         assert pods["batch-worker"]["spec"]["serviceAccountName"] == BATCH_WORKER_SA
+
+
+def test_the_request_routers_pods_pass_restricted_and_only_they_add_a_token() -> None:
+    """The router lists and watches pods (router.py), so it keeps the one token outside the heads."""
+    namespace = stack_config("prod").serving.namespace
+    pods = [p for p in workload_pods(render_routed("prod")) if p["metadata"]["namespace"] == namespace]
+    routers = [p for p in pods if p["metadata"]["name"].endswith("-router")]
+    assert len(routers) == 2
+    problems = [f"{p['metadata']['name']}: {v}" for p in routers for v in restricted_violations(p)]
+    assert problems == []
+    tokens = sorted(
+        p["metadata"]["name"]
+        for p in pods
+        if p["spec"].get("automountServiceAccountToken") is not False
+        and p["metadata"]["labels"].get("ray.io/node-type") != "head"
+    )
+    assert tokens == sorted(p["metadata"]["name"] for p in routers)

@@ -14,6 +14,7 @@ selector, and one without an intent fails the test.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -25,7 +26,8 @@ from infra.render import Rendered
 from infra.serving import kuberay
 from infra.serving.endpoint import public_service_name
 from infra.serving.ports import RAY_PORTS
-from tests.harness import manifests_of, ray_cluster, render_config, render_stack, stack_doc
+from infra.serving.router import router_name, router_pods
+from tests.harness import manifests_of, ray_cluster, render_config, render_routed, render_stack, stack_doc
 from twin import kuberay as mirror
 
 Pod = dict[str, Any]
@@ -47,16 +49,18 @@ def _layout_variant(stack: str, layout: str) -> Rendered:
 
 
 # The committed stacks in their own layouts (dev: serve-ingress, prod:
-# vllm-server) and each in the other one.
-VARIANTS = ["dev", "prod", "dev-vllm-server", "prod-serve-ingress"]
+# vllm-server), each in the other one, and prod with its router.
+VARIANTS = ["dev", "prod", "dev-vllm-server", "prod-serve-ingress", "prod-routed"]
 
 
 @cache
 def rendered(variant: str) -> Rendered:
     if variant in ("dev", "prod"):
         return render_stack(variant)
-    stack, layout = variant.split("-", 1)
-    return _layout_variant(stack, layout)
+    stack, rest = variant.split("-", 1)
+    if rest == "routed":
+        return render_routed(stack)
+    return _layout_variant(stack, rest)
 
 
 def _labels(pod: Pod) -> dict[str, str]:
@@ -72,6 +76,8 @@ class World:
     pods: list[Pod]
     services: list[dict[str, Any]]
     ray_services: dict[str, dict[str, Any]]
+    # The RayServices with a router in front (serving.routing).
+    routed: frozenset[str] = frozenset()
 
     def name(self, pod: Pod) -> str:
         name: str = pod["metadata"]["name"]
@@ -108,7 +114,9 @@ def world(variant: str) -> World:
             }
         )
     services += manifests_of(render, "Service")
-    return World(namespace, pods, services, ray_services)
+    deployments = {d["metadata"]["name"] for d in manifests_of(render, "Deployment")}
+    routed = frozenset(s for s in ray_services if router_name(s) in deployments)
+    return World(namespace, pods, services, ray_services, routed)
 
 
 # --- what each pod is --------------------------------------------------------------
@@ -174,6 +182,9 @@ def _policy_intent(w: World, name: str) -> Intent:
         return any_pod
     if name == "batch-worker":
         return deployment("batch-worker")
+    for service in w.routed:
+        if name == router_name(service):
+            return deployment(router_name(service))
     raise AssertionError(f"no intent declared for NetworkPolicy {name}")
 
 
@@ -184,6 +195,8 @@ def _pdb_intent(w: World, name: str) -> Intent:
         for g in rs["spec"]["rayClusterConfig"].get("workerGroupSpecs") or []:
             if name == f"{service}-{g['groupName']}":
                 return both(of_service(service), in_group(g["groupName"]))
+        if service in w.routed and name == router_name(service):
+            return deployment(router_name(service))
     raise AssertionError(f"no intent declared for PodDisruptionBudget {name}")
 
 
@@ -198,6 +211,7 @@ def _monitor_intent(w: World, name: str) -> Intent:
             declares_port(RAY_PORTS.vllm_metrics.name),
         ),
     }
+    intents.update({router_name(s): deployment(router_name(s)) for s in w.routed})
     if name not in intents:
         raise AssertionError(f"no intent declared for PodMonitor {name}")
     return intents[name]
@@ -212,6 +226,8 @@ def _service_intent(w: World, svc: dict[str, Any]) -> Intent:
     for service in w.ray_services:
         cluster = ray_cluster(w.ray_services[service]).name
         if name == public_service_name(service):
+            if service in w.routed:
+                return deployment(router_name(service))  # the router takes the connections
             # Both clusters of an upgrade; each pod while it is Ready.
             return both(of_service(service), serving_worker)
         if name == kuberay.serve_service_name(service):
@@ -258,6 +274,14 @@ def selections(w: World, render: Rendered) -> list[Selection]:
                 out.append(
                     Selection(f"RayService {service} group {g['groupName']} spread", spread["labelSelector"], intent)
                 )
+    for service in w.routed:
+        # The pods the router discovers by its `--selector` (key=value words).
+        args = _router_container(render, service)["command"]
+        start = args.index("--selector") + 1
+        words = list(itertools.takewhile(lambda a: not a.startswith("--"), args[start:]))
+        selector = {"matchLabels": dict(w.split("=", 1) for w in words)}
+        intent = both(of_service(service), in_group(_model_group(w, service)), serving_worker)
+        out.append(Selection(f"router {service} --selector", selector, intent))
     for dep in manifests_of(render, "Deployment"):
         name = dep["metadata"]["name"]
         out.append(Selection(f"Deployment {name}", dep["spec"]["selector"], deployment(name)))
@@ -266,12 +290,29 @@ def selections(w: World, render: Rendered) -> list[Selection]:
     return out
 
 
+def _router_container(render: Rendered, service: str) -> dict[str, Any]:
+    (dep,) = [d for d in manifests_of(render, "Deployment") if d["metadata"]["name"] == router_name(service)]
+    container: dict[str, Any] = dep["spec"]["template"]["spec"]["containers"][0]
+    return container
+
+
+def _model_group(w: World, service: str) -> str:
+    """The GPU worker group of a vllm-server RayService's one model."""
+    groups = w.ray_services[service]["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    (group,) = [g["groupName"] for g in groups if g["groupName"].startswith("gpu-")]
+    return str(group)
+
+
 def _peer_intent(w: World, policy: str, peer: dict[str, Any]) -> Intent:
     for service in w.ray_services:
         if policy == f"{service}-ray":
             return of_service(service)  # a RayService's pods talk among themselves
         if policy == f"{service}-ray-serve":
+            if service in w.routed and peer["podSelector"]["matchLabels"] == router_pods(service):
+                return deployment(router_name(service))  # the router sends to the replicas
             return deployment("batch-worker")  # the batch workers call the model
+        if service in w.routed and policy == router_name(service):
+            return both(of_service(service), in_group(_model_group(w, service)), serving_worker)
     if policy == "batch-worker":
         # The batch workers' egress: the serving port of any RayService's workers (network.serving_pods).
         return serving_worker

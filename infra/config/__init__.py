@@ -97,6 +97,7 @@ from infra.config.observability import Observability, Slo, Tracing
 from infra.config.platform import GpuOperatorSettings, Platform, Toggle, Versions
 from infra.config.problems import ConfigError, Problem
 from infra.config.ray import ELASTICACHE_FAMILIES, ColdStartTimeouts, GcsFaultTolerance, Ray
+from infra.config.routing import PROD_MIN_ROUTER_REPLICAS, Routing, RoutingPolicy
 from infra.config.rules import check_rules, upgrade_need
 from infra.config.serving import PROD_MIN_INGRESS_REPLICAS, Serving, vllm_server_problem
 from infra.config.stack import StackConfig, longest_generation_seconds
@@ -116,6 +117,7 @@ __all__ = [
     "PRIVATE_CIDR_MASK",
     "PROD_MIN_INGRESS_REPLICAS",
     "PROD_MIN_MODEL_REPLICAS",
+    "PROD_MIN_ROUTER_REPLICAS",
     "PUBLIC_CIDR_MASK",
     "PULUMI_WAIT_BIG_MODEL_GIB",
     "PULUMI_WAIT_BIG_SECONDS",
@@ -151,6 +153,8 @@ __all__ = [
     "Problem",
     "Ray",
     "ReservationId",
+    "Routing",
+    "RoutingPolicy",
     "Serving",
     "Slo",
     "StackConfig",

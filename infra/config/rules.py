@@ -24,6 +24,7 @@ from infra.config.models import RAY_SERVICE_NAME_MAX, Model, check_model, check_
 from infra.config.network import check_network, cidr_list_problem
 from infra.config.node_groups import GpuNodeGroupSettings, check_gpu_group, check_node_group, usable_group
 from infra.config.problems import Problem
+from infra.config.routing import check_routing
 from infra.config.serving import check_ingress, check_layout, check_limits
 from infra.config.stack import StackConfig
 from infra.instance_types import GpuInstanceType
@@ -66,6 +67,7 @@ def check_rules(cfg: StackConfig) -> list[Problem]:
     # `serving.ingress` is then read by nothing.
     if cfg.uses_serve_ingress():
         problems += check_ingress(cfg.serving.ingress, is_prod=cfg.is_prod)
+    problems += check_routing(cfg.serving.routing, cfg.layouts(), is_prod=cfg.is_prod)
     return problems
 
 

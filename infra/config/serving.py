@@ -9,6 +9,7 @@ from infra.config.fields import K8sName, Section
 from infra.config.models import Model
 from infra.config.observability import Slo
 from infra.config.problems import Problem
+from infra.config.routing import Routing
 from workloads.inference_server.catalog import IngressScaling, KeyFairness, RequestLimits
 
 
@@ -30,6 +31,8 @@ class Serving(Section):
     # the batch worker's own key is held to batch.messages_per_worker unless
     # `per_key` names it.
     fairness: KeyFairness = KeyFairness()
+    # A request-level router in front of the vllm-server services (off by default).
+    routing: Routing = Routing()
 
 
 def vllm_server_problem(models: list[Model]) -> str | None:

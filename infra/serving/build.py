@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pulumi
 
 from infra.aws.layer import AwsLayer
 from infra.cluster_services.layer import PlatformLayer
-from infra.config import StackConfig, preemption_free_sequences
+from infra.config import StackConfig, longest_generation_seconds, preemption_free_sequences
 from infra.serving import kuberay
 from infra.serving.alerts import ServingAlerts, ServingAlertsArgs
 from infra.serving.autoscaler_scope import AutoscalerScopeArgs, RayAutoscalerScope
@@ -18,7 +20,8 @@ from infra.serving.layer import ServingLayer
 from infra.serving.namespace import ServingNamespace, ServingNamespaceArgs
 from infra.serving.network import ClusterPeers
 from infra.serving.ports import RAY_PORTS
-from infra.serving.ray_service import VllmRayService, VllmRayServiceArgs
+from infra.serving.ray_service import VllmRayService, VllmRayServiceArgs, worker_group_name
+from infra.serving.router import RequestRouter, RequestRouterArgs
 
 
 def dashboard_access(namespace: str, ray_service: str) -> str:
@@ -141,6 +144,43 @@ def _observability(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer, ns:
     )
 
 
+def _routers(
+    cfg: StackConfig,
+    aws: AwsLayer,
+    platform: PlatformLayer,
+    ns: ServingNamespace,
+    ray_services: dict[str, VllmRayService],
+) -> dict[str, RequestRouter]:
+    """A router in front of each vllm-server RayService, when `serving.routing` is on.
+
+    After its RayService (its pods turn Ready once a replica is) and the
+    monitoring CRDs (its PodMonitor).
+    """
+    if not cfg.serving.routing.enabled:
+        return {}
+    routers = {}
+    for service, models in cfg.services().items():
+        if cfg.layout_of(service) != "vllm-server":
+            continue
+        (model,) = models  # vllm-server serves one model per service (serving.vllm_server_problem)
+        routers[service] = RequestRouter(
+            f"{service}-router",
+            RequestRouterArgs(
+                service=service,
+                namespace=cfg.serving.namespace,
+                routing=cfg.serving.routing,
+                image=aws.image,
+                system=aws.system,
+                worker_group=worker_group_name(model),
+                peers=cluster_peers(cfg, platform),
+                prometheus_selector_labels=dict(platform.prometheus_selector_labels),
+                request_timeout_s=math.ceil(longest_generation_seconds(cfg)),
+            ),
+            _after(aws, *ns.ready, platform.monitoring_crds, ray_services[service].ray_service),
+        )
+    return routers
+
+
 def build_serving(
     cfg: StackConfig, api_keys: pulumi.Output[str], aws: AwsLayer, platform: PlatformLayer
 ) -> ServingLayer:
@@ -168,6 +208,7 @@ def build_serving(
     if cfg.batch.enabled:
         _batch_workers(cfg, aws, platform, ns)
     _observability(cfg, aws, platform, ns)
+    routers = _routers(cfg, aws, platform, ns, ray_services)
     endpoint = ServingEndpoint(
         "serving-endpoint",
         ServingEndpointArgs(
@@ -179,8 +220,9 @@ def build_serving(
             batch_service=batch_service(cfg),
             layouts=cfg.layouts(),
             otlp_port=cfg.observability.tracing.port,
+            routers={name: router.pod_labels for name, router in routers.items()},
         ),
-        _after(aws, *ns.ready),
+        _after(aws, *ns.ready, *(router.deployment for router in routers.values())),
     )
     # The first RayService in config order is the stack's `endpoint`; every
     # model's own URL is in `endpoints`.

@@ -131,11 +131,14 @@ def load_balancer_service(
     layout: Layout = "serve-ingress",
     *,
     vpc_cidr: str | None = None,
+    router_labels: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The RayService's network load balancer (IP targets): metadata and spec of our Service.
 
     `vpc_cidr`: the cluster's VPC, the clients admitted when the endpoint
-    names none (source_ranges).
+    names none (source_ranges). `router_labels`: the pods of its router
+    (router.py), which then take the connections instead of the replicas;
+    the router listens on the replicas' port name, so nothing else changes.
     """
     annotations = {
         f"{LB_ANNOTATION}-nlb-target-type": "ip",
@@ -156,7 +159,7 @@ def load_balancer_service(
     spec: dict[str, Any] = {
         "type": "LoadBalancer",
         "loadBalancerClass": NLB_CLASS,
-        "selector": serving_workers(name),
+        "selector": dict(router_labels) if router_labels else serving_workers(name),
         "ports": [port],
     }
     ranges = source_ranges(endpoint, vpc_cidr)
@@ -196,6 +199,8 @@ class ServingEndpointArgs:
     layouts: Mapping[str, Layout] = field(default_factory=dict)
     # The OTLP trace collector's port the Ray pods may reach (observability.tracing), if any.
     otlp_port: int | None = None
+    # RayService name -> its router's pod labels, for those with a router (serving.routing).
+    routers: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def layout(self, service: str) -> Layout:
         """The layout of one of the RayServices."""
@@ -225,6 +230,7 @@ class ServingEndpoint(pulumi.ComponentResource):
                 batch_labels=batch,
                 layout=args.layout(service),
                 otlp_port=args.otlp_port,
+                router_labels=args.routers.get(service),
             ):
                 k8s.networking.v1.NetworkPolicy(
                     policy["metadata"]["name"], metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts
@@ -235,7 +241,12 @@ class ServingEndpoint(pulumi.ComponentResource):
         for service, resource in args.ray_services.items():
             layout = args.layout(service)
             manifest = load_balancer_service(
-                service, args.namespace, args.endpoint, layout, vpc_cidr=args.peers.vpc_cidr
+                service,
+                args.namespace,
+                args.endpoint,
+                layout,
+                vpc_cidr=args.peers.vpc_cidr,
+                router_labels=args.routers.get(service),
             )
             # After the RayService is Ready, so its serving pods exist when
             # Pulumi waits for this Service's endpoints and address.

@@ -21,6 +21,9 @@ Who may reach what (docs/security.md has the matrix in words):
   the client's), and `loadBalancerSourceRanges` limits the clients at the
   load balancer. The VPC CNI gives pods VPC addresses too, so this rule
   admits in-VPC sources to that one port, which the API keys guard.
+  With `serving.routing` on, the load balancer sends to the router's pods
+  instead (router.py: the VPC in, its replicas' `openai` port and the
+  Kubernetes API out), and the replicas' public port admits the router alone.
 - Batch workers reach that public port of the RayServices' workers (their
   model's serve Service), AWS APIs outside the VPC over 443 and the EKS Pod
   Identity agent, nothing else.
@@ -187,10 +190,18 @@ def _redis_cleanup_policy(namespace: str, service: str, peers: ClusterPeers) -> 
 
 
 def _serve_policy(
-    namespace: str, service: str, peers: ClusterPeers, batch_labels: Mapping[str, str] | None, layout: Layout
+    namespace: str,
+    service: str,
+    peers: ClusterPeers,
+    batch_labels: Mapping[str, str] | None,
+    layout: Layout,
+    router_labels: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """A RayService's workers: the public port to the load balancer (and to the batch workers)."""
-    sources: list[dict[str, Any]] = [_ip(peers.vpc_cidr)]
+    """A RayService's workers: the public port to the load balancer, or to its router when it has one
+    (and to the batch workers)."""
+    sources: list[dict[str, Any]] = (
+        [{"podSelector": {"matchLabels": dict(router_labels)}}] if router_labels else [_ip(peers.vpc_cidr)]
+    )
     if batch_labels:
         sources.append({"podSelector": {"matchLabels": dict(batch_labels)}})
     return {
@@ -212,17 +223,19 @@ def ray_service_policies(
     batch_labels: Mapping[str, str] | None = None,
     layout: Layout = "serve-ingress",
     otlp_port: int | None = None,
+    router_labels: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """The policies of one RayService (all pods, heads, workers; the Redis cleanup Job's pod with a GCS Redis).
 
     `batch_labels`: the batch workers' pod labels when they send their
     requests to this RayService. `otlp_port`: the trace collector's port,
-    when the stack names one.
+    when the stack names one. `router_labels`: its router's pods, when
+    `serving.routing` puts one in front of it (router.py).
     """
     policies = [
         _ray_pods_policy(namespace, service, peers, layout, otlp_port),
         _head_policy(namespace, service, peers, gcs_redis),
-        _serve_policy(namespace, service, peers, batch_labels, layout),
+        _serve_policy(namespace, service, peers, batch_labels, layout, router_labels),
     ]
     if gcs_redis:
         policies.append(_redis_cleanup_policy(namespace, service, peers))

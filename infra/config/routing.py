@@ -1,0 +1,77 @@
+"""The `serving.routing` section: a request-level router in front of each vllm-server service's replicas."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from infra.config.fields import CpuQuantity, MemoryQuantity, Section
+from infra.config.problems import Problem
+from workloads.inference_server.catalog import Layout
+
+# The policies of vllm-router (the release workloads/requirements.txt pins)
+# that route on what a plain vLLM server offers: `kv_aware` needs vLLM's KV
+# events over ZMQ, `consistent_hash` and `sticky_least_loaded` a session key
+# the OpenAI API does not carry, so they are not offered here.
+RoutingPolicy = Literal["cache_aware", "power_of_two", "round_robin"]
+
+# Prod's router survives the loss of a node and a zone: two replicas, spread.
+PROD_MIN_ROUTER_REPLICAS = 2
+
+
+class Routing(Section):
+    """vllm-router in front of the replicas of every vllm-server service (off until `enabled`).
+
+    With it the load balancer sends each connection to a router, and the
+    router sends each request to a replica: by prefix-cache affinity
+    (`cache_aware`: the replica whose cache holds the longest match of the
+    prompt, unless the load is out of balance), by the shorter of two queues
+    (`power_of_two`), or in turn (`round_robin`). Without it the load
+    balancer sends connections straight to the replicas.
+    """
+
+    enabled: bool = False
+    # The policy settings default to vllm-router's own (router_args.py).
+    policy: RoutingPolicy = "cache_aware"
+    # cache_aware: the share of a prompt a replica's cache must match for the
+    # prompt to go there; below it, the replica with the smallest cache takes it.
+    cache_threshold: float = Field(default=0.3, ge=0, le=1)
+    # cache_aware: balance by load instead of cache when the busiest replica
+    # has more than `balance_abs_threshold` requests over the idlest AND more
+    # than `balance_rel_threshold` times its count.
+    balance_abs_threshold: int = Field(default=64, ge=0)
+    balance_rel_threshold: float = Field(default=1.5, ge=1)
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int = Field(default=4, ge=1)
+    # The router's CPU use the HorizontalPodAutoscaler holds it at.
+    target_cpu_utilization: int = Field(default=70, ge=10, le=100)
+    cpu: CpuQuantity = "1"
+    memory: MemoryQuantity = "1Gi"
+    # Requests a router holds when every replica is at its concurrency cap,
+    # and for how long, before answering 429.
+    queue_size: int = Field(default=256, ge=0)
+    queue_timeout_s: int = Field(default=30, ge=1)
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> Routing:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed max_replicas ({self.max_replicas})")
+        return self
+
+
+def check_routing(routing: Routing, layouts: Mapping[str, Layout], *, is_prod: bool) -> Iterable[Problem]:
+    """A router needs a vllm-server service to front; prod's survives a node."""
+    if not routing.enabled:
+        return
+    if "vllm-server" not in layouts.values():
+        yield Problem(
+            "serving.routing.enabled",
+            "no service runs the vllm-server layout, the only one the router fronts (serve-ingress routes in Serve)",
+        )
+    if is_prod and routing.min_replicas < PROD_MIN_ROUTER_REPLICAS:
+        yield Problem(
+            "serving.routing.min_replicas",
+            f"prod keeps at least {PROD_MIN_ROUTER_REPLICAS} router replicas (one would be a single point of failure)",
+        )

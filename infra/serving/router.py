@@ -1,0 +1,375 @@
+"""The request router in front of one vllm-server service's replicas: vllm-router, discovered by label.
+
+Why vllm-router (vllm-project/router, the release workloads/requirements.txt
+pins into the serving image), over what else routes vLLM requests:
+
+- The Gateway API Inference Extension (an InferencePool and its endpoint
+  picker) needs a Gateway implementation and the picker's Go images: two more
+  controllers to run and upgrade, and nothing of it runs outside a cluster,
+  so no replay here could show what it does with our traffic.
+- Ray Serve's PrefixCacheAffinityRouter routes between Serve replicas: it
+  works only where Serve's proxy carries every request, the serve-ingress
+  path the vllm-server layout exists to avoid.
+- vllm-router is one binary (Rust, in a Python wheel) with prefix-cache
+  (`cache_aware`), least-loaded (`power_of_two`) and `round_robin` policies,
+  Kubernetes discovery by label selector that follows pod readiness, health
+  checks, retries, a bounded queue and Prometheus metrics. It runs here, so
+  the same release is what the tests and the replays run.
+
+The load balancer's Service selects the router's pods instead of the
+replicas' (endpoint.load_balancer_service), on the port name clients already
+reach (`openai`), so the base URL does not change when routing is switched
+on; the replicas' `openai` port then admits the router and no longer the
+VPC (network.ray_service_policies). The router finds the replicas through
+the Kubernetes API (list and watch pods in this namespace, nothing else),
+selecting the model's GPU workers by the labels KubeRay puts on them
+(kuberay.py, checked against twin/kuberay.py), and sends only to Ready pods:
+a replica is Ready while its vLLM server answers `/health`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from infra.config import Routing
+from infra.scheduling import Placement
+from infra.serving import kuberay
+from infra.serving.namespace import PART_OF, peer, policy_metadata
+from infra.serving.network import ANYWHERE, HTTPS, ClusterPeers
+from infra.serving.pod_security import RAY_GID, RAY_UID, container_security_context, pod_security_context
+from infra.serving.ports import RAY_PORTS, Port
+
+ROUTER_NAME_LABEL = {"app.kubernetes.io/name": "llm-router"}
+# Which RayService's replicas a router pod sends to.
+ROUTER_OF = "llm-platform/router-of"
+# The router answers on the port name and number the replicas' servers use,
+# so the load balancer's target port and the clients' URL are the same with
+# or without it.
+ROUTER_PORT = Port(RAY_PORTS.openai.name, RAY_PORTS.openai.number)
+ROUTER_METRICS = Port("router-metrics", 29000)
+# vllm-router's probes: /liveness answers while the process runs; /readiness
+# only once it has a healthy replica to send to, so a router that has found
+# none takes no connection from the load balancer.
+LIVENESS_PATH = "/liveness"
+READINESS_PATH = "/readiness"
+# How often the router checks each replica's /health itself (its own default
+# is 60 s); Kubernetes readiness removes a failing replica sooner still.
+HEALTH_CHECK_INTERVAL_S = 10
+
+
+def router_name(service: str) -> str:
+    """The router's Deployment, Service account and policies of one RayService."""
+    return f"{service}-router"
+
+
+def router_pods(service: str) -> dict[str, str]:
+    """The router pods of one RayService (the load balancer's endpoints when routing is on)."""
+    return {**ROUTER_NAME_LABEL, ROUTER_OF: service}
+
+
+def replica_selector(service: str, worker_group: str) -> dict[str, str]:
+    """The pods the router sends to: the model's GPU workers of every cluster of the RayService.
+
+    `llm-platform/ray-service` is on the pods of both clusters of a
+    NewCluster upgrade, so the new cluster's replicas join as they turn
+    Ready and the old ones leave as their drain makes them unready.
+    """
+    return {
+        kuberay.SERVICE_LABEL: service,
+        kuberay.NODE_TYPE: "worker",
+        kuberay.GROUP: worker_group,
+        kuberay.SERVE: "true",
+    }
+
+
+def router_args(routing: Routing, namespace: str, selector: Mapping[str, str], request_timeout_s: int) -> list[str]:
+    """vllm-router's command line (its flags in vllm_router/router_args.py of the pinned release)."""
+    args = [
+        "vllm-router",
+        "--host",
+        "0.0.0.0",  # the pod's own address: the NetworkPolicy says who may connect
+        "--port",
+        str(ROUTER_PORT.number),
+        "--service-discovery",
+        "--service-discovery-namespace",
+        namespace,
+        "--service-discovery-port",
+        str(RAY_PORTS.openai.number),
+        "--selector",
+        *(f"{k}={v}" for k, v in selector.items()),
+        "--policy",
+        routing.policy,
+        "--health-check-endpoint",
+        "/health",
+        "--health-check-interval-secs",
+        str(HEALTH_CHECK_INTERVAL_S),
+        "--request-timeout-secs",
+        str(request_timeout_s),
+        "--queue-size",
+        str(routing.queue_size),
+        "--queue-timeout-secs",
+        str(routing.queue_timeout_s),
+        "--prometheus-host",
+        "0.0.0.0",  # scraped by Prometheus alone (NetworkPolicy)
+        "--prometheus-port",
+        str(ROUTER_METRICS.number),
+        "--log-level",
+        "info",
+    ]
+    if routing.policy == "cache_aware":
+        args += [
+            "--cache-threshold",
+            str(routing.cache_threshold),
+            "--balance-abs-threshold",
+            str(routing.balance_abs_threshold),
+            "--balance-rel-threshold",
+            str(routing.balance_rel_threshold),
+        ]
+    return args
+
+
+def role(service: str, namespace: str) -> dict[str, Any]:
+    """What the router may read: pods in its own namespace, to follow the replicas and their readiness."""
+    return {
+        "metadata": {"name": router_name(service), "namespace": namespace, "labels": dict(PART_OF)},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+    }
+
+
+def _spread(service: str) -> list[dict[str, Any]]:
+    """Across zones first (a zone's loss leaves a router in another), then across nodes."""
+    return [
+        {
+            "maxSkew": 1,
+            "topologyKey": "topology.kubernetes.io/zone",
+            "whenUnsatisfiable": "DoNotSchedule",
+            "labelSelector": {"matchLabels": router_pods(service)},
+        },
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": router_pods(service)},
+        },
+    ]
+
+
+def _container(routing: Routing, image: pulumi.Input[str], command: list[str]) -> dict[str, Any]:
+    return {
+        "name": "router",
+        "image": image,
+        "command": command,
+        "ports": [ROUTER_PORT.container_port(), ROUTER_METRICS.container_port()],
+        "readinessProbe": {
+            "httpGet": {"path": READINESS_PATH, "port": ROUTER_PORT.name},
+            "periodSeconds": 5,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": LIVENESS_PATH, "port": ROUTER_PORT.name},
+            "periodSeconds": 10,
+            "failureThreshold": 3,
+        },
+        "resources": {
+            "requests": {"cpu": routing.cpu, "memory": routing.memory},
+            "limits": {"memory": routing.memory},
+        },
+        "securityContext": container_security_context(read_only_root=True),
+    }
+
+
+def deployment(
+    service: str,
+    namespace: str,
+    routing: Routing,
+    image: pulumi.Input[str],
+    system: Placement,
+    selector: Mapping[str, str],
+    request_timeout_s: int,
+) -> dict[str, Any]:
+    """The router Deployment: non-root, read-only root, spread over zones and nodes."""
+    labels = {**PART_OF, **router_pods(service)}
+    command = router_args(routing, namespace, selector, request_timeout_s)
+    return {
+        "metadata": {"name": router_name(service), "namespace": namespace, "labels": labels},
+        "spec": {
+            # The HorizontalPodAutoscaler owns the count once it exists; this is the start.
+            "replicas": routing.min_replicas,
+            "selector": {"matchLabels": router_pods(service)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    **system.pod_scheduling(),
+                    "serviceAccountName": router_name(service),
+                    # The token is how it lists and watches the replicas.
+                    "automountServiceAccountToken": True,
+                    "securityContext": pod_security_context(RAY_UID, RAY_GID),
+                    "topologySpreadConstraints": _spread(service),
+                    "containers": [_container(routing, image, command)],
+                },
+            },
+        },
+    }
+
+
+def disruption_budget(service: str, namespace: str) -> dict[str, Any]:
+    """A node drain takes one router at a time."""
+    return {
+        "metadata": {"name": router_name(service), "namespace": namespace, "labels": dict(PART_OF)},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": router_pods(service)}},
+    }
+
+
+def autoscaler(service: str, namespace: str, routing: Routing) -> dict[str, Any]:
+    """The router's count follows its CPU: it parses every request and matches every prompt."""
+    return {
+        "metadata": {"name": router_name(service), "namespace": namespace, "labels": dict(PART_OF)},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": router_name(service)},
+            "minReplicas": routing.min_replicas,
+            "maxReplicas": routing.max_replicas,
+            "metrics": [
+                {
+                    "type": "Resource",
+                    "resource": {
+                        "name": "cpu",
+                        "target": {"type": "Utilization", "averageUtilization": routing.target_cpu_utilization},
+                    },
+                }
+            ],
+        },
+    }
+
+
+def network_policy(service: str, namespace: str, peers: ClusterPeers, selector: Mapping[str, str]) -> dict[str, Any]:
+    """The router: the load balancer in, Prometheus to its metrics; out to its replicas and the Kubernetes API.
+
+    A network load balancer with IP targets connects from its own addresses
+    in the VPC, so the VPC is the source here, as it was on the replicas'
+    port before; `loadBalancerSourceRanges` limits the clients at the load
+    balancer. The API server's addresses are not known to a NetworkPolicy,
+    so HTTPS goes out to any address, as it does for the Ray heads.
+    """
+    return {
+        "metadata": policy_metadata(router_name(service), namespace),
+        "spec": {
+            "podSelector": {"matchLabels": router_pods(service)},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [
+                {"from": [{"ipBlock": {"cidr": peers.vpc_cidr}}], "ports": _tcp(ROUTER_PORT.number)},
+                {"from": [peer(peers.prometheus)], "ports": _tcp(ROUTER_METRICS.number)},
+            ],
+            "egress": [
+                {"to": [{"podSelector": {"matchLabels": dict(selector)}}], "ports": _tcp(RAY_PORTS.openai.number)},
+                {"to": [{"ipBlock": {"cidr": ANYWHERE}}], "ports": _tcp(HTTPS)},
+            ],
+        },
+    }
+
+
+def pod_monitor(service: str, namespace: str, selector_labels: Mapping[str, str]) -> dict[str, Any]:
+    """Prometheus scrapes each router's own registry (vllm_router_* series)."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": {
+            "name": router_name(service),
+            "namespace": namespace,
+            "labels": {**PART_OF, **selector_labels},
+        },
+        "spec": {
+            "namespaceSelector": {"matchNames": [namespace]},
+            "selector": {"matchLabels": router_pods(service)},
+            # The RayService it routes for, on every series.
+            "podTargetLabels": [ROUTER_OF],
+            "podMetricsEndpoints": [{"port": ROUTER_METRICS.name, "path": "/metrics", "interval": "15s"}],
+        },
+    }
+
+
+def _tcp(*ports: int) -> list[dict[str, Any]]:
+    return [{"protocol": "TCP", "port": p} for p in ports]
+
+
+@dataclass(frozen=True)
+class RequestRouterArgs:
+    """One vllm-server RayService's router: its settings, where it runs, what it sends to."""
+
+    service: str
+    namespace: str
+    routing: Routing
+    image: pulumi.Input[str]
+    system: Placement
+    # The model's GPU worker group (ray_service.worker_group_name).
+    worker_group: str
+    peers: ClusterPeers
+    # The labels Prometheus selects its PodMonitors by.
+    prometheus_selector_labels: Mapping[str, str]
+    # The longest request the limits allow, in whole seconds.
+    request_timeout_s: int
+
+
+class RequestRouter(pulumi.ComponentResource):
+    """vllm-router for one RayService: account, role, Deployment, budget, autoscaler, policy, monitor."""
+
+    def __init__(self, name: str, args: RequestRouterArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("llm-platform:serving:RequestRouter", name, None, opts)
+        k8s_opts = pulumi.ResourceOptions(parent=self)
+        service, namespace = args.service, args.namespace
+        selector = replica_selector(service, args.worker_group)
+        meta = k8s.meta.v1.ObjectMetaArgs(name=router_name(service), namespace=namespace, labels=dict(PART_OF))
+        account = k8s.core.v1.ServiceAccount(f"{name}-account", metadata=meta, opts=k8s_opts)
+        rules = role(service, namespace)
+        reader = k8s.rbac.v1.Role(f"{name}-role", metadata=rules["metadata"], rules=rules["rules"], opts=k8s_opts)
+        binding = k8s.rbac.v1.RoleBinding(
+            f"{name}-binding",
+            metadata=meta,
+            role_ref=k8s.rbac.v1.RoleRefArgs(
+                api_group="rbac.authorization.k8s.io", kind="Role", name=router_name(service)
+            ),
+            subjects=[k8s.rbac.v1.SubjectArgs(kind="ServiceAccount", name=router_name(service), namespace=namespace)],
+            opts=k8s_opts,
+        )
+        policy = network_policy(service, namespace, args.peers, selector)
+        k8s.networking.v1.NetworkPolicy(
+            f"{name}-policy", metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts
+        )
+        manifest = deployment(
+            service, namespace, args.routing, args.image, args.system, selector, args.request_timeout_s
+        )
+        self.deployment = k8s.apps.v1.Deployment(
+            f"{name}-deployment",
+            metadata=manifest["metadata"],
+            spec=manifest["spec"],
+            opts=pulumi.ResourceOptions(
+                parent=self,
+                depends_on=[account, reader, binding],
+                # The autoscaler owns the count after the first apply.
+                ignore_changes=["spec.replicas"],
+            ),
+        )
+        budget = disruption_budget(service, namespace)
+        k8s.policy.v1.PodDisruptionBudget(
+            f"{name}-budget", metadata=budget["metadata"], spec=budget["spec"], opts=k8s_opts
+        )
+        scaler = autoscaler(service, namespace, args.routing)
+        k8s.autoscaling.v2.HorizontalPodAutoscaler(
+            f"{name}-autoscaler", metadata=scaler["metadata"], spec=scaler["spec"], opts=k8s_opts
+        )
+        monitor = pod_monitor(service, namespace, args.prometheus_selector_labels)
+        k8s.apiextensions.CustomResource(
+            f"{name}-monitor",
+            api_version=monitor["apiVersion"],
+            kind=monitor["kind"],
+            metadata=monitor["metadata"],
+            spec=monitor["spec"],
+            opts=k8s_opts,
+        )
+        self.pod_labels = router_pods(service)
+        self.register_outputs({"deployment": self.deployment.metadata.name})

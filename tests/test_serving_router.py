@@ -1,0 +1,186 @@
+"""The request router (serving.routing) as rendered: what vllm-router is told, what it may do, who reaches it.
+
+Which pods its selectors pick, among the pods KubeRay really builds, is
+checked with every other selector in tests/test_selectors.py ("prod-routed").
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from infra import versions
+from infra.config import PROD_MIN_ROUTER_REPLICAS
+from infra.render import Rendered
+from infra.serving.endpoint import public_service_name
+from infra.serving.ports import RAY_PORTS
+from infra.serving.router import READINESS_PATH, ROUTER_METRICS, ROUTER_PORT, router_name, router_pods
+from tests.harness import ROUTING, config_problems, manifests_of, render_routed, render_stack
+
+
+def routed() -> Rendered:
+    return render_routed("prod")
+
+
+def _named(kind: str, name: str, rendered: Rendered | None = None) -> dict[str, Any]:
+    (found,) = [m for m in manifests_of(rendered or routed(), kind) if m["metadata"]["name"] == name]
+    return found
+
+
+def _services() -> list[str]:
+    return [rs["metadata"]["name"] for rs in manifests_of(routed(), "RayService")]
+
+
+def test_routing_is_off_unless_asked_for() -> None:
+    for stack in ("dev", "prod"):
+        deployments = {d["metadata"]["name"] for d in manifests_of(render_stack(stack), "Deployment")}
+        assert not {d for d in deployments if d.endswith("-router")}, stack
+
+
+def test_each_vllm_server_service_gets_its_router_and_the_load_balancer_sends_to_it() -> None:
+    services = _services()
+    assert len(services) == 2
+    for service in services:
+        dep = _named("Deployment", router_name(service))
+        assert dep["spec"]["selector"] == {"matchLabels": router_pods(service)}
+        public = _named("Service", public_service_name(service))
+        assert public["spec"]["selector"] == router_pods(service)
+        # The router answers on the replicas' port name: the target port and the clients' URL do not change.
+        (port,) = public["spec"]["ports"]
+        assert port["targetPort"] == ROUTER_PORT.name == RAY_PORTS.openai.name
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        assert {"name": ROUTER_PORT.name, "containerPort": RAY_PORTS.openai.number, "protocol": "TCP"} in container[
+            "ports"
+        ]
+        assert container["readinessProbe"]["httpGet"] == {"path": READINESS_PATH, "port": ROUTER_PORT.name}
+
+
+def test_the_routers_command_line_is_one_vllm_router_accepts() -> None:
+    """Parsed by the pinned release's own parser: a flag or policy it does not know fails here."""
+    router_args = pytest.importorskip("vllm_router.router_args", reason="pip install -r requirements-dev.txt")
+    import argparse
+
+    for service in _services():
+        command = _named("Deployment", router_name(service))["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert command[0] == "vllm-router"
+        parser = argparse.ArgumentParser(exit_on_error=False)
+        router_args.RouterArgs.add_cli_args(parser)
+        args = router_args.RouterArgs.from_cli_args(parser.parse_args(command[1:]))
+        assert args.service_discovery and args.service_discovery_namespace == "llm"
+        assert args.service_discovery_port == RAY_PORTS.openai.number
+        assert args.policy == "cache_aware" and args.cache_threshold == ROUTING["cache_threshold"]
+        assert args.port == ROUTER_PORT.number and args.prometheus_port == ROUTER_METRICS.number
+        assert args.selector == {
+            "llm-platform/ray-service": service,
+            "ray.io/node-type": "worker",
+            "ray.io/group": f"gpu-{service}",
+            "ray.io/serve": "true",
+        }
+
+
+def test_the_router_reads_pods_in_its_namespace_and_nothing_else() -> None:
+    for service in _services():
+        role = _named("Role", router_name(service))
+        assert role["metadata"]["namespace"] == "llm"
+        assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+        binding = _named("RoleBinding", router_name(service))
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": role["metadata"]["name"],
+        }
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": router_name(service), "namespace": "llm"}]
+        spec = _named("Deployment", router_name(service))["spec"]["template"]["spec"]
+        assert spec["serviceAccountName"] == router_name(service)
+    # No ClusterRole or ClusterRoleBinding of its own.
+    cluster_rbac = [
+        m["metadata"]["name"]
+        for kind in ("ClusterRole", "ClusterRoleBinding")
+        for m in manifests_of(routed(), kind)
+        if "router" in m["metadata"]["name"]
+    ]
+    assert cluster_rbac == []
+
+
+def test_prod_routers_survive_a_node_and_a_zone() -> None:
+    for service in _services():
+        dep = _named("Deployment", router_name(service))
+        spreads = dep["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        zone = next(s for s in spreads if s["topologyKey"] == "topology.kubernetes.io/zone")
+        assert zone["whenUnsatisfiable"] == "DoNotSchedule"
+        assert zone["labelSelector"] == {"matchLabels": router_pods(service)}
+        assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+        pdb = _named("PodDisruptionBudget", router_name(service))
+        assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": router_pods(service)}}
+        hpa = _named("HorizontalPodAutoscaler", router_name(service))
+        assert hpa["spec"]["scaleTargetRef"] == {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "name": router_name(service),
+        }
+        assert hpa["spec"]["minReplicas"] == ROUTING["min_replicas"] >= PROD_MIN_ROUTER_REPLICAS
+
+
+def test_the_replicas_serve_port_admits_the_router_and_no_longer_the_vpc() -> None:
+    for service in _services():
+        plain = _named("NetworkPolicy", f"{service}-ray-serve", render_stack("prod"))
+        routed_policy = _named("NetworkPolicy", f"{service}-ray-serve")
+        assert any("ipBlock" in p for p in plain["spec"]["ingress"][0]["from"])
+        (rule,) = routed_policy["spec"]["ingress"]
+        assert not any("ipBlock" in p for p in rule["from"])
+        assert {"podSelector": {"matchLabels": router_pods(service)}} in rule["from"]
+        assert rule["ports"] == [{"protocol": "TCP", "port": RAY_PORTS.openai.number}]
+        router_policy = _named("NetworkPolicy", router_name(service))
+        ingress_ports = sorted(p["port"] for r in router_policy["spec"]["ingress"] for p in r["ports"])
+        assert ingress_ports == sorted([ROUTER_PORT.number, ROUTER_METRICS.number])
+        egress_ports = sorted(p["port"] for r in router_policy["spec"]["egress"] for p in r["ports"])
+        # Its replicas' servers and the Kubernetes API; DNS comes from the namespace's own policy.
+        assert egress_ports == [443, RAY_PORTS.openai.number]
+
+
+def test_router_manifests_validate_against_the_kubernetes_schema() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    kinds = {
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "Deployment",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        "NetworkPolicy",
+        "Service",
+    }
+    checked = 0
+    for manifest in routed().manifests:
+        if manifest.get("kind") in kinds and "router" in manifest["metadata"]["name"]:
+            kubernetes_validate.validate(
+                json.loads(json.dumps(manifest)), f"{versions.KUBERNETES_VERSION}.0", strict=True
+            )
+            checked += 1
+    assert checked == 7 * len(_services())
+
+
+def test_the_routers_pod_monitor_scrapes_its_metrics_port() -> None:
+    for service in _services():
+        monitor = _named("PodMonitor", router_name(service))
+        assert monitor["spec"]["selector"] == {"matchLabels": router_pods(service)}
+        assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == [ROUTER_METRICS.name]
+
+
+@pytest.mark.parametrize(
+    ("stack", "routing", "expect"),
+    [
+        ("prod", {"enabled": True, "min_replicas": 1}, "serving.routing.min_replicas: prod keeps at least 2"),
+        ("dev", {"enabled": True}, "serving.routing.enabled: no service runs the vllm-server layout"),
+        ("prod", {"enabled": True, "policy": "kv_aware", "min_replicas": 2}, "serving.routing.policy"),
+        ("prod", {"enabled": True, "min_replicas": 3, "max_replicas": 2}, "serving.routing"),
+    ],
+)
+def test_bad_routing_is_one_line_naming_the_key(stack: str, routing: dict[str, Any], expect: str) -> None:
+    def change(raw: dict[str, Any]) -> None:
+        raw["serving"] = {**raw.get("serving", {}), "routing": routing}
+
+    problems = config_problems(stack, change)
+    assert any(p.startswith(f"config error: {expect}") for p in problems), problems
