@@ -10,7 +10,7 @@ POLICY_VENV := policy/venv
 POLICY_FLAGS = --policy-pack policy --policy-pack-config policy/config/$(STACK).json
 
 .PHONY: help install install-dev up preview destroy render upgrade-status test lint unit e2e bench bench-quick golden-urns clean twin local \
-	system-deps-test system-deps-twin pin-base lock-workloads config-docs
+	system-deps-test system-deps-twin pin-base lock-workloads config-docs whatif
 
 help:
 	@echo "make up STACK=dev|prod       deploy a stack (creates the venv, logs in, selects the stack)"
@@ -25,6 +25,7 @@ help:
 	@echo "make bench-quick             the same code path once, small (under 3 min): a check, not a measurement"
 	@echo "make pin-base                re-resolve the serving image's base tag to a digest (needs the registry)"
 	@echo "make lock-workloads          re-lock workloads/requirements.txt with hashes (needs PyPI)"
+	@echo "make whatif STACK=prod [TRACE=file.jsonl]  replay a trace with each routing policy"
 
 $(VENV)/.program: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -140,6 +141,15 @@ $(VENV)/.bench: $(VENV)/.dev benchmarks/requirements.txt
 # render scale; writes benchmarks/results/ (~20 min).
 bench: $(VENV)/.bench
 	PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks
+
+# Replays a request trace (JSON Lines: benchmarks/traces.py) through the
+# stack's router with each routing policy on two local replicas; writes
+# build/whatif/$(STACK).md. Without TRACE, replays vLLM's prefix_repetition
+# case (55% of each prompt a shared prefix), written to build/whatif/prefix.jsonl.
+TRACE ?= build/whatif/prefix.jsonl
+whatif: $(VENV)/.bench
+	@test -f "$(TRACE)" || PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks.whatif --stack $(STACK) --generate $(TRACE)
+	PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks.whatif --stack $(STACK) --trace $(TRACE)
 
 # The same code path once and small (project and bare, one round): under 3 min
 # once the venv exists; fails on a failed request or a CPU layout that did not hold.

@@ -52,6 +52,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -281,12 +282,23 @@ def vllm_server_catalog(model_dir: Path, keys: Path, replicas: int = 1) -> dict[
     return catalog
 
 
-def start_vllm_server(work: Path, model_dir: Path, variant: str = "project", replicas: int = 1) -> Server:
-    """The default layout: Serve places vLLM's own server; requests go to the address its replica publishes."""
+def start_vllm_server(
+    work: Path,
+    model_dir: Path,
+    variant: str = "project",
+    replicas: int = 1,
+    edit: Callable[[dict[str, Any]], None] | None = None,
+) -> Server:
+    """The default layout: Serve places vLLM's own server; requests go to the address its replica publishes.
+
+    ``edit`` changes the catalogue before the start (the what-if's longer prompts and smaller cache).
+    """
     sub = work / variant
     sub.mkdir()
     api_key = localserver.write_keys(sub / "keys")
     catalog = vllm_server_catalog(model_dir, sub / "keys", replicas)
+    if edit is not None:
+        edit(catalog)
     # Short path: Ray's unix sockets live under it and must stay below 108 bytes.
     ray_dir = Path(tempfile.mkdtemp(prefix="bray_", dir="/tmp"))
     local = localserver.start(sub, catalog, api_key, layout="vllm-server", ray_dir=ray_dir)

@@ -16,6 +16,7 @@ from pathlib import Path
 from twin.cluster import REPO, prepare_driver_env
 from twin.render import TwinInputError, load_ray_services, model_names
 from twin.report import Report
+from twin.routing import router_specs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         services = load_ray_services(args.render)
         names = model_names(args.stack_config) if args.stack_config else None
+        routers = router_specs(args.stack_config) if args.stack_config and not args.static_only else {}
     except TwinInputError as err:
         print(f"twin: {err}", file=sys.stderr)
         return 2
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             model_dir=model_dir,
             objects=objects if index == 0 and objects is not None else None,
             faults=index == 0,
+            router=routers.get(service.name),
         )
     verdict = "PASS" if report.ok_overall else "FAIL"
     report.note(

@@ -18,6 +18,7 @@ from twin.cluster import LOOPBACK, REPO, LocalCluster
 from twin.deploy import Fitting, ModelInfo, TwinServeConfig, deploy, twin_serve_config, with_tracing
 from twin.render import RayServiceSpec
 from twin.report import Report
+from twin.routing import MAX_IMBALANCE, RouterSpec, imbalance, measure_split, with_policy
 from twin.shape import TWIN_IDLE_TIMEOUT_S, fit_shape, pod_env
 from twin.traces import chat_sender, check_traces
 from workloads.inference_server.catalog import Catalog
@@ -45,6 +46,9 @@ class Session:
     head_ports: dict[str, int] = field(default_factory=dict)
     # Where the deployed config sends its traces (twin.deploy.with_tracing); None when not traced.
     receiver: OtlpReceiver | None = None
+    # The router the render runs (or would run) in front of this RayService's replicas (twin/routing.py).
+    router: RouterSpec | None = None
+    workdir: Path | None = None
 
     @property
     def name(self) -> str:
@@ -66,6 +70,7 @@ def prepare(
     idle_timeout_s: float | None = TWIN_IDLE_TIMEOUT_S,
     traced: bool = False,
     api_key: str | None = None,
+    router: RouterSpec | None = None,
 ) -> Session:
     """Fits the RayService to this machine and prints every substitution; starts nothing but,
     when ``traced``, the OTLP receiver the deployed config sends its traces to.
@@ -107,6 +112,8 @@ def prepare(
         model_groups=dict(model_groups),
         head_ports=head_ports,
         receiver=receiver,
+        router=router,
+        workdir=workdir,
     )
 
 
@@ -171,9 +178,10 @@ def run_service(
     model_dir: Path | None,
     objects: list[dict[str, Any]] | None = None,
     faults: bool = False,
+    router: RouterSpec | None = None,
 ) -> None:
     """Everything the twin checks for one RayService; with the render's ``objects``, its monitoring too
-    (and the alerts' faults when ``faults``)."""
+    (and the alerts' faults when ``faults``); with a ``router``, the request router in front of it."""
     failed_before = len(report.failed)
     static = run_static_checks(service, report, model_names)
     if model_dir is None:
@@ -195,6 +203,7 @@ def run_service(
         model_dir=model_dir,
         http_port=free_port(),
         traced=True,
+        router=router,
     )
     try:
         start_and_deploy(session, report)
@@ -425,6 +434,7 @@ def run_server_checks(session: Session, report: Report) -> None:
         if running:
             for model in models:
                 check_server_requests(session, report, model, replicas.get(model.model_id) or [])
+                check_routing(session, report, model, replicas.get(model.model_id) or [])
             first = replicas.get(models[0].model_id) or []
             if first:
                 check_session_traces(session, report, str(first[0].get("url", "")))
@@ -527,6 +537,50 @@ def check_server_requests(session: Session, report: Report, model: ModelInfo, re
         all(answer == "ok" for answer in metrics),
         f"metrics ({model.model_id}): each server's metrics port, asked without a key: {metrics} "
         f"(want ok: vLLM's {live.QUEUE_GAUGE} for the monitoring stack)",
+    )
+
+
+def check_routing(session: Session, report: Report, model: ModelInfo, replicas: list[dict[str, Any]]) -> None:
+    """The router in front of the model's replicas spreads one keep-alive client's requests over them."""
+    spec = session.router
+    if spec is None or len(replicas) < 2:
+        return
+    state = "on in this stack" if spec.enabled else "off in this stack: what `serving.routing.enabled: true` runs"
+    roots = [live.server_root(str(r.get("url", ""))) for r in replicas]
+    metrics = [str(r.get("metrics_url", "")) for r in replicas]
+    workdir = session.workdir or Path("/tmp")
+    report.sub(
+        session.name,
+        f"router ({state}): the rendered command, run as `python -m vllm_router.launch_router` (the image's "
+        f"`vllm-router` script), discovery replaced by --worker-urls {' '.join(roots)}",
+    )
+    key, what = session.serve.api_key, f"routing ({model.model_id})"
+    try:
+        split, refused = measure_split(spec.command, roots, metrics, key, model.model_id, workdir / "router.log")
+        report.check(
+            session.name,
+            refused == 401,
+            f"{what}: without an API key the router passes on the replica's {refused} (want 401)",
+        )
+        turns = split
+        if split.policy != "round_robin":
+            report.note(
+                session.name,
+                f"{what}: one keep-alive client at steady load through the stack's router ({split.policy}): "
+                f"the replicas answered {split.counts} in {split.seconds:.0f}s (the replicas' speeds differ here)",
+            )
+            rr = with_policy(spec.command, "round_robin")
+            turns, _ = measure_split(rr, roots, metrics, key, model.model_id, workdir / "router-rr.log")
+    except Exception as err:
+        report.fail(session.name, f"{what}: {type(err).__name__}: {err}")
+        return
+    ratio = imbalance(turns.counts)
+    report.check(
+        session.name,
+        ratio <= MAX_IMBALANCE,
+        f"{what}: one keep-alive client at steady load through the router (round_robin): the replicas answered "
+        f"{turns.counts} in {turns.seconds:.0f}s, busiest over idlest {ratio:.2f} (want <= {MAX_IMBALANCE}; a "
+        "network load balancer keeps each of the client's connections on one replica)",
     )
 
 

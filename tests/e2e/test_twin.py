@@ -88,6 +88,9 @@ def test_the_twin_of_the_stack_passes(stack: str, tiny_model: Path, tmp_path: Pa
         replicas = [v for v in verdicts if "replicas (" in v]
         assert len(replicas) == 2 and all("2 servers" in v for v in replicas), replicas
         assert not any("ingress (" in v for v in verdicts)
+        # The request router in front of each model's two replicas (twin/routing.py).
+        spread = [v for v in verdicts if v.startswith("PASS") and "through the router (round_robin)" in v]
+        assert len(spread) == 2, spread
 
 
 def _announced(child: Child) -> tuple[str, str] | None:

@@ -15,18 +15,21 @@ import signal
 import sys
 from typing import Any
 
-import setproctitle  # vLLM depends on it
+# First, before anything imports vLLM, in this process and in each engine
+# process multiprocessing's spawn starts from it (which runs this module as
+# `__mp_main__` before it unpickles vLLM's process object); not where the
+# replica imports it for SPEC_ENV. vLLM titles its processes (VLLM::EngineCore,
+# VLLM::Worker) with setproctitle after `import vllm` has rewritten environment
+# variables (vllm/env_override.py). setproctitle sets itself up on its first
+# call, finding the argv area it overwrites by walking back from the first
+# environment string; when that variable was rewritten, the string is on the
+# heap, the setup fails silently and the engine stays "python" in ps, top and
+# /proc (whether it does depends on the environment's order). This call sets
+# it up while the environment is as exec left it.
+if __name__ in ("__main__", "__mp_main__"):
+    import setproctitle  # vLLM depends on it
 
-# First, before anything imports vLLM. vLLM titles its processes
-# (VLLM::EngineCore, VLLM::Worker) with setproctitle, after `import vllm` has
-# rewritten environment variables (vllm/env_override.py). setproctitle sets
-# itself up on its first call, finding the argv area it overwrites by walking
-# back from the first environment string; when that variable was rewritten,
-# the string is on the heap, the setup fails silently and the engine stays
-# "python" in ps, top and /proc (whether it does depends on the environment's
-# order). Multiprocessing's spawn imports this module first in every engine
-# process, so this call sets it up while the environment is as exec left it.
-setproctitle.getproctitle()
+    setproctitle.getproctitle()
 
 
 SPEC_ENV = "INFERENCE_VLLM_SERVER_SPEC"

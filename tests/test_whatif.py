@@ -1,0 +1,124 @@
+"""The what-if replay's parts without a server: the trace format, the generator, the counters, the report."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.traces import CHAT, COMPLETIONS, PrefixTraceSpec, TracedRequest, TraceError, read_trace, write_trace
+from benchmarks.whatif import (
+    CacheCounts,
+    PolicyResult,
+    Sent,
+    cache_counts,
+    kv_cache_bytes,
+    one_line,
+    salted,
+    summarize,
+)
+
+METRICS = """# HELP vllm:prefix_cache_hits_total hits
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1536.0
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 4096.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 3.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0
+"""
+
+
+def test_a_trace_round_trips_and_is_read_in_time_order(tmp_path: Path) -> None:
+    requests = [
+        TracedRequest(1.5, CHAT, {"model": "m", "messages": [{"role": "user", "content": "b"}]}),
+        TracedRequest(0.0, COMPLETIONS, {"model": "m", "prompt": "a"}),
+    ]
+    path = tmp_path / "t.jsonl"
+    assert write_trace(path, requests) == 2
+    assert read_trace(path) == sorted(requests, key=lambda r: r.t)
+    assert '"path"' not in path.read_text().splitlines()[1]  # completions is the default
+
+
+@pytest.mark.parametrize(
+    ("line", "rule"),
+    [
+        ("not json", "not JSON"),
+        ('{"t": "1", "body": {"prompt": "a"}}', "`t` must be a number"),
+        ('{"t": true, "body": {"prompt": "a"}}', "`t` must be a number"),
+        ('{"t": -1, "body": {"prompt": "a"}}', "`t` must be a number"),
+        ('{"t": 0, "body": "a"}', "`body` must be the OpenAI request object"),
+        ('{"t": 0, "path": "/v1/embeddings", "body": {"input": "a"}}', "`path` must be one of"),
+        ('{"t": 0, "path": "/v1/chat/completions", "body": {"prompt": "a"}}', "needs `messages`"),
+    ],
+)
+def test_a_bad_line_is_one_error_naming_it(tmp_path: Path, line: str, rule: str) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"t": 0, "body": {"prompt": "ok"}}\n' + line + "\n")
+    with pytest.raises(TraceError, match=rule) as err:
+        read_trace(path)
+    assert str(err.value).startswith(f"{path}:2: ")
+
+
+def test_the_generated_trace_shares_its_prefixes() -> None:
+    pytest.importorskip("vllm")
+    from benchmarks.traces import prefix_trace
+    from twin.model import tiny_model_dir
+
+    spec = PrefixTraceSpec(requests=16, num_prefixes=4, prefix_len=256, suffix_len=128, rate=8.0)
+    trace = prefix_trace(spec, tiny_model_dir(), "m")
+    assert len(trace) == 16 and trace[0].t == 0.0
+    assert all(b.t >= a.t for a, b in itertools.pairwise(trace))
+    heads = {r.body["prompt"][:60] for r in trace}
+    assert len(heads) == 4  # four prefixes, each shared by four prompts
+    assert all(r.body["max_tokens"] == spec.output_len for r in trace)
+
+
+def test_cache_counts_sum_every_label_set() -> None:
+    assert cache_counts(METRICS) == CacheCounts(1536.0, 4096.0, 4.0)
+    # Prometheus 2's OpenMetrics names (vllm_ instead of vllm:) read the same.
+    assert cache_counts(METRICS.replace("vllm:", "vllm_")) == CacheCounts(1536.0, 4096.0, 4.0)
+
+
+def test_salt_goes_in_front_of_every_prompt_and_the_answer_is_streamed() -> None:
+    body = salted(TracedRequest(0, COMPLETIONS, {"prompt": ["a", "b"], "stream": False}), "[x] ")
+    assert body["prompt"] == ["[x] a", "[x] b"] and body["stream"] is True
+    chat = salted(TracedRequest(0, CHAT, {"messages": [{"role": "system", "content": "sys"}]}), "[x] ")
+    assert chat["messages"][0]["content"] == "[x] sys"
+    assert chat["stream_options"] == {"include_usage": True}
+
+
+def test_summary_is_the_fleets_hit_rate_and_the_clients_latencies() -> None:
+    before = [CacheCounts(100, 1000, 10), CacheCounts(0, 0, 0)]
+    after = [CacheCounts(700, 2000, 14), CacheCounts(300, 2000, 12)]
+    sent = [Sent(0.0, 0.010, 1.0, 8), Sent(0.5, 0.030, 2.0, 8), Sent(1.0, None, 1.5, 0, "HTTP 429: busy")]
+    result = summarize("cache_aware", sent, before, after)
+    assert result.hit_rate == pytest.approx(900 / 3000)
+    assert (result.prefill_tokens_saved, result.prefill_tokens) == (900, 3000)
+    assert result.replica_requests == [4, 12]
+    assert (result.errors, result.first_error) == (1, "HTTP 429: busy")
+    assert result.ttft_p50_ms == pytest.approx(20.0)
+    assert result.requests_per_s == pytest.approx(1.0) and result.output_tokens_per_s == pytest.approx(8.0)
+
+
+def test_the_one_line_result_gives_prefix_routings_gain_over_round_robin() -> None:
+    def result(policy: str, hit: float) -> PolicyResult:
+        return PolicyResult(policy, 10, 0, hit, 0, 0, 12.0, 20.0, 1.0, 8.0, [5, 5])
+
+    line = one_line("prod", [result("cache_aware", 0.5), result("round_robin", 0.25)])
+    assert line.startswith("what-if (prod): cache_aware hit 50% TTFT p50 12 ms; round_robin hit 25%")
+    assert line.endswith("cache_aware hit rate 2.00x round_robin")
+
+
+def test_kv_cache_bytes_follow_the_models_shape(tmp_path: Path) -> None:
+    config = {"hidden_size": 128, "num_attention_heads": 2, "num_hidden_layers": 2, "num_key_value_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    # K and V, 2 layers, 2 KV heads of 64, float32: 2048 bytes a token.
+    assert kv_cache_bytes(tmp_path, 4096) == 4096 * 2048
+
+
+def test_an_event_with_a_unicode_line_separator_in_its_text_stays_whole() -> None:
+    from benchmarks.whatif import sse_events
+
+    event = json.dumps({"choices": [{"text": "a\u2028b\x85c"}]}, ensure_ascii=False)
+    stream = [f"data: {event[:10]}", event[10:] + "\n\ndata: [DONE]\n\n"]
+    assert list(sse_events(stream)) == [{"choices": [{"text": "a\u2028b\x85c"}]}]

@@ -1,0 +1,255 @@
+"""The request router in the twin: vllm-router in front of a model's live replicas, and its balance check.
+
+The router's command line is the one the render gives its Deployment
+(infra/serving/router.router_args, from the stack's `serving.routing`),
+with one substitution, printed: Kubernetes discovery (`--service-discovery`,
+`--selector`, ...) becomes `--worker-urls` with the replicas' own server
+addresses, because the twin has no API server to list pods from. Which pods
+that selector picks among the pods KubeRay builds is checked in
+tests/test_selectors.py; here the router itself runs, on loopback ports.
+
+The check is the one an NLB fails: one client with a keep-alive pool at
+steady load. An NLB balances connections, so that client's requests stay on
+the replicas its few connections landed on; the router balances requests.
+The client sends whole-answer (non-streamed) requests: openai's sync stream
+drops its connection at `[DONE]` (localserve/traffic.py), which would hide
+the keep-alive it is meant to show.
+
+The twin's replicas share two cores, so one is often several times faster
+than the other, and a least-loaded policy rightly sends it more: the split
+under the stack's policy is printed, not held to a ratio. The ratio (busiest
+over idlest at most 1.2) is held on the same router with `round_robin`,
+which spreads by request whatever the replicas' speed; what the router
+adds over a network load balancer is that spreading, which does not depend
+on the client's connections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from localserve.processes import free_port
+from twin.live import status_of
+
+HOST = "127.0.0.1"
+# The console script the image runs, and the module behind it (the wheel's entry_points.txt).
+ROUTER_SCRIPT = "vllm-router"
+ROUTER_MODULE = "vllm_router.launch_router"
+# The discovery flags and how many values each takes (None: every word up to the next flag).
+DISCOVERY_FLAGS: dict[str, int | None] = {
+    "--service-discovery": 0,
+    "--service-discovery-namespace": 1,
+    "--service-discovery-port": 1,
+    "--selector": None,
+}
+# Replaced with loopback ones: the pod's own address and ports.
+ADDRESS_FLAGS = ("--host", "--port", "--prometheus-host", "--prometheus-port")
+READY_TIMEOUT_S = 60.0
+# Steady load from one client: its pool's connections, and the requests it sends.
+BALANCE_CONCURRENCY = 8
+BALANCE_REQUESTS = 120
+# The busiest replica's requests over the idlest's, with two replicas, under round_robin.
+MAX_IMBALANCE = 1.2
+SUCCESS_SERIES = re.compile(r"^vllm[:_]request_success_total\{[^}]*\} (\S+)$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """The router the render runs (or, with routing off, would run) in front of one vllm-server service."""
+
+    service: str
+    command: tuple[str, ...]
+    # Whether the stack turns it on (`serving.routing.enabled`).
+    enabled: bool
+
+
+def router_specs(stack_config: Path) -> dict[str, RouterSpec]:
+    """Each vllm-server service's router command, from the stack file, built as the render builds it."""
+    import math
+
+    from infra.config import load_stack_file, longest_generation_seconds
+    from infra.serving.ray_service import worker_group_name
+    from infra.serving.router import replica_selector, router_args
+
+    cfg = load_stack_file(stack_config)
+    timeout = math.ceil(longest_generation_seconds(cfg))
+    out = {}
+    for service, models in cfg.services().items():
+        if cfg.layout_of(service) != "vllm-server":
+            continue
+        (model,) = models
+        selector = replica_selector(service, worker_group_name(model))
+        command = router_args(cfg.serving.routing, cfg.serving.namespace, selector, timeout)
+        out[service] = RouterSpec(service, tuple(command), cfg.serving.routing.enabled)
+    return out
+
+
+def static_command(command: Sequence[str], worker_urls: Sequence[str], port: int, metrics_port: int) -> list[str]:
+    """The rendered command with discovery swapped for ``worker_urls`` and the addresses for loopback ports.
+
+    The image's `vllm-router` script is the package's `launch_router` module,
+    run here with this interpreter, which has the release the image pins.
+    """
+    if command[0] != ROUTER_SCRIPT:
+        raise ValueError(f"not a vllm-router command: {command[0]!r}")
+    out: list[str] = [sys.executable, "-m", ROUTER_MODULE]
+    words = list(command[1:])
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word in DISCOVERY_FLAGS:
+            count = DISCOVERY_FLAGS[word]
+            i += 1
+            if count is None:
+                while i < len(words) and not words[i].startswith("--"):
+                    i += 1
+            else:
+                i += count
+            continue
+        if word in ADDRESS_FLAGS:
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return [
+        *out,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--prometheus-host",
+        HOST,
+        "--prometheus-port",
+        str(metrics_port),
+        "--worker-urls",
+        *worker_urls,
+    ]
+
+
+@dataclass
+class TwinRouter:
+    """A running vllm-router on loopback ports."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    metrics_port: int
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        """Its OpenAI base URL."""
+        return f"http://{HOST}:{self.port}/v1"
+
+    def stop(self) -> None:
+        """Stops it (SIGTERM, then SIGKILL)."""
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def start_router(command: Sequence[str], worker_urls: Sequence[str], log_path: Path) -> tuple[TwinRouter, list[str]]:
+    """Starts the router in front of ``worker_urls``; returns it and the command it runs, once it is ready."""
+    port, metrics_port = free_port(), free_port()
+    argv = static_command(command, worker_urls, port, metrics_port)
+    log = log_path.open("wb")
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    router = TwinRouter(process, port, metrics_port, log_path)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"vllm-router exited with {process.returncode}: {log_tail(log_path)}")
+        with contextlib.suppress(OSError):
+            # 503 until it has a healthy replica to send to.
+            if status_of(f"http://{HOST}:{port}/readiness") == 200:
+                return router, argv
+        time.sleep(0.5)
+    router.stop()
+    raise RuntimeError(f"vllm-router not ready after {READY_TIMEOUT_S:.0f}s: {log_tail(log_path)}")
+
+
+def log_tail(path: Path, lines: int = 5) -> str:
+    """The last lines of a log, for a failure's message."""
+    try:
+        return " | ".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def served(metrics_url: str) -> float:
+    """The requests a replica's vLLM server has answered (vLLM's own counter, every finish reason)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as answer:
+        text = answer.read().decode()
+    return sum(float(v) for v in SUCCESS_SERIES.findall(text))
+
+
+def one_client_at_steady_load(base_url: str, api_key: str, model_id: str) -> None:
+    """One OpenAI client (one connection pool) sending whole answers, BALANCE_CONCURRENCY at a time."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
+
+    def ask(i: int) -> None:
+        # Distinct prompts: no shared prefix for a cache-aware policy to follow.
+        prompt = f"Request {i}: say something about the number {i * 7919 % 1000}."
+        client.chat.completions.create(
+            model=model_id, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0
+        )
+
+    with ThreadPoolExecutor(BALANCE_CONCURRENCY) as pool:
+        list(pool.map(ask, range(BALANCE_REQUESTS)))
+    client.close()
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one router run spread the client's requests over the replicas."""
+
+    policy: str
+    counts: list[int]
+    seconds: float
+
+
+def with_policy(command: Sequence[str], policy: str) -> list[str]:
+    """The command with its `--policy` replaced."""
+    words = list(command)
+    words[words.index("--policy") + 1] = policy
+    return words
+
+
+def measure_split(
+    command: Sequence[str], roots: Sequence[str], metrics_urls: Sequence[str], api_key: str, model_id: str, log: Path
+) -> tuple[Split, int]:
+    """Runs the router in front of ``roots`` and one client at steady load through it.
+
+    Returns the split and the status the router gives a request without an API key.
+    """
+    router, argv = start_router(command, roots, log)
+    try:
+        before = [served(url) for url in metrics_urls]
+        started = time.monotonic()
+        one_client_at_steady_load(router.base_url, api_key, model_id)
+        after = [served(url) for url in metrics_urls]
+        seconds = time.monotonic() - started
+        refused = status_of(f"http://{HOST}:{router.port}/v1/models")
+    finally:
+        router.stop()
+    counts = [int(a - b) for a, b in zip(after, before, strict=True)]
+    return Split(argv[argv.index("--policy") + 1], counts, seconds), refused
+
+
+def imbalance(counts: Sequence[float]) -> float:
+    """The busiest replica's count over the idlest's (inf when one got none)."""
+    low, high = min(counts), max(counts)
+    return high / low if low > 0 else float("inf")
