@@ -50,6 +50,7 @@ from typing import Any
 from benchmarks.traces import COMPLETIONS, PrefixTraceSpec, TracedRequest, TraceError, prefix_trace, read_trace
 from benchmarks.traces import write_trace as write_trace_file
 from localserve.server import MODEL_ID, replica_addresses
+from twin.routing import SUCCESS_SERIES
 
 REPO = Path(__file__).resolve().parent.parent
 POLICIES = ("cache_aware", "power_of_two", "round_robin")
@@ -65,7 +66,6 @@ MAX_TOKENS = 32
 KV_TOKENS = 16384
 REQUEST_TIMEOUT_S = 300.0
 _SERIES = re.compile(r"^(vllm[:_]prefix_cache_(?:hits|queries)_total)\{[^}]*\} (\S+)$", re.MULTILINE)
-_SUCCESS = re.compile(r"^vllm[:_]request_success_total\{[^}]*\} (\S+)$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def cache_counts(metrics_text: str) -> CacheCounts:
     totals = {"hits": 0.0, "queries": 0.0}
     for name, value in _SERIES.findall(metrics_text):
         totals["hits" if "hits" in name else "queries"] += float(value)
-    return CacheCounts(totals["hits"], totals["queries"], sum(float(v) for v in _SUCCESS.findall(metrics_text)))
+    return CacheCounts(totals["hits"], totals["queries"], sum(float(v) for v in SUCCESS_SERIES.findall(metrics_text)))
 
 
 def _replica_counts(metrics_urls: Sequence[str]) -> list[CacheCounts]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import subprocess
 import sys
 import time
 import urllib.request
@@ -37,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from localserve.processes import free_port
+from localserve.processes import Child, child_env, free_port
 from twin.live import status_of
 
 HOST = "127.0.0.1"
@@ -73,24 +72,15 @@ class RouterSpec:
 
 
 def router_specs(stack_config: Path) -> dict[str, RouterSpec]:
-    """Each vllm-server service's router command, from the stack file, built as the render builds it."""
-    import math
-
-    from infra.config import load_stack_file, longest_generation_seconds
-    from infra.serving.ray_service import worker_group_name
-    from infra.serving.router import replica_selector, router_args
+    """Each vllm-server service's router command, from the stack file, as the render builds it."""
+    from infra.config import load_stack_file
+    from infra.serving.router import router_plans
 
     cfg = load_stack_file(stack_config)
-    timeout = math.ceil(longest_generation_seconds(cfg))
-    out = {}
-    for service, models in cfg.services().items():
-        if cfg.layout_of(service) != "vllm-server":
-            continue
-        (model,) = models
-        selector = replica_selector(service, worker_group_name(model))
-        command = router_args(cfg.serving.routing, cfg.serving.namespace, selector, timeout)
-        out[service] = RouterSpec(service, tuple(command), cfg.serving.routing.enabled)
-    return out
+    return {
+        service: RouterSpec(service, tuple(plan.command), cfg.serving.routing.enabled)
+        for service, plan in router_plans(cfg).items()
+    }
 
 
 def static_command(command: Sequence[str], worker_urls: Sequence[str], port: int, metrics_port: int) -> list[str]:
@@ -139,10 +129,8 @@ def static_command(command: Sequence[str], worker_urls: Sequence[str], port: int
 class TwinRouter:
     """A running vllm-router on loopback ports."""
 
-    process: subprocess.Popen[bytes]
+    child: Child
     port: int
-    metrics_port: int
-    log_path: Path
 
     @property
     def base_url(self) -> str:
@@ -150,41 +138,26 @@ class TwinRouter:
         return f"http://{HOST}:{self.port}/v1"
 
     def stop(self) -> None:
-        """Stops it (SIGTERM, then SIGKILL)."""
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10)
+        """Stops it and anything it started."""
+        self.child.stop(grace_s=10)
 
 
 def start_router(command: Sequence[str], worker_urls: Sequence[str], log_path: Path) -> tuple[TwinRouter, list[str]]:
     """Starts the router in front of ``worker_urls``; returns it and the command it runs, once it is ready."""
-    port, metrics_port = free_port(), free_port()
-    argv = static_command(command, worker_urls, port, metrics_port)
-    log = log_path.open("wb")
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    router = TwinRouter(process, port, metrics_port, log_path)
+    port = free_port()
+    argv = static_command(command, worker_urls, port, free_port())
+    router = TwinRouter(Child.start("vllm-router", argv, child_env(), log_path), port)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"vllm-router exited with {process.returncode}: {log_tail(log_path)}")
+        if router.child.proc.poll() is not None:
+            raise RuntimeError(f"vllm-router exited with {router.child.proc.returncode}: {router.child.log_tail(5)}")
         with contextlib.suppress(OSError):
             # 503 until it has a healthy replica to send to.
             if status_of(f"http://{HOST}:{port}/readiness") == 200:
                 return router, argv
         time.sleep(0.5)
     router.stop()
-    raise RuntimeError(f"vllm-router not ready after {READY_TIMEOUT_S:.0f}s: {log_tail(log_path)}")
-
-
-def log_tail(path: Path, lines: int = 5) -> str:
-    """The last lines of a log, for a failure's message."""
-    try:
-        return " | ".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
+    raise RuntimeError(f"vllm-router not ready after {READY_TIMEOUT_S:.0f}s: {router.child.log_tail(5)}")
 
 
 def served(metrics_url: str) -> float:

@@ -48,7 +48,6 @@ class Session:
     receiver: OtlpReceiver | None = None
     # The router the render runs (or would run) in front of this RayService's replicas (twin/routing.py).
     router: RouterSpec | None = None
-    workdir: Path | None = None
 
     @property
     def name(self) -> str:
@@ -113,7 +112,6 @@ def prepare(
         head_ports=head_ports,
         receiver=receiver,
         router=router,
-        workdir=workdir,
     )
 
 
@@ -548,7 +546,7 @@ def check_routing(session: Session, report: Report, model: ModelInfo, replicas: 
     state = "on in this stack" if spec.enabled else "off in this stack: what `serving.routing.enabled: true` runs"
     roots = [live.server_root(str(r.get("url", ""))) for r in replicas]
     metrics = [str(r.get("metrics_url", "")) for r in replicas]
-    workdir = session.workdir or Path("/tmp")
+    workdir = session.cluster.workdir
     report.sub(
         session.name,
         f"router ({state}): the rendered command, run as `python -m vllm_router.launch_router` (the image's "

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import pulumi
 
 from infra.aws.layer import AwsLayer
 from infra.cluster_services.layer import PlatformLayer
-from infra.config import StackConfig, longest_generation_seconds, preemption_free_sequences
+from infra.config import StackConfig, preemption_free_sequences
 from infra.serving import kuberay
 from infra.serving.alerts import ServingAlerts, ServingAlertsArgs
 from infra.serving.autoscaler_scope import AutoscalerScopeArgs, RayAutoscalerScope
@@ -20,8 +18,8 @@ from infra.serving.layer import ServingLayer
 from infra.serving.namespace import ServingNamespace, ServingNamespaceArgs
 from infra.serving.network import ClusterPeers
 from infra.serving.ports import RAY_PORTS
-from infra.serving.ray_service import VllmRayService, VllmRayServiceArgs, worker_group_name
-from infra.serving.router import RequestRouter, RequestRouterArgs
+from infra.serving.ray_service import VllmRayService, VllmRayServiceArgs
+from infra.serving.router import RequestRouter, RequestRouterArgs, router_plans
 
 
 def dashboard_access(namespace: str, ray_service: str) -> str:
@@ -159,10 +157,7 @@ def _routers(
     if not cfg.serving.routing.enabled:
         return {}
     routers = {}
-    for service, models in cfg.services().items():
-        if cfg.layout_of(service) != "vllm-server":
-            continue
-        (model,) = models  # vllm-server serves one model per service (serving.vllm_server_problem)
+    for service, plan in router_plans(cfg).items():
         routers[service] = RequestRouter(
             f"{service}-router",
             RequestRouterArgs(
@@ -171,10 +166,9 @@ def _routers(
                 routing=cfg.serving.routing,
                 image=aws.image,
                 system=aws.system,
-                worker_group=worker_group_name(model),
+                plan=plan,
                 peers=cluster_peers(cfg, platform),
                 prometheus_selector_labels=dict(platform.prometheus_selector_labels),
-                request_timeout_s=math.ceil(longest_generation_seconds(cfg)),
             ),
             _after(aws, *ns.ready, platform.monitoring_crds, ray_services[service].ray_service),
         )

@@ -29,6 +29,7 @@ a replica is Ready while its vLLM server answers `/health`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,13 +37,15 @@ from typing import Any
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra.config import Routing
+from infra.config import Routing, StackConfig, longest_generation_seconds
 from infra.scheduling import Placement
 from infra.serving import kuberay
+from infra.serving.endpoint import serving_workers
 from infra.serving.namespace import PART_OF, peer, policy_metadata
 from infra.serving.network import ANYWHERE, HTTPS, ClusterPeers
 from infra.serving.pod_security import RAY_GID, RAY_UID, container_security_context, pod_security_context
 from infra.serving.ports import RAY_PORTS, Port
+from infra.serving.ray_service import worker_group_name
 
 ROUTER_NAME_LABEL = {"app.kubernetes.io/name": "llm-router"}
 # Which RayService's replicas a router pod sends to.
@@ -50,7 +53,7 @@ ROUTER_OF = "llm-platform/router-of"
 # The router answers on the port name and number the replicas' servers use,
 # so the load balancer's target port and the clients' URL are the same with
 # or without it.
-ROUTER_PORT = Port(RAY_PORTS.openai.name, RAY_PORTS.openai.number)
+ROUTER_PORT = RAY_PORTS.openai
 ROUTER_METRICS = Port("router-metrics", 29000)
 # vllm-router's probes: /liveness answers while the process runs; /readiness
 # only once it has a healthy replica to send to, so a router that has found
@@ -73,18 +76,36 @@ def router_pods(service: str) -> dict[str, str]:
 
 
 def replica_selector(service: str, worker_group: str) -> dict[str, str]:
-    """The pods the router sends to: the model's GPU workers of every cluster of the RayService.
+    """The pods the router sends to: the load balancer's serving workers, of the model's GPU group.
 
     `llm-platform/ray-service` is on the pods of both clusters of a
     NewCluster upgrade, so the new cluster's replicas join as they turn
     Ready and the old ones leave as their drain makes them unready.
     """
-    return {
-        kuberay.SERVICE_LABEL: service,
-        kuberay.NODE_TYPE: "worker",
-        kuberay.GROUP: worker_group,
-        kuberay.SERVE: "true",
-    }
+    return {**serving_workers(service), kuberay.GROUP: worker_group}
+
+
+@dataclass(frozen=True)
+class RouterPlan:
+    """One vllm-server service's router: the replicas it selects and its command line."""
+
+    selector: dict[str, str]
+    command: list[str]
+
+
+def router_plans(cfg: StackConfig) -> dict[str, RouterPlan]:
+    """Each vllm-server service's router, as the render declares it (the twin runs the same command)."""
+    timeout = math.ceil(longest_generation_seconds(cfg))
+    plans = {}
+    for service, models in cfg.services().items():
+        if cfg.layout_of(service) != "vllm-server":
+            continue
+        (model,) = models  # vllm-server serves one model per service (serving.vllm_server_problem)
+        selector = replica_selector(service, worker_group_name(model))
+        plans[service] = RouterPlan(
+            selector, router_args(cfg.serving.routing, cfg.serving.namespace, selector, timeout)
+        )
+    return plans
 
 
 def router_args(routing: Routing, namespace: str, selector: Mapping[str, str], request_timeout_s: int) -> list[str]:
@@ -189,12 +210,10 @@ def deployment(
     routing: Routing,
     image: pulumi.Input[str],
     system: Placement,
-    selector: Mapping[str, str],
-    request_timeout_s: int,
+    command: list[str],
 ) -> dict[str, Any]:
     """The router Deployment: non-root, read-only root, spread over zones and nodes."""
     labels = {**PART_OF, **router_pods(service)}
-    command = router_args(routing, namespace, selector, request_timeout_s)
     return {
         "metadata": {"name": router_name(service), "namespace": namespace, "labels": labels},
         "spec": {
@@ -306,13 +325,11 @@ class RequestRouterArgs:
     routing: Routing
     image: pulumi.Input[str]
     system: Placement
-    # The model's GPU worker group (ray_service.worker_group_name).
-    worker_group: str
+    # Its replicas and command line (router_plans).
+    plan: RouterPlan
     peers: ClusterPeers
     # The labels Prometheus selects its PodMonitors by.
     prometheus_selector_labels: Mapping[str, str]
-    # The longest request the limits allow, in whole seconds.
-    request_timeout_s: int
 
 
 class RequestRouter(pulumi.ComponentResource):
@@ -322,7 +339,7 @@ class RequestRouter(pulumi.ComponentResource):
         super().__init__("llm-platform:serving:RequestRouter", name, None, opts)
         k8s_opts = pulumi.ResourceOptions(parent=self)
         service, namespace = args.service, args.namespace
-        selector = replica_selector(service, args.worker_group)
+        selector = args.plan.selector
         meta = k8s.meta.v1.ObjectMetaArgs(name=router_name(service), namespace=namespace, labels=dict(PART_OF))
         account = k8s.core.v1.ServiceAccount(f"{name}-account", metadata=meta, opts=k8s_opts)
         rules = role(service, namespace)
@@ -340,9 +357,7 @@ class RequestRouter(pulumi.ComponentResource):
         k8s.networking.v1.NetworkPolicy(
             f"{name}-policy", metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts
         )
-        manifest = deployment(
-            service, namespace, args.routing, args.image, args.system, selector, args.request_timeout_s
-        )
+        manifest = deployment(service, namespace, args.routing, args.image, args.system, args.plan.command)
         self.deployment = k8s.apps.v1.Deployment(
             f"{name}-deployment",
             metadata=manifest["metadata"],
