@@ -151,7 +151,7 @@ whatif: $(VENV)/.bench
 	@test -f "$(TRACE)" || PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks.whatif --stack $(STACK) --generate $(TRACE)
 	PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks.whatif --stack $(STACK) --trace $(TRACE)
 
-# The same code path once and small (project and bare, one round): under 3 min
+# The same code path once and small (project, routed and bare, one round): under 3 min
 # once the venv exists; fails on a failed request or a CPU layout that did not hold.
 bench-quick: $(VENV)/.bench
 	PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks --quick --out build/bench-quick

@@ -38,9 +38,11 @@ def _value(cell: Cell, attr: str) -> float:
     return float(got() if callable(got) else got)
 
 
-def _paired(results: ServingResults, variant: str, concurrency: int, attr: str, how: str) -> list[float]:
-    """Per-round comparison with bare vLLM measured in the same round: a ratio or a difference."""
-    bare = {c.round: _value(c, attr) for c in _cells(results, "bare", concurrency)}
+def _paired(
+    results: ServingResults, variant: str, concurrency: int, attr: str, how: str, against: str = "bare"
+) -> list[float]:
+    """Per-round comparison with ``against`` (bare vLLM) measured in the same round: a ratio or a difference."""
+    bare = {c.round: _value(c, attr) for c in _cells(results, against, concurrency)}
     out = []
     for cell in _cells(results, variant, concurrency):
         theirs = bare.get(cell.round)
@@ -60,6 +62,10 @@ OUTSIDE = "outside_forward_ms_per_token"
 RPS_RATIO_TARGET = 0.95
 ADDED_TTFT_TARGET_MS = 15.0
 CPU_RATIO_TARGET = 1.5
+# Targets for the routing tier: the router's hop over the direct layout at c=1,
+# and the routed layout's requests/s against bare vLLM under load.
+ROUTER_ADDED_TTFT_TARGET_MS = 5.0
+ROUTER_RPS_CONCURRENCY = (8, 32)
 
 
 def headline_variant(results: ServingResults) -> str | None:
@@ -117,6 +123,44 @@ def headline_table(results: ServingResults) -> str:
         line = f"| {name} | {concurrency} | {spread(values, fmt)} | {bound} | {judged} |"
         line += "".join(f" {spread(_paired(results, o, concurrency, attr, how), fmt)} |" for o in others)
         lines.append(line)
+    return "\n".join(lines)
+
+
+def router_rows(results: ServingResults) -> list[tuple[str, str, int, str, str, float, bool]]:
+    """(figure, attribute, c, ratio|diff, against, target, at least?) of the routing tier's table."""
+    rows: list[tuple[str, str, int, str, str, float, bool]] = []
+    if 1 in results.concurrency and "project" in results.variants:
+        rows.append(
+            ("TTFT p50 the router adds, ms", "ttft_p50_ms", 1, "diff", "project", ROUTER_ADDED_TTFT_TARGET_MS, False)
+        )
+    if "bare" in results.variants:
+        rows += [
+            ("req/s ratio to bare vLLM", "rps", c, "ratio", "bare", RPS_RATIO_TARGET, True)
+            for c in ROUTER_RPS_CONCURRENCY
+            if c in results.concurrency
+        ]
+    return rows
+
+
+def router_table(results: ServingResults) -> str:
+    """The routed variant against the direct layout (its hop) and bare vLLM (its throughput)."""
+    if "routed" not in results.variants:
+        return ""
+    rows = router_rows(results)
+    if not rows:
+        return "No routing-tier figures: the run needs the project variant or bare vLLM beside the routed one."
+    lines = [
+        f"{_label('routed')}, paired within each round: median [min, max] over rounds; the verdict is on the median.",
+        "",
+        "| figure | c | measured | target | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for name, attr, concurrency, how, against, target, at_least in rows:
+        values = _paired(results, "routed", concurrency, attr, how, against)
+        fmt = "{:.2f}x" if how == "ratio" else "{:+.1f}"
+        bound = (">= " if at_least else "<= ") + (f"{target:.2f}x" if how == "ratio" else f"{target:.0f} ms")
+        judged = f"**{verdict(values, target, at_least)}**"
+        lines.append(f"| {name} | {concurrency} | {spread(values, fmt)} | {bound} | {judged} |")
     return "\n".join(lines)
 
 
@@ -227,6 +271,7 @@ def serving_tables(results: ServingResults) -> str:
         "",
         headline_table(results),
         "",
+        *(["### The routing tier", "", router_table(results), ""] if "routed" in results.variants else []),
         f"### Every variant ({results.layout} layout)",
         "",
         *_variant_tables(results),
@@ -428,7 +473,7 @@ def write_report(
 
 
 # What `make bench-quick` runs: every stage once, small, in under three minutes.
-QUICK = {"variants": "project,bare", "rounds": 1, "scale": 0.2, "replicas": 1, "sizes": "1,4", "repeats": 1}
+QUICK = {"variants": "project,routed,bare", "rounds": 1, "scale": 0.2, "replicas": 1, "sizes": "1,4", "repeats": 1}
 QUICK_GUARD_REQUESTS = 2000
 
 
@@ -444,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="every stage once and small (project and bare, 1 round, 1 replica, 2 render sizes): a check that "
+        help="every stage once and small (project, routed and bare, 1 round, 1 replica, 2 render sizes): a check that "
         "the benchmark runs, not a measurement; fails on any failed request or layout that did not hold",
     )
     parser.add_argument("--skip-serving", action="store_true")

@@ -29,6 +29,7 @@ ROLES = (
     ("inference_server.vllm_main", API_SERVER),
     ("vllm.entrypoints.openai.api_server", API_SERVER),
     ("guarded_serve.py", "launcher"),
+    ("vllm_router", "router"),
     ("ProxyActor", "Serve proxy"),
     ("haproxy", "Serve proxy"),
     ("VllmServer", "Serve VllmServer replica"),

@@ -121,7 +121,7 @@ WARMUP_PROMPTS = 32
 # cell ends. Waiting it out keeps that spin off the next variant's cell.
 SETTLE_S = 1.5
 
-DEFAULT_VARIANTS = ("project", "guarded", "bare")
+DEFAULT_VARIANTS = ("project", "routed", "guarded", "bare")
 LAYOUTS = ("isolated", "shared")
 DEFAULT_REPLICAS = 2
 
@@ -153,6 +153,7 @@ REQUEST_PATH_ROLES = frozenset({"Serve proxy", "Serve ingress replica", "Serve L
 
 VARIANT_LABELS = {
     "project": "project (vllm-server, default)",
+    "routed": "project behind its router (serving.routing)",
     "guarded": "guarded vLLM alone (no Ray)",
     "bare": "bare vLLM (vllm serve)",
     "project-ingress": "project-ingress (Ray Serve LLM ingress + guard)",
@@ -177,6 +178,11 @@ class Server:
     extra_pids: list[int] = field(default_factory=list)
     # vllm-server layout: where its replicas publish their server's address and process id.
     address_dir: Path | None = None
+    # Behind a router: the replica's own base URL, the one the router sends every request to
+    # (``base_url`` is then the router's).
+    upstream_url: str | None = None
+    # Started with the server and stopped before it (the router).
+    companions: list[Child] = field(default_factory=list)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -193,16 +199,18 @@ class Server:
         # Descendants too: the vllm-server replica starts vLLM's server in a
         # session of its own, so the launcher's session alone misses it.
         roots = set(session_members(self.child.proc.pid)) | set(self.extra_pids) | self.published_pids()
+        roots |= {c.proc.pid for c in self.companions if c.proc.poll() is None}
         return with_descendants(roots | {self.child.proc.pid})
 
     def server_roots(self) -> set[int]:
         """The processes the measured server's tree hangs from (may be empty while it starts)."""
         if self.address_dir is not None:
-            # The replica whose address the client uses: its published server process.
+            # The replica whose address the client (or the router in front) uses: its published server process.
+            measured = self.upstream_url or self.base_url
             return {
                 int(str(r["pid"]))
                 for r in replica_addresses(self.address_dir)
-                if r.get("pid") and str(r.get("url")) == self.base_url
+                if r.get("pid") and str(r.get("url")) == measured
             }
         if self.variant == "bare":
             return {self.child.proc.pid}
@@ -220,6 +228,8 @@ class Server:
 
     def stop(self) -> None:
         started = {pid: _start_time(pid) for pid in self.pids()}
+        for companion in self.companions:
+            companion.stop(grace_s=10)
         self.child.stop()
         # Whatever the launcher's teardown did not reach (a process in a session
         # of its own): ours by process id and start time, never by name.
@@ -314,6 +324,38 @@ def start_vllm_server(
         local.child.stop()
         raise
     return Server(variant, local.base_url, api_key, local.child, seconds, address_dir=local.address_dir)
+
+
+def start_routed(work: Path, model_dir: Path, replicas: int = 1) -> Server:
+    """The default layout behind the router prod's render runs, in front of the measured replica alone.
+
+    The router's command is the one ``serving.routing`` renders for prod's
+    vllm-server service (twin/routing.py: discovery swapped for the replica's
+    address). It fronts only the replica the run measures, so the same one
+    core serves every variant's requests and what the variant adds over
+    ``project`` is the router's hop; on a cluster the router runs in pods of
+    its own, so here it runs on the load generator's core, like every process
+    that is not the measured server.
+    """
+    from twin.routing import router_specs, start_router
+
+    specs = router_specs(REPO / "Pulumi.prod.yaml")
+    if not specs:
+        raise RuntimeError("routed: Pulumi.prod.yaml has no vllm-server service for a router to front")
+    command = next(iter(specs.values())).command
+    server = start_vllm_server(work, model_dir, "routed", replicas)
+    try:
+        started = time.monotonic()
+        upstream = server.base_url
+        router, _ = start_router(command, [upstream.removesuffix("/v1")], work / "routed" / "router.log")
+        server.companions.append(router.child)
+        server.upstream_url = upstream
+        server.base_url = router.base_url
+        server.start_seconds += time.monotonic() - started
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def start_guarded(work: Path, model_dir: Path) -> Server:
@@ -453,6 +495,8 @@ def start(variant: str, work: Path, model_dir: Path, replicas: int = 1) -> Serve
         return start_bare(work, model_dir)
     if variant == "project":
         return start_vllm_server(work, model_dir, replicas=replicas)
+    if variant == "routed":
+        return start_routed(work, model_dir, replicas)
     if variant == "guarded":
         return start_guarded(work, model_dir)
     if variant in INGRESS_VARIANTS:

@@ -49,6 +49,7 @@ from typing import Any
 
 from benchmarks.traces import COMPLETIONS, PrefixTraceSpec, TracedRequest, TraceError, prefix_trace, read_trace
 from benchmarks.traces import write_trace as write_trace_file
+from infra.config.routing import WHATIF_SUMMARY
 from localserve.server import MODEL_ID, replica_addresses
 from twin.routing import SUCCESS_SERIES
 
@@ -247,6 +248,20 @@ def one_line(stack: str, results: Sequence[PolicyResult]) -> str:
     return line
 
 
+def record(stack: str, trace: Path, replicas: int, kv_tokens: int, results: Sequence[PolicyResult]) -> str:
+    """The report as JSON: what was replayed, each policy's figures, and the one-line result
+    (``summary``: what `pulumi preview` prints for a stack whose ``serving.routing.whatif_report`` names it)."""
+    body = {
+        "stack": stack,
+        "trace": trace.name,
+        "replicas": replicas,
+        "kv_tokens": kv_tokens,
+        WHATIF_SUMMARY: one_line(stack, results),
+        "results": [asdict(r) for r in results],
+    }
+    return json.dumps(body, indent=2) + "\n"
+
+
 def markdown(stack: str, trace: Path, replicas: int, kv_tokens: int, results: Sequence[PolicyResult]) -> str:
     """The report as a Markdown table."""
     rows = [
@@ -325,7 +340,7 @@ def run(stack: str, trace_path: Path, policies: Sequence[str], replicas: int, kv
         server.stop()
     out = REPO / "build" / "whatif"
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stack}.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+    (out / f"{stack}.json").write_text(record(stack, trace_path, replicas, kv_tokens, results))
     (out / f"{stack}.md").write_text(markdown(stack, trace_path, replicas, kv_tokens, results))
     print(f"[whatif] wrote {out / f'{stack}.md'}")
     print(one_line(stack, results))

@@ -19,6 +19,7 @@ from infra.capacity.report import (
 )
 from infra.cluster_services.build import build_platform
 from infra.config import LoadedConfig, capacity_input
+from infra.config.routing import recorded_whatif
 from infra.serving.build import build_serving
 
 
@@ -41,6 +42,10 @@ def build_stack(loaded: LoadedConfig) -> None:
     # Each GPU group's headroom for a NewCluster upgrade, and its cost while it runs.
     for upgrade in upgrade_plan(inputs):
         pulumi.log.info(upgrade_line(upgrade))
+    # The routing what-if recorded for this stack's traffic (checked readable when the config loaded).
+    report = cfg.serving.routing.whatif_report
+    if report is not None:
+        pulumi.log.info(f"routing {recorded_whatif(report)} [{report}]")
     aws = build_aws(cfg)
     platform = build_platform(cfg, aws)
     serving = build_serving(cfg, loaded.api_keys, aws, platform)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from benchmarks.pinning import REST_CPUS, SERVER_CPUS, Pinner, allowed_cpus, threads
-from benchmarks.report import headline_table, verdict
+from benchmarks.report import headline_table, router_table, verdict
 from benchmarks.server_tree import ENGINE_CORE, FORWARD_PASS, ServerTreeError, process_role, wait_for_tree
 from benchmarks.serving_overhead import Cell, ServingResults
 
@@ -102,7 +102,7 @@ def test_isolate_puts_every_thread_of_the_server_on_its_core_and_the_rest_on_the
             proc.wait()
 
 
-def _cell(variant: str, rnd: int, concurrency: int, rps: float) -> Cell:
+def _cell(variant: str, rnd: int, concurrency: int, rps: float, ttft_ms: float = 10.0) -> Cell:
     return Cell(
         variant=variant,
         concurrency=concurrency,
@@ -113,7 +113,7 @@ def _cell(variant: str, rnd: int, concurrency: int, rps: float) -> Cell:
         duration_s=10 / rps,
         rps=rps,
         output_tok_s=rps * 32,
-        ttft_p50_ms=10.0,
+        ttft_p50_ms=ttft_ms,
         ttft_p99_ms=20.0,
         tpot_p50_ms=1.0,
         itl_p50_ms=1.0,
@@ -149,3 +149,34 @@ def test_the_headline_pairs_each_round_with_bare_and_judges_the_median() -> None
     assert "| req/s ratio | 8 | 0.96x [0.90x, 1.00x] | >= 0.95x | **PASS** |" in table
     assert "| req/s ratio | 32 | 0.90x [0.90x, 0.90x] | >= 0.95x | **MISS** |" in table
     assert verdict([], 0.95, True) == "n/a"
+
+
+def test_the_routing_tier_is_judged_on_its_hop_against_the_direct_layout_and_its_rate_against_bare() -> None:
+    # c=1: the routed TTFT is 3, 4 and 9 ms over the direct layout's in the same round
+    # (median 4 ms: PASS), whatever bare does; c=8: 0.97x bare's req/s in every round
+    # (PASS); c=32: 0.90x (MISS).
+    cells = []
+    for rnd, (added, bare_ttft) in enumerate([(3.0, 5.0), (4.0, 50.0), (9.0, 5.0)]):
+        cells += [_cell("bare", rnd, 1, 10.0, bare_ttft), _cell("project", rnd, 1, 10.0, 20.0)]
+        cells += [_cell("routed", rnd, 1, 10.0, 20.0 + added)]
+        cells += [_cell("bare", rnd, 8, 50.0), _cell("project", rnd, 8, 49.0), _cell("routed", rnd, 8, 48.5)]
+        cells += [_cell("bare", rnd, 32, 100.0), _cell("project", rnd, 32, 95.0), _cell("routed", rnd, 32, 90.0)]
+    results = ServingResults(
+        variants=["project", "routed", "bare"],
+        rounds=3,
+        concurrency=[1, 8, 32],
+        prompts={1: 10, 8: 10, 32: 10},
+        max_tokens=32,
+        input_tokens=64,
+        layout="isolated",
+        replicas=1,
+        start_seconds={},
+        idle_cpu_share={},
+        cells=cells,
+        seconds=1.0,
+    )
+    table = router_table(results)
+    assert "| TTFT p50 the router adds, ms | 1 | +4.0 [+3.0, +9.0] | <= 5 ms | **PASS** |" in table
+    assert "| req/s ratio to bare vLLM | 8 | 0.97x [0.97x, 0.97x] | >= 0.95x | **PASS** |" in table
+    assert "| req/s ratio to bare vLLM | 32 | 0.90x [0.90x, 0.90x] | >= 0.95x | **MISS** |" in table
+    assert router_table(ServingResults(**{**results.__dict__, "variants": ["project", "bare"]})) == ""

@@ -393,6 +393,20 @@ def test_stream_tokens_come_from_vllms_request_state_else_are_counted(tmp_path: 
     assert h.metric("ray_llm_api_key_generation_tokens_total", key_id=key, model=MODEL) == 6
 
 
+def test_the_routers_renders_are_logged_but_not_counted_as_the_keys_requests(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    assert run(h.call(SECRET_A, path="/v1/chat/completions/render"))[0] == 200
+    assert run(h.call(SECRET_A))[0] == 200
+    render, chat = h.lines()
+    assert (render["key_id"], render["path"], chat["path"]) == (
+        "team-a",
+        "/v1/chat/completions/render",
+        "/v1/chat/completions",
+    )
+    assert h.metric("ray_llm_api_key_requests_total", key_id="team-a", model=MODEL, status="200") == 1
+    assert h.app.limiter.in_flight() == 0
+
+
 def test_refusals_of_the_guard_are_logged_and_counted_too(tmp_path: Path) -> None:
     h = Harness(tmp_path)
     assert run(h.call("not-a-key"))[0] == 401

@@ -6,7 +6,9 @@ checked with every other selector in tests/test_selectors.py ("prod-routed").
 
 from __future__ import annotations
 
+import copy
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +19,7 @@ from infra.render import Rendered
 from infra.serving.endpoint import public_service_name
 from infra.serving.ports import RAY_PORTS
 from infra.serving.router import READINESS_PATH, ROUTER_METRICS, ROUTER_PORT, router_name, router_pods
-from tests.harness import ROUTING, config_problems, manifests_of, render_routed, render_stack
+from tests.harness import ROUTING, config_problems, manifests_of, render_config, render_routed, render_stack, stack_doc
 
 
 def routed() -> Rendered:
@@ -184,3 +186,40 @@ def test_bad_routing_is_one_line_naming_the_key(stack: str, routing: dict[str, A
 
     problems = config_problems(stack, change)
     assert any(p.startswith(f"config error: {expect}") for p in problems), problems
+
+
+def _with_report(raw: dict[str, Any], report: str) -> None:
+    raw["serving"] = {**raw.get("serving", {}), "routing": {**ROUTING, "whatif_report": report}}
+
+
+def test_the_preview_prints_the_recorded_whatifs_one_line_result(tmp_path: Path) -> None:
+    report = tmp_path / "prod.json"
+    summary = "what-if (prod): cache_aware hit 40% TTFT p50 90 ms; round_robin hit 20% TTFT p50 120 ms"
+    report.write_text(json.dumps({"summary": summary, "results": []}))
+    doc = copy.deepcopy(stack_doc("prod"))
+    config = doc["config"]
+    routing = {**ROUTING, "whatif_report": str(report)}
+    config["llm-platform:serving"] = {**config.get("llm-platform:serving", {}), "routing": routing}
+    log = render_config(doc, "prod-whatif").log
+    assert f"routing {summary} [{report}]" in log
+    # Without a report named, no such line.
+    assert not [line for line in render_routed("prod").log if line.startswith("routing what-if")]
+
+
+@pytest.mark.parametrize(
+    ("content", "expect"),
+    [
+        (None, "does not exist (make whatif STACK=<stack> writes build/whatif/<stack>.json)"),
+        ("[1, 2", "is not a what-if report: JSONDecodeError"),
+        ('{"results": []}', "is not a what-if report: no one-line `summary`"),
+        ('{"summary": "a\\nb"}', "is not a what-if report: no one-line `summary`"),
+    ],
+)
+def test_a_whatif_report_that_does_not_read_is_one_line_naming_the_key(
+    tmp_path: Path, content: str | None, expect: str
+) -> None:
+    report = tmp_path / "prod.json"
+    if content is not None:
+        report.write_text(content)
+    problems = config_problems("prod", lambda raw: _with_report(raw, str(report)))
+    assert problems == [f"config error: serving.routing.whatif_report: {report} {expect}"], problems

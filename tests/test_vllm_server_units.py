@@ -102,6 +102,32 @@ def test_served_routes_keep_keys_and_limits(monkeypatch: pytest.MonkeyPatch, tmp
     assert downstream.paths == ["/v1/chat/completions", "/v1/models"]
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/chat/completions/render",
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+        ),
+        ("/v1/completions/render", {"model": "m", "prompt": "hi", "max_tokens": 8}),
+    ],
+)
+def test_the_render_routes_the_router_asks_keep_the_generation_routes_keys_and_limits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, path: str, body: dict[str, Any]
+) -> None:
+    # The request router's cache_aware policy renders each prompt to token ids on the
+    # replicas; the body is the generation request's, and is held to the same rules.
+    app, downstream, _ = guard(monkeypatch, tmp_path)
+    assert send_to(app, path, body=body)[0] == 200
+    assert send_to(app, path, body=body, key=None)[0] == 401
+    assert send_to(app, path, body={**body, "model": "other"})[0] == 404
+    assert send_to(app, path, body={**body, "max_tokens": 65})[0] == 400
+    assert send_to(app, path, body={**body, "max_tokens": 8.0})[0] == 400
+    status, doc = send_to(app, path, body={**body, "kv_transfer_params": {"do_remote_prefill": True}})
+    assert status == 400 and doc["error"]["param"] == "kv_transfer_params"
+    assert downstream.paths == [path]
+
+
 def test_a_draining_replica_fails_its_readiness_but_serves_what_arrives(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -109,6 +109,20 @@ def test_the_one_line_result_gives_prefix_routings_gain_over_round_robin() -> No
     assert line.endswith("cache_aware hit rate 2.00x round_robin")
 
 
+def test_the_recorded_report_gives_the_preview_its_one_line_result(tmp_path: Path) -> None:
+    from benchmarks.whatif import record
+    from infra.config.routing import recorded_whatif
+
+    def result(policy: str, hit: float) -> PolicyResult:
+        return PolicyResult(policy, 10, 0, hit, 0, 0, 12.0, 20.0, 1.0, 8.0, [5, 5])
+
+    results = [result("cache_aware", 0.5), result("round_robin", 0.25)]
+    report = tmp_path / "prod.json"
+    report.write_text(record("prod", Path("prefix.jsonl"), 2, 4096, results))
+    assert recorded_whatif(str(report)) == one_line("prod", results)
+    assert json.loads(report.read_text())["results"][0]["policy"] == "cache_aware"
+
+
 def test_kv_cache_bytes_follow_the_models_shape(tmp_path: Path) -> None:
     config = {"hidden_size": 128, "num_attention_heads": 2, "num_hidden_layers": 2, "num_key_value_heads": 2}
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -19,6 +21,10 @@ RoutingPolicy = Literal["cache_aware", "power_of_two", "round_robin"]
 
 # Prod's router survives the loss of a node and a zone: two replicas, spread.
 PROD_MIN_ROUTER_REPLICAS = 2
+# A recorded what-if report (benchmarks/whatif.py writes it) holds its one-line result under this key.
+WHATIF_SUMMARY = "summary"
+# A relative `whatif_report` is read from the project's root, wherever the program runs from.
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 class Routing(Section):
@@ -33,18 +39,17 @@ class Routing(Section):
     """
 
     enabled: bool = False
-    # round_robin by default: measured on vllm-router 0.1.17, the policies
-    # that weigh load or cache fall back to the first replica on a tie, and
-    # ties are common (vllm-project/router#198 reports the same for its P/D
-    # router, whose load counters stay at 0). One keep-alive client sending
-    # eight at a time to two local replicas of the default layout: under
-    # power_of_two the replicas answered 105/15 and 116/4 of 120 requests,
-    # under cache_aware 29/91 and 83/37; sequential prompts of four distinct
-    # prefixes all went to the first replica under cache_aware, and on
-    # vLLM's prefix_repetition trace its fleet hit rate was no better than
-    # round robin's (docs/routing.md). round_robin split every run 60/60.
-    # On streamed requests power_of_two does follow the load and has the
-    # better tail (docs/routing.md); `make whatif` shows each on your traffic.
+    # round_robin by default, for ordinary chat traffic: measured on
+    # vllm-router 0.1.17 (docs/routing.md), the policies that weigh cache or
+    # load send a request to the first replica on a tie, and ties are common
+    # below saturation. cache_aware (which matches prompts by the token ids
+    # the replicas' render routes give it) then piles new prefixes on one
+    # replica: on vLLM's prefix_repetition trace its fleet hit rate was 1.58x
+    # round robin's, with a 54/234 split; on prompts that share nothing it
+    # only concentrates load. power_of_two sent 105/15 and 116/4 of one
+    # keep-alive client's 120 whole answers to two replicas; on streamed
+    # requests it follows the load. round_robin split every run 60/60.
+    # `make whatif` shows each on your traffic.
     policy: RoutingPolicy = "round_robin"
     # The cache_aware settings default to vllm-router's own (router_args.py).
     # cache_aware: the share of a prompt a replica's cache must match for the
@@ -65,6 +70,10 @@ class Routing(Section):
     # and for how long, before answering 429.
     queue_size: int = Field(default=256, ge=0)
     queue_timeout_s: int = Field(default=30, ge=1)
+    # A what-if report `make whatif` recorded for this stack's traffic
+    # (build/whatif/<stack>.json, or a copy kept beside the stack file), from
+    # the project's root: `pulumi preview` and `up` print its one-line result.
+    whatif_report: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _check_bounds(self) -> Routing:
@@ -73,8 +82,30 @@ class Routing(Section):
         return self
 
 
+def recorded_whatif(report: str) -> str:
+    """The one-line result of a recorded what-if report; ValueError saying what is wrong with the file."""
+    path = PROJECT_ROOT / report
+    try:
+        body = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"{report} does not exist (make whatif STACK=<stack> writes build/whatif/<stack>.json)"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{report} is not a what-if report: {type(err).__name__}") from None
+    summary = body.get(WHATIF_SUMMARY) if isinstance(body, dict) else None
+    if not isinstance(summary, str) or not summary.strip() or "\n" in summary:
+        raise ValueError(f"{report} is not a what-if report: no one-line `{WHATIF_SUMMARY}`")
+    return summary
+
+
 def check_routing(routing: Routing, layouts: Mapping[str, Layout], *, is_prod: bool) -> Iterable[Problem]:
-    """A router needs a vllm-server service to front; prod's survives a node."""
+    """A router needs a vllm-server service to front; prod's survives a node; a named what-if report reads."""
+    if routing.whatif_report is not None:
+        try:
+            recorded_whatif(routing.whatif_report)
+        except ValueError as err:
+            yield Problem("serving.routing.whatif_report", str(err))
     if not routing.enabled:
         return
     if "vllm-server" not in layouts.values():

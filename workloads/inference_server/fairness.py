@@ -51,6 +51,7 @@ from .catalog import KeyFairness
 from .guard import (
     LIMITED_PATHS,
     OPEN_PATHS,
+    RENDER_PATHS,
     ApiKeys,
     ASGIApp,
     Message,
@@ -530,7 +531,9 @@ class KeyAccounting:
             record.status = 499
         try:
             self.log.info(record.line())
-            if self.metrics is not None:
+            # A render is the request router preparing a client's request, not a request of the
+            # key's own: logged, but not counted again in the key's requests.
+            if self.metrics is not None and record.path not in RENDER_PATHS:
                 prompt = record.prompt_tokens if record.tokens == "exact" else None
                 self.metrics.observe(
                     record.key_id or "", record.model or "", record.status, prompt, record.output_tokens

@@ -69,6 +69,12 @@ OPEN_PATHS = frozenset({"/-/healthz", "/-/routes", "/health", "/ping"})
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
 LIMITED_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH})
+# vLLM's render routes take a generation request's body and answer its
+# prompt as token ids, without generating: the request router's cache_aware
+# policy asks them to match prompts to replica caches by token. The body is
+# the generation request's, so it is checked as that request: same fields,
+# same limits, the prompt counted the same way.
+RENDER_PATHS = {COMPLETIONS_PATH + "/render": COMPLETIONS_PATH, CHAT_PATH + "/render": CHAT_PATH}
 MODEL_PATH_PREFIX = "/v1/models/"
 # Methods whose requests carry a body; every such route of the API takes JSON.
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -896,6 +902,7 @@ class ApiGuard:
 
     async def _check(self, path: str, raw: bytes) -> Refusal | bytes:
         """The refusal, or the body to pass on: ``raw`` itself unless the router's own fields were removed."""
+        path = RENDER_PATHS.get(path, path)
         body = parse_json_object(raw)
         if isinstance(body, Refusal):
             return body

@@ -24,6 +24,7 @@ from .guard import (
     INVALID_REQUEST,
     MODEL_PATH_PREFIX,
     OPEN_PATHS,
+    RENDER_PATHS,
     ApiGuard,
     ApiKeys,
     error_body,
@@ -44,8 +45,10 @@ HEALTH_PATH = "/health"
 # and the guard's limits cover. vLLM's server has many more (the Responses and
 # Anthropic APIs, token-level generate, elastic scaling, profiling), whose
 # token counts the limits do not read or which no client should reach; they
-# answer 404 here, as they do behind the serve-ingress layout.
-SERVED_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH, "/v1/models"})
+# answer 404 here, as they do behind the serve-ingress layout. The render
+# routes are served for the request router (guard.RENDER_PATHS: checked and
+# limited as the generation request whose body they take).
+SERVED_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH, "/v1/models", *RENDER_PATHS})
 
 
 class ServerGuardSettings(BaseModel):
