@@ -40,6 +40,7 @@ import pulumi_kubernetes as k8s
 from infra.config import Routing, StackConfig, longest_generation_seconds
 from infra.scheduling import Placement
 from infra.serving import kuberay
+from infra.serving.drain import PROXY_DRAIN_SECONDS
 from infra.serving.endpoint import serving_workers
 from infra.serving.namespace import PART_OF, peer, policy_metadata
 from infra.serving.network import ANYWHERE, HTTPS, ClusterPeers
@@ -63,6 +64,16 @@ READINESS_PATH = "/readiness"
 # How often the router checks each replica's /health itself (its own default
 # is 60 s); Kubernetes readiness removes a failing replica sooner still.
 HEALTH_CHECK_INTERVAL_S = 10
+# A router pod being deleted (a rollout of a changed router, a scale-down, a
+# node drain) leaves the load balancer's targets while Kubernetes sends it
+# SIGTERM, and the NLB keeps sending new connections for a while after. So
+# its preStop hook waits as long as the load balancer is given to stop
+# sending to a draining Serve proxy; then SIGTERM, on which vllm-router stops
+# accepting and finishes the requests it holds before it exits (measured in
+# tests/test_router_drain.py), each within its request timeout.
+DEREGISTER_SECONDS = PROXY_DRAIN_SECONDS
+# After its last request, the process's own exit.
+EXIT_SECONDS = 5
 
 
 def router_name(service: str) -> str:
@@ -87,10 +98,17 @@ def replica_selector(service: str, worker_group: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class RouterPlan:
-    """One vllm-server service's router: the replicas it selects and its command line."""
+    """One vllm-server service's router: the replicas it selects, its command line, its request timeout."""
 
     selector: dict[str, str]
     command: list[str]
+    # The longest generation the limits allow at the SLO's pace: what a stopping router lets finish.
+    request_timeout_s: int
+
+    @property
+    def grace_seconds(self) -> int:
+        """The pod's terminationGracePeriodSeconds: the preStop wait, every request it holds, its exit."""
+        return DEREGISTER_SECONDS + self.request_timeout_s + EXIT_SECONDS
 
 
 def router_plans(cfg: StackConfig) -> dict[str, RouterPlan]:
@@ -103,7 +121,7 @@ def router_plans(cfg: StackConfig) -> dict[str, RouterPlan]:
         (model,) = models  # vllm-server serves one model per service (serving.vllm_server_problem)
         selector = replica_selector(service, worker_group_name(model))
         plans[service] = RouterPlan(
-            selector, router_args(cfg.serving.routing, cfg.serving.namespace, selector, timeout)
+            selector, router_args(cfg.serving.routing, cfg.serving.namespace, selector, timeout), timeout
         )
     return plans
 
@@ -201,6 +219,8 @@ def _container(routing: Routing, image: pulumi.Input[str], command: list[str]) -
             "limits": {"memory": routing.memory},
         },
         "securityContext": container_security_context(read_only_root=True),
+        # Kubernetes' own sleep (no binary in the image needed): the load balancer stops sending first.
+        "lifecycle": {"preStop": {"sleep": {"seconds": DEREGISTER_SECONDS}}},
     }
 
 
@@ -210,7 +230,7 @@ def deployment(
     routing: Routing,
     image: pulumi.Input[str],
     system: Placement,
-    command: list[str],
+    plan: RouterPlan,
 ) -> dict[str, Any]:
     """The router Deployment: non-root, read-only root, spread over zones and nodes."""
     labels = {**PART_OF, **router_pods(service)}
@@ -230,7 +250,8 @@ def deployment(
                     "automountServiceAccountToken": True,
                     "securityContext": pod_security_context(RAY_UID, RAY_GID),
                     "topologySpreadConstraints": _spread(service),
-                    "containers": [_container(routing, image, command)],
+                    "terminationGracePeriodSeconds": plan.grace_seconds,
+                    "containers": [_container(routing, image, plan.command)],
                 },
             },
         },
@@ -357,7 +378,7 @@ class RequestRouter(pulumi.ComponentResource):
         k8s.networking.v1.NetworkPolicy(
             f"{name}-policy", metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts
         )
-        manifest = deployment(service, namespace, args.routing, args.image, args.system, args.plan.command)
+        manifest = deployment(service, namespace, args.routing, args.image, args.system, args.plan)
         self.deployment = k8s.apps.v1.Deployment(
             f"{name}-deployment",
             metadata=manifest["metadata"],

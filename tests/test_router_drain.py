@@ -1,0 +1,122 @@
+"""A router pod that is going away finishes what it holds: vllm-router's own SIGTERM, and the pod that gives it time.
+
+The render gives the router's pod a preStop wait (the load balancer stops
+sending new connections first) and a grace period covering every request it
+holds, on the promise that vllm-router, on SIGTERM, stops accepting and lets
+its requests finish before it exits. That promise is checked here on the
+pinned release itself: the router runs the prod stack's command (discovery
+swapped for a stand-in replica that streams slowly), one stream is in
+flight when SIGTERM arrives.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from infra.serving.router import DEREGISTER_SECONDS, EXIT_SECONDS, router_plans
+from tests.e2e.loopback_http import LoopbackHttp
+from tests.harness import manifests_of, render_routed, stack_config
+from twin.routing import router_specs, start_router
+
+ROOT = Path(__file__).resolve().parents[1]
+CHUNKS = 30
+CHUNK_S = 0.1
+
+
+class SlowReplica(BaseHTTPRequestHandler):
+    """A replica's server as the router sees it: healthy, and streaming each completion over three seconds."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:
+        return None
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def do_GET(self) -> None:
+        body = b'{"status": "ok"}'
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        for i in range(CHUNKS):
+            self._chunk(f'data: {{"choices": [{{"index": 0, "text": "t{i}"}}]}}\n\n'.encode())
+            time.sleep(CHUNK_S)
+        self._chunk(b"data: [DONE]\n\n")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+
+def test_on_sigterm_the_router_takes_no_new_connection_and_finishes_the_stream_it_holds(tmp_path: Path) -> None:
+    replica = LoopbackHttp(SlowReplica)
+    spec = next(iter(router_specs(ROOT / "Pulumi.prod.yaml").values()))
+    router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log")
+    seen: dict[str, Any] = {"chunks": 0, "done": False}
+
+    def stream() -> None:
+        body = {"model": "m", "prompt": "hello", "stream": True}
+        with httpx.stream("POST", router.base_url + "/completions", json=body, timeout=30) as answer:
+            seen["status"] = answer.status_code
+            for line in answer.iter_lines():
+                if line == "data: [DONE]":
+                    seen["done"] = True
+                elif line.startswith("data: "):
+                    seen["chunks"] += 1
+
+    try:
+        client = threading.Thread(target=stream)
+        client.start()
+        deadline = time.monotonic() + 10
+        while seen["chunks"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert seen["chunks"] >= 3, "the stream did not start"
+        os.kill(router.child.proc.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        refused = False
+        try:
+            httpx.post(router.base_url + "/completions", json={"model": "m", "prompt": "x"}, timeout=5)
+        except httpx.ConnectError:
+            refused = True
+        client.join(timeout=30)
+        code = router.child.proc.wait(timeout=30)
+    finally:
+        router.stop()
+        replica.stop()
+    assert refused, "a new connection was taken after SIGTERM"
+    assert seen == {"chunks": CHUNKS, "done": True, "status": 200}
+    assert code == 0
+
+
+def test_the_router_pod_waits_for_the_load_balancer_then_gives_its_requests_their_timeout() -> None:
+    plans = router_plans(stack_config("prod"))
+    deployments = {d["metadata"]["name"]: d for d in manifests_of(render_routed("prod"), "Deployment")}
+    assert plans
+    for service, plan in plans.items():
+        dep = deployments[f"{service}-router"]
+        pod = dep["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        command = container["command"]
+        timeout = int(command[command.index("--request-timeout-secs") + 1])
+        assert timeout == plan.request_timeout_s
+        assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": DEREGISTER_SECONDS}}}
+        assert pod["terminationGracePeriodSeconds"] == DEREGISTER_SECONDS + timeout + EXIT_SECONDS
+        # Rollouts add a router before one goes.
+        assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
