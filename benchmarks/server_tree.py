@@ -29,6 +29,8 @@ ROLES = (
     ("inference_server.vllm_main", API_SERVER),
     ("vllm.entrypoints.openai.api_server", API_SERVER),
     ("guarded_serve.py", "launcher"),
+    # vllm-router titles itself once it runs; before that, its module's name.
+    ("vllm::router", "router"),
     ("vllm_router", "router"),
     ("ProxyActor", "Serve proxy"),
     ("haproxy", "Serve proxy"),

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -180,3 +181,20 @@ def test_the_routing_tier_is_judged_on_its_hop_against_the_direct_layout_and_its
     assert "| req/s ratio to bare vLLM | 8 | 0.97x [0.97x, 0.97x] | >= 0.95x | **PASS** |" in table
     assert "| req/s ratio to bare vLLM | 32 | 0.90x [0.90x, 0.90x] | >= 0.95x | **MISS** |" in table
     assert router_table(ServingResults(**{**results.__dict__, "variants": ["project", "bare"]})) == ""
+
+
+def test_the_routers_process_is_counted_as_the_router(tmp_path: Path) -> None:
+    # vllm-router retitles its process ("vllm::router"); its CPU must not land in "other".
+    from benchmarks.serving_overhead import REPO
+    from tests.e2e.loopback_http import LoopbackHttp
+    from tests.test_router_drain import SlowReplica
+    from twin.routing import router_specs, start_router
+
+    replica = LoopbackHttp(SlowReplica)
+    spec = next(iter(router_specs(REPO / "Pulumi.prod.yaml").values()))
+    router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log")
+    try:
+        assert process_role(router.child.proc.pid) == "router"
+    finally:
+        router.stop()
+        replica.stop()
