@@ -5,7 +5,9 @@ from __future__ import annotations
 import pulumi
 
 from infra.aws.build import build_aws
+from infra.capacity.inputs import StackInput
 from infra.capacity.report import (
+    ModelPlan,
     cold_start_line,
     cold_start_output,
     inflight_line,
@@ -18,18 +20,14 @@ from infra.capacity.report import (
     workload_line,
 )
 from infra.cluster_services.build import build_platform
-from infra.config import LoadedConfig, capacity_input
+from infra.config import LoadedConfig, StackConfig, capacity_input
 from infra.config.routing import recorded_whatif
 from infra.serving.build import build_serving
 
 
-def build_stack(loaded: LoadedConfig) -> None:
-    """Declare the whole stack and export its outputs."""
-    cfg = loaded.stack
-    # The capacity plan, one line per model in the preview's output, before
-    # anything is declared (python -m infra.plan shows the same plan).
-    inputs = capacity_input(cfg)
-    capacity = plan_stack(inputs)
+def _log_plans(cfg: StackConfig, inputs: StackInput, capacity: list[ModelPlan]) -> None:
+    """The preview's lines, before anything is declared: the capacity plan (one line per model; python -m
+    infra.plan shows the same plan), each GPU group's upgrade headroom, the recorded routing what-if."""
     for plan in capacity:
         pulumi.log.info(preview_line(plan))
         pulumi.log.info(workload_line(plan))
@@ -46,6 +44,14 @@ def build_stack(loaded: LoadedConfig) -> None:
     report = cfg.serving.routing.whatif_report
     if report is not None:
         pulumi.log.info(f"routing {recorded_whatif(report)} [{report}]")
+
+
+def build_stack(loaded: LoadedConfig) -> None:
+    """Declare the whole stack and export its outputs."""
+    cfg = loaded.stack
+    inputs = capacity_input(cfg)
+    capacity = plan_stack(inputs)
+    _log_plans(cfg, inputs, capacity)
     aws = build_aws(cfg)
     platform = build_platform(cfg, aws)
     serving = build_serving(cfg, loaded.api_keys, aws, platform)

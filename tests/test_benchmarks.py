@@ -186,8 +186,7 @@ def test_the_routing_tier_is_judged_on_its_hop_against_the_direct_layout_and_its
 def test_the_routers_process_is_counted_as_the_router(tmp_path: Path) -> None:
     # vllm-router retitles its process ("vllm::router"); its CPU must not land in "other".
     from benchmarks.serving_overhead import REPO
-    from tests.e2e.loopback_http import LoopbackHttp
-    from tests.test_router_drain import SlowReplica
+    from tests.e2e.loopback_http import LoopbackHttp, SlowReplica
     from twin.routing import router_specs, start_router
 
     replica = LoopbackHttp(SlowReplica)

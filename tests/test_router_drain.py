@@ -15,54 +15,17 @@ import os
 import signal
 import threading
 import time
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from infra.serving.router import DEREGISTER_SECONDS, EXIT_SECONDS, router_plans
-from tests.e2e.loopback_http import LoopbackHttp
+from tests.e2e.loopback_http import CHUNKS, LoopbackHttp, SlowReplica
 from tests.harness import manifests_of, render_routed, stack_config
 from twin.routing import router_specs, start_router
 
 ROOT = Path(__file__).resolve().parents[1]
-CHUNKS = 30
-CHUNK_S = 0.1
-
-
-class SlowReplica(BaseHTTPRequestHandler):
-    """A replica's server as the router sees it: healthy, and streaming each completion over three seconds."""
-
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args: Any) -> None:
-        return None
-
-    def _chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.wfile.flush()
-
-    def do_GET(self) -> None:
-        body = b'{"status": "ok"}'
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("content-length", 0)))
-        self.send_response(200)
-        self.send_header("content-type", "text/event-stream")
-        self.send_header("transfer-encoding", "chunked")
-        self.end_headers()
-        for i in range(CHUNKS):
-            self._chunk(f'data: {{"choices": [{{"index": 0, "text": "t{i}"}}]}}\n\n'.encode())
-            time.sleep(CHUNK_S)
-        self._chunk(b"data: [DONE]\n\n")
-        self.wfile.write(b"0\r\n\r\n")
-        self.wfile.flush()
 
 
 def test_on_sigterm_the_router_takes_no_new_connection_and_finishes_the_stream_it_holds(tmp_path: Path) -> None:

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+# SlowReplica's stream: this many chunks, this far apart.
+CHUNKS = 30
+CHUNK_S = 0.1
 
 
 class LoopbackHttp:
@@ -20,3 +26,37 @@ class LoopbackHttp:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class SlowReplica(BaseHTTPRequestHandler):
+    """A replica's server as the router sees it: healthy, and streaming each completion over three seconds."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:
+        return None
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def do_GET(self) -> None:
+        body = b'{"status": "ok"}'
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        for i in range(CHUNKS):
+            self._chunk(f'data: {{"choices": [{{"index": 0, "text": "t{i}"}}]}}\n\n'.encode())
+            time.sleep(CHUNK_S)
+        self._chunk(b"data: [DONE]\n\n")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
