@@ -34,7 +34,7 @@ import httpx
 import pytest
 
 from localserve.processes import Child, child_env, free_port
-from localserve.server import LIMIT_MAX_TOKENS, MODEL_ID, catalog_for
+from localserve.server import MAX_MODEL_LEN, MODEL_ID, catalog_for
 
 # Measured against an idle baseline: `make test` runs these alone (tests/run.py).
 pytestmark = [pytest.mark.e2e, pytest.mark.timing]
@@ -54,6 +54,12 @@ FLOOD_LEAD_S = 0.1
 # client work would otherwise take the CPU the server needs, which a remote
 # client's does not.
 HOG_NICE = 10
+# The hog's streams, and so this server's max_tokens limit: long enough that
+# the cap is still full when the niced hog next runs. At the stack's 64 the
+# tiny model finished both streams before the hog read their first chunks,
+# and a CI run saw every over-cap request served (0 refused of 87).
+HOG_STREAM_TOKENS = MAX_MODEL_LEN // 2
+KEEPALIVE_EXPIRY_S = 1.0
 
 
 @dataclass
@@ -76,6 +82,7 @@ def _spec_and_settings(tiny_model: Path, keys: Path, port: int, metrics_port: in
     model = raw["models"][0]  # type: ignore[index]
     model["autoscaling"].update(target_ongoing_requests=4, max_ongoing_requests=REPLICA_CAP)
     raw["fairness"] = {"max_inflight_per_key": HOG_CAP, "retry_after_s": RETRY_AFTER_S}
+    raw["limits"]["max_tokens"] = HOG_STREAM_TOKENS  # type: ignore[index]
     catalog = Catalog.model_validate(raw)
     entry = catalog.models[0]
     spec = {
@@ -139,7 +146,7 @@ def _long_stream() -> dict[str, Any]:
     return {
         "model": MODEL_ID,
         "prompt": PROMPT,
-        "max_tokens": LIMIT_MAX_TOKENS,
+        "max_tokens": HOG_STREAM_TOKENS,
         "ignore_eos": True,
         "stream": True,
     }
@@ -285,7 +292,11 @@ def _hog(base_url: str, events: dict[str, Any], results: Any) -> None:
             counts[_outcome(response.status_code)] += 1
 
     async def run() -> None:
-        async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+        # Its idle connections expire before the server's keep-alive (uvicorn's 5 s, httpx's own
+        # default too) closes them: the flood's connection idles through the phases without it,
+        # and reused as the server closed it, a stream failed with a ReadError.
+        limits = httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        async with httpx.AsyncClient(timeout=TIMEOUT_S, limits=limits) as client:
             events["ready"].set()
             await asyncio.gather(hold(client), flood(client))
 
@@ -406,4 +417,4 @@ def test_each_request_is_logged_and_counted_by_key_id_without_keys_or_prompts(gu
     assert value("ray_llm_api_key_requests_total", key_id="hog", status="429") >= 1
     assert value("ray_llm_api_key_requests_total", key_id="victim", model=MODEL_ID, status="200") >= 1
     assert value("ray_llm_api_key_prompt_tokens_total", key_id="victim", model=MODEL_ID) >= usage["prompt_tokens"]
-    assert value("ray_llm_api_key_generation_tokens_total", key_id="hog", model=MODEL_ID) >= HOG_CAP * LIMIT_MAX_TOKENS
+    assert value("ray_llm_api_key_generation_tokens_total", key_id="hog", model=MODEL_ID) >= HOG_CAP * HOG_STREAM_TOKENS
