@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,36 +179,36 @@ async def _ttft(client: httpx.AsyncClient, server: Guarded) -> float:
     return first
 
 
-async def _streams_at_once(
-    client: httpx.AsyncClient, server: Guarded, count: int, started: asyncio.Event
+async def _burst(
+    client: httpx.AsyncClient, base_url: str, count: int, answered: Callable[[], object]
 ) -> list[httpx.Response]:
-    """`count` long completions streamed by `hog`, all sent at once; those admitted are read to their end.
+    """`count` long completions streamed by `hog`, all sent at once and read to their end.
 
-    ``started`` is set once HOG_CAP of them have each sent a first chunk.
-    Sent together, they all reach the guard before an admitted one can end
-    (a stream lasts HOG_STREAM_TOKENS decode steps), so which are refused
-    does not hang on when this client next runs: asked one after another,
-    a CI run's over-cap request found a slot a finished stream had given
-    back.
+    ``answered()`` is called once every one has answered: an admitted
+    stream with its first chunk, a refused one with its body (read whole,
+    kept on the response). Sent together, they all reach the guard before
+    an admitted one can end (a stream lasts HOG_STREAM_TOKENS decode steps),
+    so which are refused does not hang on when this client next runs: asked
+    once the cap's first chunks were read, a CI run's over-cap requests all
+    found a slot a finished stream had given back.
     """
-    opened = 0
+    left = count
 
     async def one() -> httpx.Response:
-        nonlocal opened
+        nonlocal left
         async with client.stream(
-            "POST", server.base_url + "/completions", json=_long_stream(), headers=_auth(HOG_SECRET)
+            "POST", base_url + "/completions", json=_long_stream(), headers=_auth(HOG_SECRET)
         ) as response:
             if response.status_code != 200:
                 await response.aread()
-                return response
-            counted = False
-            async for _ in response.aiter_lines():
-                if not counted:
-                    counted = True
-                    opened += 1
-                    if opened >= HOG_CAP:
-                        started.set()
-            return response
+            lines = response.aiter_lines()
+            await anext(lines, None)
+            left -= 1
+            if not left:
+                answered()
+            async for _ in lines:
+                pass
+        return response
 
     return list(await asyncio.gather(*(one() for _ in range(count))))
 
@@ -217,7 +217,7 @@ def test_a_key_over_its_cap_gets_429_while_another_key_is_served(guarded: Guarde
     async def scenario() -> tuple[list[httpx.Response], httpx.Response]:
         async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
             started = asyncio.Event()
-            hog = asyncio.create_task(_streams_at_once(client, guarded, HOG_CAP + 1, started))
+            hog = asyncio.create_task(_burst(client, guarded.base_url, HOG_CAP + 1, started.set))
             await asyncio.wait_for(started.wait(), TIMEOUT_S)
             served = await client.post(
                 guarded.base_url + "/completions",
@@ -261,34 +261,17 @@ def _hog(base_url: str, events: dict[str, Any], results: Any) -> None:
     os.nice(HOG_NICE)
     counts = {"refused": 0, "served": 0, "other": 0}
 
-    async def stream(client: httpx.AsyncClient, answered: list[int], sent: int) -> None:
-        async with client.stream(
-            "POST", base_url + "/completions", json=_long_stream(), headers=_auth(HOG_SECRET)
-        ) as response:
-            counts[_outcome(response.status_code)] += 1
-            lines = response.aiter_lines()
-            # Answered: an admitted stream's first chunk, or a refusal's body.
-            await anext(lines, None)
-            answered[0] += 1
-            if answered[0] >= sent:
-                events["holding"].set()
-            async for _ in lines:
-                pass
-
     async def hold(client: httpx.AsyncClient) -> None:
         while not events["stop"].is_set():
             if not events["go"].is_set():
                 events["paused"].set()
                 await asyncio.sleep(0.005)
                 continue
-            # Flooding, one stream more than the cap, all sent at once: the
-            # guard admits HOG_CAP and refuses the other before an admitted one
-            # can end, however late this niced process next runs (asked once
-            # the cap's first chunks were read, a CI run's over-cap requests
-            # all found a slot a finished stream had given back).
+            # Flooding, one stream more than the cap, all sent at once (_burst: the
+            # guard refuses it however late this niced process next runs).
             sent = HOG_CAP + 1 if events["flood"].is_set() else HOG_CAP
-            answered = [0]
-            await asyncio.gather(*(stream(client, answered, sent) for _ in range(sent)))
+            for response in await _burst(client, base_url, sent, events["holding"].set):
+                counts[_outcome(response.status_code)] += 1
 
     async def flood(client: httpx.AsyncClient) -> None:
         while not events["stop"].is_set():
