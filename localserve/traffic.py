@@ -9,6 +9,7 @@ would, and keeps what it saw.
 from __future__ import annotations
 
 import functools
+import logging
 import ssl
 import threading
 import time
@@ -59,6 +60,9 @@ class StreamLoad:
     _sent: int = 0
 
     def start(self) -> None:
+        # The client logs each request at INFO: under load, a line per request buried the checks' own lines
+        # (and a failure's tail) in the twin's log. The outcomes are kept here instead.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         self._threads = [
             threading.Thread(target=self._run, args=(self.mixed and i % 2 == 1,), daemon=True)
             for i in range(self.streams)

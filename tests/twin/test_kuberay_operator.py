@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.request
 from pathlib import Path
@@ -122,6 +123,9 @@ def test_the_exporter_reports_a_stuck_upgrade_and_lost_endpoints(prod_render: Pa
     targets = _Targets(service, endpoints=2)
     exporter = observe.OperatorExporter(targets)  # type: ignore[arg-type]
     exporter.start()
+    # Served from a process of its own, as the operator's pod is: never from the one running the load's clients.
+    serving = observe.listening_pids(exporter.port)
+    assert serving and os.getpid() not in serving
     try:
         ns = service.metadata["namespace"]
         labels = f'name="{service.name}",namespace="{ns}",uid="twin"'
@@ -151,3 +155,4 @@ def test_the_exporter_reports_a_stuck_upgrade_and_lost_endpoints(prod_render: Pa
         )
     finally:
         exporter.stop()
+    assert not observe.listening_pids(exporter.port)

@@ -181,3 +181,44 @@ def test_the_overloads_alerts_get_time_to_fill_the_kv_cache_and_other_faults_do_
     base = 15.0 + observe.FIRE_SLACK_S
     assert observe.fire_timeout(observe.OVERLOAD, fors) == base + observe.OVERLOAD_FILL_S
     assert observe.fire_timeout(observe.KILL_SERVER, fors) == base
+
+
+class _SeriesProm:
+    """Answers ``count(metric)`` from a script: per metric, the reads (1-based) from which it has a series."""
+
+    def __init__(self, present_from: dict[str, int]) -> None:
+        self.present_from = present_from
+        self.reads: dict[str, int] = {}
+
+    def query(self, expr: str) -> list[object]:
+        metric = expr.removeprefix("count(").removesuffix(")")
+        self.reads[metric] = self.reads.get(metric, 0) + 1
+        first = self.present_from.get(metric, 1)
+        return [object()] if 0 < first <= self.reads[metric] else []
+
+
+def _series_report(prom: _SeriesProm) -> tuple[bool, str]:
+    out = io.StringIO()
+    report = Report(out=out)
+    observe.check_series("svc", cast(TwinPrometheus, prom), report, {"serve-ingress"})
+    return not report.failed, out.getvalue()
+
+
+def test_a_series_one_failed_scrape_left_stale_is_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(observe, "SCRAPE_INTERVAL", "10ms")
+    want, _ = observe.expected_here({"serve-ingress"})
+    flaky = sorted(want)[0]
+    ok, text = _series_report(_SeriesProm({flaky: 3}))
+    assert ok, text
+
+
+def test_a_series_that_never_comes_fails_and_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(observe, "SCRAPE_INTERVAL", "10ms")
+    monkeypatch.setattr(observe, "SERIES_RETRY_S", 0.2)
+    want, _ = observe.expected_here({"serve-ingress"})
+    gone = sorted(want)[0]
+    prom = _SeriesProm({gone: 0})
+    started = time.monotonic()
+    ok, text = _series_report(prom)
+    assert not ok and f"no live series for {gone}" in text
+    assert prom.reads[gone] > 2 and time.monotonic() - started < 5
