@@ -20,6 +20,17 @@ from typing import Any
 
 from localserve.server import LIMIT_MAX_TOKENS, MODEL_ID
 
+# The loggers of the HTTP clients: openai's (it sends through httpx2) and httpx. Each logs every
+# request at INFO; under load, a line per request buried the twin's check lines, and a failure's
+# tail, in its log. The outcomes are kept instead.
+HTTP_CLIENT_LOGGERS = ("httpx", "httpx2")
+
+
+def quiet_http_client_logs() -> None:
+    """Leaves the HTTP clients' per-request INFO lines out of this process's log."""
+    for name in HTTP_CLIENT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
 
 @dataclass
 class Outcome:
@@ -60,9 +71,7 @@ class StreamLoad:
     _sent: int = 0
 
     def start(self) -> None:
-        # The client logs each request at INFO: under load, a line per request buried the checks' own lines
-        # (and a failure's tail) in the twin's log. The outcomes are kept here instead.
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+        quiet_http_client_logs()
         self._threads = [
             threading.Thread(target=self._run, args=(self.mixed and i % 2 == 1,), daemon=True)
             for i in range(self.streams)

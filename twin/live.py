@@ -20,7 +20,6 @@ could select, the servers of the replicas on it.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import urllib.error
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from localserve.traffic import quiet_http_client_logs
 from twin.cluster import FAKE_HEAD_NODE_ID, LOOPBACK, LocalCluster
 
 PROBE_TIMEOUT_S = 2.0
@@ -316,8 +316,7 @@ def chat_at(base_url: str, api_key: str, model_id: str, timeout_s: float = REQUE
     """:func:`chat` against an OpenAI base URL."""
     import openai
 
-    # The client logs each request at INFO, which the twin's report already states.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    quiet_http_client_logs()
     client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0)
     result = client.chat.completions.create(
         model=model_id,

@@ -15,11 +15,11 @@ their own, as Serve LLM does not pass its span context on to vLLM.
 
 from __future__ import annotations
 
-import logging
 import secrets
 from collections.abc import Callable
 
 from localserve.otlp import OtlpReceiver, ReceivedSpan
+from localserve.traffic import quiet_http_client_logs
 from twin.report import Report
 
 # vLLM's span of a finished request and its request-id attribute (vllm/tracing/utils.py SpanAttributes).
@@ -55,7 +55,7 @@ def chat_sender(base_url: str, api_key: str, model_id: str, timeout_s: float = 1
     def send(rid: str) -> None:
         import openai
 
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+        quiet_http_client_logs()
         client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0)
         client.chat.completions.create(
             model=model_id,
