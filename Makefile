@@ -107,10 +107,11 @@ system-deps-test:
 system-deps-twin:
 	@bash scripts/system-deps.sh twin
 
-# tests/run.py: the latency tests alone, then the rest of the suite (both
-# stacks' twins included, with their Prometheus and every alert's fault;
-# TWIN_MONITORING=0 leaves those out), then bench-quick, the benchmark's whole
-# code path once, so it can not rot between the runs someone measures with.
+# tests/run.py: the latency tests alone, then the tests that start no server
+# two at a time, then the end-to-end tests one at a time (both stacks' twins
+# included, with their Prometheus and every alert's fault; TWIN_MONITORING=0
+# leaves those out), then bench-quick, the benchmark's whole code path once,
+# so it can not rot between the runs someone measures with.
 test: system-deps-test lint $(VENV)/.dev $(VENV)/.bench
 	PYTHONUNBUFFERED=1 $(BIN)/python -m tests.run
 

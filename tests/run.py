@@ -2,14 +2,17 @@
 
 1. the tests that measure latency against an idle baseline (marker
    ``timing``), alone, so nothing else on the machine moves their figures;
-2. everything else, the twins of both stacks included;
-3. the benchmark's quick run (`python -m benchmarks --quick`), alone, as it
+2. the tests that start no server (neither ``e2e`` nor ``timing``), two at
+   a time (pytest-xdist): each is one process's work, and one at a time they
+   left a core idle for six minutes;
+3. the end-to-end tests, the twins of both stacks included, one at a time;
+4. the benchmark's quick run (`python -m benchmarks --quick`), alone, as it
    pins the server it measures to a core.
 
 The suites run one after another. Run beside the rest of the suite on two
 cores, the monitored twins failed (a steady-state TTFT alert fired, a Ray node
-timed out starting, `make local` did not come up), so they run inside the
-second suite, with the rest (TWIN_MONITORING=0 leaves their monitoring out).
+timed out starting, `make local` did not come up), so they run alone, in the
+end-to-end suite (TWIN_MONITORING=0 leaves their monitoring out).
 
 Every suite runs even when an earlier one failed, so one run shows every
 failure. Each suite's output is printed whole when it ends. Extra arguments
@@ -29,6 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / "build" / "test-logs"
 E2E_DIR = "tests/e2e"
+# Where the end-to-end tests live: collecting only these saves the whole suite's collection (most of a
+# minute). A test marked e2e elsewhere would run in no suite (tests/test_suite_runner.py checks).
+E2E_PATHS = (E2E_DIR, "tests/test_capacity_vllm.py")
+# pytest-xdist's workers for the tests that start no server: one per core here.
+UNIT_WORKERS = "--numprocesses=2"
 HEARTBEAT_S = 120.0
 # How long an interrupted suite gets to end its servers before the run returns.
 INTERRUPT_GRACE_S = 60.0
@@ -77,7 +85,8 @@ def suites(extra: list[str] | None = None) -> list[Suite]:
     return [
         # Timing tests live in tests/e2e: collecting only it saves the whole suite's collection (most of a minute).
         pytest("timing", "-m", "timing", E2E_DIR, extra=extra),
-        pytest("rest", "-m", "not timing", extra=extra),
+        pytest("unit", "-m", "not e2e and not timing", UNIT_WORKERS, extra=extra),
+        pytest("e2e", "-m", "e2e and not timing", *E2E_PATHS, extra=extra),
         Suite("bench-quick", [sys.executable, "-m", "benchmarks", "--quick", "--out", "build/bench-quick"]),
     ]
 

@@ -1,8 +1,9 @@
 """`make test`'s runner (tests/run.py): its suites split the tests without gap or overlap, and Ctrl-C ends it cleanly.
 
-The split is checked on tests/e2e, whose collection takes seconds where the
-whole suite's takes most of a minute; outside it, every test is in `rest`
-or, if marked `timing`, in `timing`.
+The split is checked on the end-to-end tests' paths (run.E2E_PATHS), whose
+collection takes seconds where the whole suite's takes most of a minute;
+outside them no test is marked ``e2e`` or ``timing``, so every test there is
+in ``unit``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tests import run
 
 ROOT = Path(__file__).resolve().parents[1]
 E2E_DIR = run.E2E_DIR
+E2E_PATHS = run.E2E_PATHS
 
 
 def _collected(*args: str) -> set[str]:
@@ -29,7 +31,8 @@ def _collected(*args: str) -> set[str]:
         text=True,
         check=False,
     )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    # 5: pytest collected nothing (the unit suite has no test on the end-to-end paths).
+    assert done.returncode in (0, 5), done.stdout[-2000:] + done.stderr[-2000:]
     return {line for line in done.stdout.splitlines() if "::" in line}
 
 
@@ -38,17 +41,32 @@ def _suites() -> dict[str, run.Suite]:
 
 
 def _e2e_of(suite: run.Suite) -> set[str]:
-    """The end-to-end tests ``suite`` runs: its own arguments, kept to tests/e2e when they name no path."""
-    args = suite.argv[4:]
-    return _collected(*args) if any(a.startswith("tests/") for a in args) else _collected(*args, E2E_DIR)
+    """The tests under run.E2E_PATHS that ``suite`` runs: its own selection, collected on those paths alone."""
+    args = [a for a in suite.argv[4:] if not a.startswith(("tests/", "--numprocesses"))]
+    return _collected(*args, *E2E_PATHS)
 
 
 def test_the_suites_run_every_end_to_end_test_once() -> None:
-    everything = _collected(E2E_DIR)
+    everything = _collected(*E2E_PATHS)
     assert len(everything) > 100
+    assert any(line.startswith(E2E_PATHS[1]) for line in everything)
     picked = [_e2e_of(suite) for suite in _suites().values() if suite.argv[2] == "pytest"]
     assert sum(len(p) for p in picked) == len(everything)
     assert set().union(*picked) == everything
+
+
+def test_the_end_to_end_suite_collects_every_path_with_an_end_to_end_test() -> None:
+    """The e2e suite collects only run.E2E_PATHS; a test marked e2e elsewhere would run in no suite."""
+    marked = [
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "tests").rglob("*.py")
+        if path != Path(__file__)
+        and "mark.e2e" in path.read_text()
+        and not any(path.is_relative_to(ROOT / e2e) for e2e in E2E_PATHS)
+    ]
+    assert marked == []
+    e2e = _suites()["e2e"].argv
+    assert all(path in e2e for path in E2E_PATHS)
 
 
 def test_only_end_to_end_tests_are_marked_timing() -> None:
@@ -69,7 +87,13 @@ def test_the_timing_tests_run_alone() -> None:
         "tests/e2e/test_fairness_e2e.py",
         "tests/e2e/test_serving_overhead.py",
     }
-    assert list(_suites()) == ["timing", "rest", "bench-quick"]
+    assert list(_suites()) == ["timing", "unit", "e2e", "bench-quick"]
+
+
+def test_the_unit_suite_runs_two_at_a_time_and_nothing_that_starts_a_server() -> None:
+    unit = _suites()["unit"].argv
+    assert run.UNIT_WORKERS in unit and "not e2e and not timing" in unit
+    assert all(run.UNIT_WORKERS not in suite.argv for name, suite in _suites().items() if name != "unit")
 
 
 def test_ctrl_c_waits_for_the_running_suite_and_returns_130(
