@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from infra.render import ROOT
+from tests.e2e import twin_log
 
 pytestmark = pytest.mark.e2e
 
@@ -45,12 +46,10 @@ def test_day2_of_prod_passes(tiny_model: Path, tmp_path: Path) -> None:
         )
     took = time.monotonic() - started
     output = log.read_text(errors="replace")
-    verdicts = [line for line in output.splitlines() if line.startswith(("PASS", "FAIL"))]
+    verdicts = twin_log.verdicts(output)
     print(f"\n[day2 prod] {took:.0f}s\n" + "\n".join(verdicts), flush=True)
-    # The failed checks first: a failure's log tail is whatever ran last.
-    failed = [v for v in verdicts if v.startswith("FAIL")]
-    assert done.returncode == 0, "\n".join([*failed, "--- the log's last lines:", *output.splitlines()[-60:]])
-    assert not failed
+    assert done.returncode == 0, twin_log.failure_message(output)
+    assert not twin_log.failures(output)
     upgrade = [v for v in verdicts if "[upgrade]" in v]
     assert any(" 0 failed" in v for v in upgrade), upgrade
     assert any("Redis cleanup Job" in v and "-> 0" in v for v in upgrade), upgrade

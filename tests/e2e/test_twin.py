@@ -20,6 +20,7 @@ import pytest
 
 from infra.render import ROOT
 from localserve.processes import Child, child_env, free_port, marked_processes, session_members
+from tests.e2e import twin_log
 from twin import observe
 
 pytestmark = pytest.mark.e2e
@@ -31,10 +32,6 @@ pytestmark = pytest.mark.e2e
 MONITORED = set() if os.environ.get("TWIN_MONITORING") == "0" else {"dev", "prod"}
 TWIN_TIMEOUT_S = {stack: 1200.0 if stack in MONITORED else 600.0 for stack in ("dev", "prod")}
 LOCAL_READY_TIMEOUT_S = 600.0
-
-
-def _verdicts(output: str) -> list[str]:
-    return [line for line in output.splitlines() if line.startswith(("PASS", "FAIL"))]
 
 
 @pytest.mark.parametrize("stack", ["dev", "prod"])
@@ -62,12 +59,10 @@ def test_the_twin_of_the_stack_passes(stack: str, tiny_model: Path, tmp_path: Pa
         )
     took = time.monotonic() - started
     output = log.read_text(errors="replace")
-    verdicts = _verdicts(output)
+    verdicts = twin_log.verdicts(output)
     print(f"\n[twin {stack}] {took:.0f}s\n" + "\n".join(verdicts), flush=True)
-    # The failed checks first: a failure's log tail is whatever ran last, often another check's load.
-    failed = [v for v in verdicts if v.startswith("FAIL")]
-    assert done.returncode == 0, "\n".join([*failed, "--- the log's last lines:", *output.splitlines()[-60:]])
-    assert not failed
+    assert done.returncode == 0, twin_log.failure_message(output)
+    assert not twin_log.failures(output)
     assert took < TWIN_TIMEOUT_S[stack], f"the {stack} twin took {took:.0f}s"
     assert any(v.startswith("PASS") and "traces: request" in v for v in verdicts), "no trace line"
     if stack in MONITORED:
