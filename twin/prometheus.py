@@ -106,6 +106,19 @@ def scaled_ranges(expr: str, factor: float = FOR_FACTOR) -> str:
     return _RANGE.sub(lambda m: f"[{as_duration(scaled_window_s(duration_s(m.group(0)[1:-1]), factor))}]", expr)
 
 
+def longest_window_s(groups: Iterable[Mapping[str, Any]]) -> float:
+    """The longest range selector's window in these (already scaled) rule groups, in seconds."""
+    return max(
+        (
+            duration_s(m.group(0)[1:-1])
+            for g in groups
+            for r in g.get("rules") or []
+            for m in _RANGE.finditer(str(r.get("expr", "")))
+        ),
+        default=0.0,
+    )
+
+
 def rule_groups(objects: Iterable[Mapping[str, Any]], factor: float = FOR_FACTOR) -> list[dict[str, Any]]:
     """Every PrometheusRule group, each `for` and range window scaled, evaluated at the twin's interval."""
     groups = []
@@ -142,6 +155,8 @@ class Alert:
     state: str
     labels: dict[str, str]
     active_at: str
+    # The expression's value when the rule last ran, as the API writes it.
+    value: str = ""
 
 
 @dataclass
@@ -247,6 +262,7 @@ class TwinPrometheus:
                 state=str(a["state"]),
                 labels=dict(a["labels"]),
                 active_at=str(a.get("activeAt", "")),
+                value=str(a.get("value", "")),
             )
             for a in self._api("alerts").get("alerts") or []
         ]

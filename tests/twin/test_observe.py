@@ -10,9 +10,19 @@ from typing import cast
 import pytest
 
 from infra.serving import alerts
+from localserve.traffic import StreamLoad
 from tests.harness import manifests_of, render_stack
 from twin import observe
-from twin.prometheus import FOR_FACTOR, Alert, TwinPrometheus, as_duration, duration_s, rule_groups, scaled_ranges
+from twin.prometheus import (
+    FOR_FACTOR,
+    Alert,
+    TwinPrometheus,
+    as_duration,
+    duration_s,
+    longest_window_s,
+    rule_groups,
+    scaled_ranges,
+)
 from twin.report import Report
 
 
@@ -222,3 +232,39 @@ def test_a_series_that_never_comes_fails_and_is_named(monkeypatch: pytest.Monkey
     ok, text = _series_report(prom)
     assert not ok and f"no live series for {gone}" in text
     assert prom.reads[gone] > 2 and time.monotonic() - started < 5
+
+
+def test_the_steady_state_waits_out_the_rules_longest_window() -> None:
+    groups = rule_groups(manifests_of(render_stack("dev"), "PrometheusRule"))
+    # Every rendered window is 5m, scaled to the 30 s floor: a cold start stays that long in a rate.
+    assert longest_window_s(groups) == 30.0
+    longer = [{"rules": [{"expr": "rate(a[30s]) > 1"}, {"expr": "sum_over_time(b[1m30s]) + rate(c[5s])"}]}]
+    assert longest_window_s(longer) == 90.0
+    assert longest_window_s([{"rules": [{"expr": "up == 0"}]}]) == 0.0
+
+
+class _FiringInSteadyState:
+    def alerts(self) -> list[Alert]:
+        labels = {"alertname": "LlmTimeToFirstTokenHigh", "model_name": "m"}
+        return [Alert(name="LlmTimeToFirstTokenHigh", state="firing", labels=labels, active_at="", value="4.2e+00")]
+
+
+class _Served:
+    def done(self) -> list[object]:
+        return [type("O", (), {"ok": True})() for _ in range(3)]
+
+    def last_error(self) -> str:
+        return ""
+
+
+def test_a_steady_state_that_fires_says_what_at_which_value() -> None:
+    out = io.StringIO()
+    report = Report(out=out)
+    observe.check_steady(
+        "svc", cast(TwinPrometheus, _FiringInSteadyState()), report, cast(StreamLoad, _Served()), hold_s=0.5
+    )
+    assert report.failed
+    line = out.getvalue()
+    assert (
+        "steady state: firing LlmTimeToFirstTokenHigh" in line and "at 4.2e+00" in line and "3 requests served" in line
+    )
