@@ -486,13 +486,15 @@ class Traffic:
 def check_series(name: str, prom: TwinPrometheus, report: Report, layouts: set[str]) -> None:
     """Every metric read by a rule, alert or panel that this layout's exporters emit has a live series."""
     want, absent = expected_here(layouts)
-    missing = sorted(m for m in want if not prom.query(f"count({m})"))
     # One scrape that failed (a target starved by the overload this runs under) marks its series stale
     # until the next one: a metric missing now is read again for a few scrapes before it counts as missing.
+    missing = sorted(want)
     deadline = time.monotonic() + SERIES_RETRY_S
-    while missing and time.monotonic() < deadline:
-        time.sleep(duration_s(SCRAPE_INTERVAL))
+    while True:
         missing = [m for m in missing if not prom.query(f"count({m})")]
+        if not missing or time.monotonic() >= deadline:
+            break
+        time.sleep(duration_s(SCRAPE_INTERVAL))
     report.check(
         name,
         not missing,
@@ -950,12 +952,10 @@ def run(obs: Observed, report: Report, *, faults: bool) -> None:
         load.start()
         check_scrape(obs, prom, report)
         # Steady state begins once a replica serves: a model at zero (dev) first wakes under the load,
-        # and its first requests wait for the cold start, which is not the steady state.
-        wait_serving(obs, prom, report)
-        # The first requests a replica serves after its engine starts carry its cold start (a dev CI run's
-        # p95 time to first token passed the SLO for the scaled `for` right after a wake). They stay in a
-        # rule's rate window for a whole window: the steady state begins once every window has passed.
-        time.sleep(max(0.0, longest_window_s(rule_groups(obs.objects)) - SETTLE_S))
+        # and its first requests wait for the cold start, which is not the steady state. They carry it
+        # into a rule's rate window for a whole window (a dev CI run's p95 time to first token passed the
+        # SLO for the scaled `for` right after a wake), so it begins once every window has passed.
+        wait_serving(obs, prom, report, settle_s=max(SETTLE_S, longest_window_s(rule_groups(obs.objects))))
         serving = [a.name for a in alerts.ALERTS if alert_absent_reason(a) is None]
         hold = max(_fors(prom, serving).values()) + STEADY_MARGIN_S
         check_steady(obs.name, prom, report, load, hold)
@@ -999,13 +999,13 @@ def run(obs: Observed, report: Report, *, faults: bool) -> None:
         prom.stop()
 
 
-def wait_serving(obs: Observed, prom: TwinPrometheus, report: Report) -> None:
-    """Waits (under the caller's load) until a replica exports its gauges, then a few scrapes more."""
+def wait_serving(obs: Observed, prom: TwinPrometheus, report: Report, settle_s: float = SETTLE_S) -> None:
+    """Waits (under the caller's load) until a replica exports its gauges, then ``settle_s`` more."""
     woke = live.wait_for(lambda: bool(prom.query(f"count({SERVING_GAUGE}) > 0")), WAKE_TIMEOUT_S)
     if not woke:
         report.note(obs.name, f"no replica exported {SERVING_GAUGE} within {WAKE_TIMEOUT_S:.0f}s of normal load")
         return
-    time.sleep(SETTLE_S)
+    time.sleep(settle_s)
 
 
 def _operator(objects: list[dict[str, Any]], targets: LiveTargets) -> OperatorExporter | None:
