@@ -692,12 +692,21 @@ def engine_death(traffic: Traffic) -> int | None:
 # --- the run ----------------------------------------------------------------
 
 # An overload: many streams of long prompts, to one replica. The twin's KV
-# cache (localserve.server.KV_CACHE_BYTES) holds far fewer such sequences
-# than this sends, so requests queue and running ones are preempted.
-# About 300 prompt tokens of the tiny model plus 96 generated fit its
-# 512-token context; its KV cache holds about 80 such sequences.
+# cache (twin.deploy.TWIN_KV_CACHE_BYTES) holds about 10 such sequences, far
+# fewer than this sends, so requests queue and running ones are preempted.
+# About 300 prompt tokens of the tiny model plus the answer fit its 512-token
+# context. Sent straight to a replica's own server (vllm-server), 96-token
+# answers fill vLLM's queue at once: the guard lets the replica hold every
+# stream. Through serve-ingress's ingress, which shares the two cores with the
+# engine and the clients and forwards requests no faster than it can, each
+# request must stay at the engine longer: with 96-token answers a dev run's
+# queue hovered between 20 and 36 (the alert's threshold is 20) and
+# LlmRequestsWaiting pended 129 s into a CI run's overload; with 176 it
+# fired 43 s in. (The longer answers do not help vllm-server: there prod's
+# LlmKvCacheNearlyFull then pended 146 s in, against about 6 s with 96.)
 OVERLOAD_STREAMS = 160
 OVERLOAD_MAX_TOKENS = 96
+OVERLOAD_MAX_TOKENS_INGRESS = 176
 OVERLOAD_PROMPT = " ".join(["Ray Serve scales replicas up and down with the number of ongoing requests."] * 10)
 STEADY_MAX_TOKENS = 16
 
@@ -822,10 +831,11 @@ def run_operator_fault(
     report_fault(obs.name, report, fault, what, fired, fors)
 
 
-def overload(traffic: Traffic, base_url: str) -> list[StreamLoad]:
+def overload(traffic: Traffic, base_url: str, *, through_ingress: bool) -> list[StreamLoad]:
     """The overload fault's clients: as many streams as the replica may hold, each key within its own cap.
 
     More would only be refused with 429 by the guard (inference_server.fairness) and spin on two cores.
+    Through serve-ingress's ingress the answers are longer (OVERLOAD_MAX_TOKENS_INGRESS).
     """
     streams = min(OVERLOAD_STREAMS, traffic.replica_cap)
     keys = traffic.client_keys[: -(-streams // max(traffic.per_key_cap, 1))]
@@ -837,7 +847,7 @@ def overload(traffic: Traffic, base_url: str) -> list[StreamLoad]:
                 base_url=base_url,
                 api_key=key,
                 streams=min(share, traffic.per_key_cap),
-                max_tokens=OVERLOAD_MAX_TOKENS,
+                max_tokens=OVERLOAD_MAX_TOKENS_INGRESS if through_ingress else OVERLOAD_MAX_TOKENS,
                 prompt=OVERLOAD_PROMPT,
                 distinct=True,
                 model=traffic.model_id,
@@ -890,7 +900,8 @@ def run_faults(
         urls = obs.traffic.base_urls()
         if fault == OVERLOAD:
             began = (time.monotonic(), time.time())
-            loads = overload(obs.traffic, urls[0])
+            # observed() sends to a vllm-server model's replicas when the service has one.
+            loads = overload(obs.traffic, urls[0], through_ingress="vllm-server" not in obs.layouts)
             for load in loads:
                 load.start()
             fired = wait_firing(prom, wanted, timeout, began)

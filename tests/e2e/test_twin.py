@@ -34,6 +34,22 @@ TWIN_TIMEOUT_S = {stack: 1200.0 if stack in MONITORED else 600.0 for stack in ("
 LOCAL_READY_TIMEOUT_S = 600.0
 
 
+def test_the_overloads_chat_and_answer_fit_the_tiny_models_context(tiny_model: Path) -> None:
+    # vLLM refuses (400) a request whose prompt and max_tokens pass max_model_len; the overload's
+    # streams would then fail instead of filling the KV cache.
+    from transformers import AutoTokenizer
+
+    from localserve.server import MAX_MODEL_LEN
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    # StreamLoad(distinct=True) puts the request's number in front; the overload sends fewer than 10,000.
+    chat = [{"role": "user", "content": f"9999 {observe.OVERLOAD_PROMPT}"}]
+    prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)
+    tokens = len(prompt["input_ids"])
+    assert tokens > 256, f"the overload's prompt is {tokens} tokens: not a long prompt"
+    assert tokens + max(observe.OVERLOAD_MAX_TOKENS, observe.OVERLOAD_MAX_TOKENS_INGRESS) <= MAX_MODEL_LEN
+
+
 @pytest.mark.parametrize("stack", ["dev", "prod"])
 def test_the_twin_of_the_stack_passes(stack: str, tiny_model: Path, tmp_path: Path) -> None:
     log = tmp_path / "twin.log"

@@ -112,11 +112,23 @@ def test_the_overload_fills_the_replica_with_every_key_within_its_cap(per_key: i
         per_key_cap=per_key,
         replica_cap=replica,
     )
-    loads = observe.overload(traffic, "http://127.0.0.1:1/v1")
+    loads = observe.overload(traffic, "http://127.0.0.1:1/v1", through_ingress=False)
     assert sum(load.streams for load in loads) == min(replica, observe.OVERLOAD_STREAMS)
     assert len(loads) == keys and len({load.api_key for load in loads}) == keys
     assert all(0 < load.streams <= per_key for load in loads)
     assert all(load.distinct and load.api_key != "main" for load in loads)
+    assert {load.max_tokens for load in loads} == {observe.OVERLOAD_MAX_TOKENS}
+
+
+def test_the_overload_through_the_ingress_sends_longer_answers() -> None:
+    traffic = observe.Traffic(
+        model_id="m", api_key="main", base_urls=list, server_pids=list, client_keys=["k0", "k1"], replica_cap=4
+    )
+    direct = observe.overload(traffic, "http://127.0.0.1:1/v1", through_ingress=False)
+    ingress = observe.overload(traffic, "http://127.0.0.1:1/v1", through_ingress=True)
+    assert [load.max_tokens for load in ingress] == [observe.OVERLOAD_MAX_TOKENS_INGRESS] * len(ingress)
+    assert observe.OVERLOAD_MAX_TOKENS_INGRESS > observe.OVERLOAD_MAX_TOKENS
+    assert [load.streams for load in ingress] == [load.streams for load in direct]
 
 
 class _Alerts:
