@@ -700,15 +700,16 @@ def engine_death(traffic: Traffic) -> int | None:
 # cache (twin.deploy.TWIN_KV_CACHE_BYTES) holds about 10 such sequences, far
 # fewer than this sends, so requests queue and running ones are preempted.
 # About 300 prompt tokens of the tiny model plus the answer fit its 512-token
-# context. Sent straight to a replica's own server (vllm-server), 96-token
-# answers fill vLLM's queue at once: the guard lets the replica hold every
-# stream. Through serve-ingress's ingress, which shares the two cores with the
-# engine and the clients and forwards requests no faster than it can, each
-# request must stay at the engine longer: with 96-token answers a dev run's
+# context. Sent straight to a replica's own server (vllm-server), every
+# stream reaches vLLM: the guard lets the replica hold them all. Through
+# serve-ingress's ingress, which shares the two cores with the engine and the
+# clients and forwards requests no faster than it can, each request must stay
+# at the engine longer: with 96-token answers a dev run's
 # queue hovered between 20 and 36 (the alert's threshold is 20) and
 # LlmRequestsWaiting pended 129 s into a CI run's overload; with 176 it
-# fired 43 s in. (The longer answers do not help vllm-server: there prod's
-# LlmKvCacheNearlyFull then pended 146 s in, against about 6 s with 96.)
+# fired 43 s and 53 s in. Straight to a replica the answers stay at 96, the
+# length prod's overload alerts fired on 17-23 s in on the CI runs on record
+# (one prod run with 176 was no quicker: KvCacheNearlyFull pended 146 s in).
 OVERLOAD_STREAMS = 160
 OVERLOAD_MAX_TOKENS = 96
 OVERLOAD_MAX_TOKENS_INGRESS = 176
