@@ -682,6 +682,24 @@ def kill_engine_core(server_pid: int) -> int | None:
     return None
 
 
+def kill_engine_when_quiet(
+    obs: Observed, prom: TwinPrometheus, report: Report, wanted: list[str]
+) -> tuple[int | None, list[str]]:
+    """Under the engine-death fault's load: once a replica serves and ``wanted`` are quiet, kills its engine.
+
+    In dev the previous fault's replicas may be going away as this load begins: Serve scales a model
+    with no load for its downscale delay to zero. In a CI run this load met a replica Serve was
+    stopping, and the 5xx alert was pending 20 s before the engine died, so its firing was not the
+    engine's. Returns the engine's pid (None when none ran) and the alerts still pending or firing
+    after QUIET_TIMEOUT_S, in which case the engine is left alone.
+    """
+    wait_serving(obs, prom, report)
+    active, _ = wait_quiet(prom, wanted, QUIET_TIMEOUT_S)
+    if active:
+        return None, active
+    return engine_death(obs.traffic), []
+
+
 def engine_death(traffic: Traffic) -> int | None:
     """Kills a serving replica's engine once one runs (a model at zero wakes under the load first)."""
     deadline = time.monotonic() + ENGINE_WAIT_S
@@ -936,8 +954,15 @@ def run_faults(
         else:
             load = _steady_load(obs, urls[-1])
             load.start()
-            time.sleep(SETTLE_S)
-            engine = engine_death(obs.traffic)
+            engine, active = kill_engine_when_quiet(obs, prom, report, wanted)
+            if active:
+                load.stop(timeout_s=1)
+                report.fail(
+                    obs.name,
+                    f"fault {fault}: not run, {', '.join(active)} still pending or firing {QUIET_TIMEOUT_S:.0f}s "
+                    "into its load, so a firing could not be told from the engine's death",
+                )
+                continue
             fired = wait_firing(prom, wanted, timeout) if engine else {}
             load.stop(timeout_s=1)
             failed = sum(not o.ok for o in load.done())

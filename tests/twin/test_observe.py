@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import io
 import time
+import types
 from typing import cast
 
 import pytest
@@ -280,3 +281,50 @@ def test_a_steady_state_that_fires_says_what_at_which_value() -> None:
     assert (
         "steady state: firing LlmTimeToFirstTokenHigh" in line and "at 4.2e+00" in line and "3 requests served" in line
     )
+
+
+class _Serving(_Alerts):
+    """A Prometheus where a replica serves, and whose alerts answer from a script."""
+
+    def __init__(self, *answers: list[str]) -> None:
+        super().__init__(*answers)
+        self.asked = 0
+
+    def query(self, expr: str) -> list[dict[str, object]]:
+        return [{"value": [0, "1"]}] if expr.startswith("count(") else []
+
+    def alerts(self) -> list[Alert]:
+        self.asked += 1
+        return super().alerts()
+
+
+def _engine_fault(monkeypatch: pytest.MonkeyPatch, prom: _Serving) -> tuple[list[int], tuple[int | None, list[str]]]:
+    """Runs kill_engine_when_quiet on ``prom``; the alerts calls made before each kill, and its result."""
+    monkeypatch.setattr(observe.time, "sleep", lambda _s: None)
+    kills: list[int] = []
+
+    def kill(_traffic: observe.Traffic) -> int:
+        kills.append(prom.asked)
+        return 4242
+
+    monkeypatch.setattr(observe, "engine_death", kill)
+    obs = cast(observe.Observed, types.SimpleNamespace(name="svc", traffic=None))
+    report = Report(out=io.StringIO())
+    result = observe.kill_engine_when_quiet(obs, cast(TwinPrometheus, prom), report, ["LlmHttp5xxRatioHigh"])
+    return kills, result
+
+
+def test_the_engine_dies_only_once_the_5xx_alert_a_going_replica_raised_is_quiet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prom = _Serving(["LlmHttp5xxRatioHigh"], ["LlmHttp5xxRatioHigh"], [])
+    kills, (engine, active) = _engine_fault(monkeypatch, prom)
+    assert (engine, active) == (4242, [])
+    assert kills == [3]  # after the third look at the alerts, the first that found it quiet
+
+
+def test_the_engine_is_left_alone_while_the_5xx_alert_stays_active(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(observe, "QUIET_TIMEOUT_S", 0.0)
+    kills, (engine, active) = _engine_fault(monkeypatch, _Serving(["LlmHttp5xxRatioHigh"]))
+    assert (engine, active) == (None, ["LlmHttp5xxRatioHigh"])
+    assert kills == []
