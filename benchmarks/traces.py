@@ -4,15 +4,22 @@ A trace is JSON Lines, one request per line, in the order sent::
 
     {"t": 0.00, "body": {"model": "m", "prompt": "...", "max_tokens": 32}}
     {"t": 0.41, "path": "/v1/chat/completions", "body": {"model": "m", "messages": [...]}}
+    {"t": 0.90, "headers": {"X-Session-ID": "support-bot"}, "body": {...}}
 
 ``t`` is the second it is sent at, from the trace's start; ``path`` is
 ``/v1/completions`` unless given; ``body`` is the OpenAI request as a client
-sent it (``stream`` is set by the replay, which measures the first token).
+sent it (``stream`` is set by the replay, which measures the first token);
+``headers``, optional, are HTTP headers the client sent with it: the routing
+key the ``consistent_hash`` policy reads (``X-Session-ID``, naming the
+prompt's shared prefix or the conversation) is one. ``Authorization`` is the
+replay's own and may not be given.
 
 The generator writes the standard case from vLLM's own ``prefix_repetition``
 benchmark dataset (vllm/benchmarks/datasets: random prompts of
 ``prefix_len`` shared and ``suffix_len`` own tokens, ``num_prefixes``
 prefixes, shuffled), at Poisson arrivals of ``rate`` requests a second.
+Each request carries the routing key a client that knows its template would
+send: ``X-Session-ID`` naming its prefix.
 """
 
 from __future__ import annotations
@@ -21,13 +28,18 @@ import json
 import math
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 PATHS = (COMPLETIONS, CHAT)
+# The header vllm-router's consistent_hash policy takes its key from. On the
+# pinned release it is read on every route (tests/test_router_affinity.py);
+# a `user` field in a /v1/completions body was not (the router hashed the
+# whole body, so each prompt went its own way).
+ROUTING_KEY_HEADER = "X-Session-ID"
 
 
 class TraceError(ValueError):
@@ -41,6 +53,7 @@ class TracedRequest:
     t: float
     path: str
     body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 def read_trace(path: Path) -> list[TracedRequest]:
@@ -66,7 +79,14 @@ def read_trace(path: Path) -> list[TracedRequest]:
         key = "prompt" if route == COMPLETIONS else "messages"
         if key not in body:
             raise TraceError(f"{where}: a {route} body needs `{key}`")
-        out.append(TracedRequest(float(t), route, body))
+        headers = record.get("headers", {})
+        if not isinstance(headers, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+        ):
+            raise TraceError(f"{where}: `headers` must map header names to strings")
+        if any(k.lower() == "authorization" for k in headers):
+            raise TraceError(f"{where}: `headers` may not carry Authorization (the replay sends its own key)")
+        out.append(TracedRequest(float(t), route, body, dict(headers)))
     if not out:
         raise TraceError(f"{path}: no requests")
     return sorted(out, key=lambda r: r.t)
@@ -79,6 +99,8 @@ def write_trace(path: Path, requests: Iterable[TracedRequest]) -> int:
         record: dict[str, Any] = {"t": round(r.t, 4), "body": r.body}
         if r.path != COMPLETIONS:
             record["path"] = r.path
+        if r.headers:
+            record["headers"] = r.headers
         lines.append(json.dumps(record))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
@@ -106,12 +128,21 @@ class PrefixTraceSpec:
 
 
 def prefix_trace(spec: PrefixTraceSpec, model_dir: Path, model_id: str) -> list[TracedRequest]:
-    """A shared-prefix trace from vLLM's prefix_repetition dataset, with the model's own tokenizer."""
+    """A shared-prefix trace from vLLM's prefix_repetition dataset, with the model's own tokenizer.
+
+    Each request names its prefix in the routing key (``prefix-<n>``). The
+    dataset makes each prefix's prompts in turn and then shuffles them with
+    the process's `random`, which it seeded; its shuffle is turned off here
+    and the same draw shuffles the prompts with their prefix's number, so the
+    prompts and their order are the dataset's own.
+    """
     from transformers import AutoTokenizer
     from vllm.benchmarks.datasets.datasets import PrefixRepetitionRandomDataset
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    samples = PrefixRepetitionRandomDataset(random_seed=spec.seed).sample(
+    dataset = PrefixRepetitionRandomDataset(random_seed=spec.seed)
+    dataset.disable_shuffle = True  # type: ignore[attr-defined]  # read with getattr by sample()
+    samples = dataset.sample(
         tokenizer,
         spec.requests,
         prefix_len=spec.prefix_len,
@@ -119,15 +150,19 @@ def prefix_trace(spec: PrefixTraceSpec, model_dir: Path, model_id: str) -> list[
         num_prefixes=spec.num_prefixes,
         output_len=spec.output_len,
     )
+    per_prefix = spec.requests // spec.num_prefixes
+    numbered = [(n // per_prefix, sample.prompt) for n, sample in enumerate(samples)]
+    random.shuffle(numbered)
     arrivals = random.Random(spec.seed)
     t = 0.0
     out = []
-    for sample in samples:
+    for prefix, prompt in numbered:
         out.append(
             TracedRequest(
                 t,
                 COMPLETIONS,
-                {"model": model_id, "prompt": sample.prompt, "max_tokens": spec.output_len, "temperature": 0},
+                {"model": model_id, "prompt": prompt, "max_tokens": spec.output_len, "temperature": 0},
+                {ROUTING_KEY_HEADER: f"prefix-{prefix}"},
             )
         )
         t += arrivals.expovariate(spec.rate)

@@ -54,7 +54,11 @@ from localserve.server import MODEL_ID, replica_addresses
 from twin.routing import SUCCESS_SERIES
 
 REPO = Path(__file__).resolve().parent.parent
-POLICIES = ("cache_aware", "power_of_two", "round_robin")
+POLICIES = ("cache_aware", "consistent_hash", "power_of_two", "round_robin", "sticky_least_loaded")
+# The policies that keep a prefix on one replica: cache_aware by matching the
+# prompt, the other two by the routing key the client sends (a trace line's
+# `headers`). The one-line result gives each one's hit rate over round robin's.
+AFFINITY_POLICIES = ("cache_aware", "consistent_hash", "sticky_least_loaded")
 # Room for the generated trace's prompts (prefix + suffix) and answers on the
 # tiny model (max_position_embeddings 1024).
 MAX_MODEL_LEN = 1024
@@ -136,7 +140,7 @@ def send(base_url: str, api_key: str, request: TracedRequest, salt: str) -> Sent
             "POST",
             url,
             json=salted(request, salt),
-            headers={"Authorization": f"Bearer {api_key}"},
+            headers={**request.headers, "Authorization": f"Bearer {api_key}"},
             timeout=REQUEST_TIMEOUT_S,
         ) as answer:
             if answer.status_code != 200:
@@ -243,8 +247,11 @@ def one_line(stack: str, results: Sequence[PolicyResult]) -> str:
     by = {r.policy: r for r in results}
     parts = [f"{r.policy} hit {r.hit_rate:.0%} TTFT p50 {r.ttft_p50_ms:.0f} ms" for r in results]
     line = f"what-if ({stack}): " + "; ".join(parts)
-    if "cache_aware" in by and "round_robin" in by and by["round_robin"].hit_rate > 0:
-        line += f"; cache_aware hit rate {by['cache_aware'].hit_rate / by['round_robin'].hit_rate:.2f}x round_robin"
+    baseline = by.get("round_robin")
+    if baseline is not None and baseline.hit_rate > 0:
+        gains = [f"{p} {by[p].hit_rate / baseline.hit_rate:.2f}x" for p in AFFINITY_POLICIES if p in by]
+        if gains:
+            line += f"; hit rate over round_robin: {', '.join(gains)}"
     return line
 
 
@@ -349,7 +356,7 @@ def run(stack: str, trace_path: Path, policies: Sequence[str], replicas: int, kv
 
 def _for_model(trace: Sequence[TracedRequest]) -> list[TracedRequest]:
     """The trace's requests addressed to the local replicas' model (the tiny model's id)."""
-    return [TracedRequest(r.t, r.path, {**r.body, "model": MODEL_ID}) for r in trace]
+    return [TracedRequest(r.t, r.path, {**r.body, "model": MODEL_ID}, r.headers) for r in trace]
 
 
 def main(argv: list[str] | None = None) -> int:

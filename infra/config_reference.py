@@ -144,8 +144,9 @@ NOTES: Mapping[str, str] = {
     ),
     "serving.routing.enabled": "Needs at least one `vllm-server` service.",
     "serving.routing.policy": (
-        "`cache_aware`: prefix-cache affinity, balanced by load when out of balance; `power_of_two`: the shorter "
-        "of two queues; `round_robin`: in turn."
+        "`cache_aware`: prefix-cache affinity, balanced by load when out of balance; `consistent_hash`: the "
+        "replica the request's `X-Session-ID` hashes to; `power_of_two`: the shorter of two queues; "
+        "`round_robin`: in turn."
     ),
     "serving.routing.cache_threshold": "`cache_aware`: the share of a prompt a replica's cache must match.",
     "serving.routing.balance_abs_threshold": "`cache_aware`: balance by load past this many requests' difference.",

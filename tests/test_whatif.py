@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.traces import CHAT, COMPLETIONS, PrefixTraceSpec, TracedRequest, TraceError, read_trace, write_trace
+from benchmarks.traces import (
+    CHAT,
+    COMPLETIONS,
+    ROUTING_KEY_HEADER,
+    PrefixTraceSpec,
+    TracedRequest,
+    TraceError,
+    read_trace,
+    write_trace,
+)
 from benchmarks.whatif import (
     CacheCounts,
     PolicyResult,
@@ -39,6 +48,15 @@ def test_a_trace_round_trips_and_is_read_in_time_order(tmp_path: Path) -> None:
     assert '"path"' not in path.read_text().splitlines()[1]  # completions is the default
 
 
+def test_a_traces_headers_round_trip_and_default_to_none(tmp_path: Path) -> None:
+    keyed = TracedRequest(0.5, COMPLETIONS, {"model": "m", "prompt": "a"}, {ROUTING_KEY_HEADER: "support-bot"})
+    plain = TracedRequest(0.0, COMPLETIONS, {"model": "m", "prompt": "b"})
+    path = tmp_path / "t.jsonl"
+    write_trace(path, [plain, keyed])
+    assert read_trace(path) == [plain, keyed]
+    assert '"headers"' not in path.read_text().splitlines()[0]
+
+
 @pytest.mark.parametrize(
     ("line", "rule"),
     [
@@ -49,6 +67,9 @@ def test_a_trace_round_trips_and_is_read_in_time_order(tmp_path: Path) -> None:
         ('{"t": 0, "body": "a"}', "`body` must be the OpenAI request object"),
         ('{"t": 0, "path": "/v1/embeddings", "body": {"input": "a"}}', "`path` must be one of"),
         ('{"t": 0, "path": "/v1/chat/completions", "body": {"prompt": "a"}}', "needs `messages`"),
+        ('{"t": 0, "headers": ["X-Session-ID"], "body": {"prompt": "a"}}', "`headers` must map header names"),
+        ('{"t": 0, "headers": {"X-Session-ID": 7}, "body": {"prompt": "a"}}', "`headers` must map header names"),
+        ('{"t": 0, "headers": {"authorization": "Bearer k"}, "body": {"prompt": "a"}}', "may not carry Authorization"),
     ],
 )
 def test_a_bad_line_is_one_error_naming_it(tmp_path: Path, line: str, rule: str) -> None:
@@ -70,6 +91,15 @@ def test_the_generated_trace_shares_its_prefixes() -> None:
     assert all(b.t >= a.t for a, b in itertools.pairwise(trace))
     heads = {r.body["prompt"][:60] for r in trace}
     assert len(heads) == 4  # four prefixes, each shared by four prompts
+    # Each request names its prefix in the routing key, one key per prefix.
+    keys = {
+        r.body["prompt"][:60]: {
+            q.headers[ROUTING_KEY_HEADER] for q in trace if q.body["prompt"][:60] == r.body["prompt"][:60]
+        }
+        for r in trace
+    }
+    assert all(len(k) == 1 for k in keys.values())
+    assert len({next(iter(k)) for k in keys.values()}) == 4
     assert all(r.body["max_tokens"] == spec.output_len for r in trace)
 
 
@@ -104,9 +134,47 @@ def test_the_one_line_result_gives_prefix_routings_gain_over_round_robin() -> No
     def result(policy: str, hit: float) -> PolicyResult:
         return PolicyResult(policy, 10, 0, hit, 0, 0, 12.0, 20.0, 1.0, 8.0, [5, 5])
 
-    line = one_line("prod", [result("cache_aware", 0.5), result("round_robin", 0.25)])
+    line = one_line("prod", [result("cache_aware", 0.5), result("round_robin", 0.25), result("consistent_hash", 0.55)])
     assert line.startswith("what-if (prod): cache_aware hit 50% TTFT p50 12 ms; round_robin hit 25%")
-    assert line.endswith("cache_aware hit rate 2.00x round_robin")
+    assert line.endswith("hit rate over round_robin: cache_aware 2.00x, consistent_hash 2.20x")
+    # Without round robin in the replay there is nothing to compare with.
+    assert "over round_robin" not in one_line("prod", [result("cache_aware", 0.5)])
+
+
+def test_the_replay_sends_the_traces_headers_with_its_own_key(tmp_path: Path) -> None:
+    from http.server import BaseHTTPRequestHandler
+
+    from benchmarks.whatif import send
+    from tests.e2e.loopback_http import LoopbackHttp
+
+    seen: list[tuple[str | None, str | None]] = []
+
+    class Replica(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            return None
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            seen.append((self.headers.get(ROUTING_KEY_HEADER), self.headers.get("authorization")))
+            body = (
+                b'data: {"choices": [{"text": "hi"}]}\n\ndata: {"choices": [], "usage": {"completion_tokens": 1}}\n\n'
+            )
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = LoopbackHttp(Replica)
+    try:
+        request = TracedRequest(0, COMPLETIONS, {"model": "m", "prompt": "a"}, {ROUTING_KEY_HEADER: "support-bot"})
+        sent = send(server.base_url + "/v1", "k", request, "[x] ")
+    finally:
+        server.stop()
+    assert sent.error is None and sent.output_tokens == 1
+    assert seen == [("support-bot", "Bearer k")]
 
 
 def test_the_recorded_report_gives_the_preview_its_one_line_result(tmp_path: Path) -> None:

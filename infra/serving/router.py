@@ -11,7 +11,8 @@ pins into the serving image), over what else routes vLLM requests:
   works only where Serve's proxy carries every request, the serve-ingress
   path the vllm-server layout exists to avoid.
 - vllm-router is one binary (Rust, in a Python wheel) with prefix-cache
-  (`cache_aware`), least-loaded (`power_of_two`) and `round_robin` policies,
+  (`cache_aware`), keyed affinity (`consistent_hash`), least-loaded
+  (`power_of_two`) and `round_robin` policies,
   Kubernetes discovery by label selector that follows pod readiness, health
   checks, retries, a bounded queue and Prometheus metrics. It runs here, so
   the same release is what the tests and the replays run.
