@@ -9,7 +9,8 @@ model, with a prefix cache of ``--kv-tokens`` tokens each; in front of them,
 for each policy in turn, vllm-router with the command the stack's render gives
 its Deployment (twin/routing.py: discovery swapped for the replicas'
 addresses, ``--policy`` for the one replayed). Each request is sent at its
-trace time, streamed, so its first token is timed.
+trace time, streamed, so its first token is timed, with the headers its
+trace line gives (the routing key ``consistent_hash`` reads among them).
 
 Policies replay one after another on the same replicas, so each policy's
 prompts get a salt of their own in front (``[policy] ``): nothing the previous
