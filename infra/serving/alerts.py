@@ -277,18 +277,24 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
     # requests, vLLM's own server a vllm-server one's (no proxy is in its
     # path); the two never name the same application at once, so `or` joins
     # them. `application!=""` keeps to the series the vllm-server PodMonitor
-    # labelled: `http_requests_total` is a common name.
+    # labelled: `http_requests_total` is a common name. On Serve's series it
+    # leaves out the proxies' own health and route probes (`/-/healthz`,
+    # `/-/routes`): the proxy counts them under no application, and answers
+    # them 503 while it starts or drains (ray/serve/_private/proxy.py,
+    # `_get_health_or_routes_reponse`), which is the load balancer taking a
+    # node out, not a request failing. Counted, they made an alert with no
+    # application each time a worker node joined or left.
     RecordingRule(
         record=HTTP_REQUESTS_RATE,
-        expr="sum by (namespace, application) (rate(ray_serve_num_http_requests_total[5m]))"
+        expr='sum by (namespace, application) (rate(ray_serve_num_http_requests_total{application!=""}[5m]))'
         ' or sum by (namespace, application) (rate(http_requests_total{application!=""}[5m]))',
         metrics=("ray_serve_num_http_requests_total", "http_requests_total"),
     ),
     RecordingRule(
         record=HTTP_5XX_RATIO,
         expr=_ratio(
-            'rate(ray_serve_num_http_requests_total{status_code=~"5.."}[5m])',
-            "rate(ray_serve_num_http_requests_total[5m])",
+            'rate(ray_serve_num_http_requests_total{application!="", status_code=~"5.."}[5m])',
+            'rate(ray_serve_num_http_requests_total{application!=""}[5m])',
         )
         + " or "
         + _ratio(
