@@ -141,7 +141,7 @@ def prefix_trace(spec: PrefixTraceSpec, model_dir: Path, model_id: str) -> list[
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     dataset = PrefixRepetitionRandomDataset(random_seed=spec.seed)
-    dataset.disable_shuffle = True  # type: ignore[attr-defined]  # read with getattr by sample()
+    dataset.disable_shuffle = True  # sample() reads it with getattr
     samples = dataset.sample(
         tokenizer,
         spec.requests,

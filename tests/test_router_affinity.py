@@ -20,10 +20,11 @@ from typing import Any, get_args
 import httpx
 import pytest
 import yaml
+from typing_extensions import override
 
 from benchmarks.traces import ROUTING_KEY_HEADER
 from infra.config.routing import RoutingPolicy
-from tests.e2e.loopback_http import LoopbackHttp
+from tests.e2e.loopback_http import LoopbackHttp, SlowReplica
 from tests.harness import stack_doc
 from twin.routing import router_specs, start_router
 
@@ -35,26 +36,17 @@ ROUNDS = 4
 def recording_replica(log: list[str | None]) -> type[BaseHTTPRequestHandler]:
     """A replica's server as the router sees it: healthy, answering each completion at once, noting its key."""
 
-    class Replica(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args: Any) -> None:
-            return None
-
-        def _json(self, body: bytes) -> None:
+    class Replica(SlowReplica):
+        @override
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            log.append(self.headers.get(ROUTING_KEY_HEADER))
+            body = json.dumps({"choices": [{"index": 0, "text": "ok"}]}).encode()
             self.send_response(200)
             self.send_header("content-type", "application/json")
             self.send_header("content-length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
-
-        def do_GET(self) -> None:
-            self._json(b'{"status": "ok"}')
-
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("content-length", 0)))
-            log.append(self.headers.get(ROUTING_KEY_HEADER))
-            self._json(json.dumps({"choices": [{"index": 0, "text": "ok"}]}).encode())
 
     return Replica
 
