@@ -59,6 +59,7 @@ SERVING_GAUGE = "ray_vllm_num_requests_running"
 WAKE_TIMEOUT_S = 180.0
 RECONCILE_EVERY_S = 2.0
 SERIES_RETRY_S = 15.0
+SERIES_LOOKBACK = "30s"
 STEADY_STREAMS = 2
 # Steady state lasts past the longest scaled `for` of the serving alerts, so
 # an alert whose condition held from the start would have fired.
@@ -488,15 +489,23 @@ class Traffic:
     replica_cap: int = 1
 
 
+def series_query(metric: str) -> str:
+    """The query that finds ``metric`` live: a sample within SERIES_LOOKBACK, in any series."""
+    return f"count(last_over_time({metric}[{SERIES_LOOKBACK}]))"
+
+
 def check_series(name: str, prom: TwinPrometheus, report: Report, layouts: set[str]) -> None:
     """Every metric read by a rule, alert or panel that this layout's exporters emit has a live series."""
     want, absent = expected_here(layouts)
     # One scrape that failed (a target starved by the overload this runs under) marks its series stale
-    # until the next one: a metric missing now is read again for a few scrapes before it counts as missing.
+    # until the next one, so a metric counts as live if it had a sample in the last SERIES_LOOKBACK; one
+    # that has none is read again for a few scrapes before it counts as missing. A dev run's overload
+    # left the KubeRay operator stand-in unscraped for 6-12 s at a time, and the check, reading the
+    # instant's series for 15 s, found none of its series.
     missing = sorted(want)
     deadline = time.monotonic() + SERIES_RETRY_S
     while True:
-        missing = [m for m in missing if not prom.query(f"count({m})")]
+        missing = [m for m in missing if not prom.query(series_query(m))]
         if not missing or time.monotonic() >= deadline:
             break
         time.sleep(duration_s(SCRAPE_INTERVAL))
@@ -732,7 +741,17 @@ OVERLOAD_STREAMS = 160
 OVERLOAD_MAX_TOKENS = 96
 OVERLOAD_MAX_TOKENS_INGRESS = 176
 OVERLOAD_PROMPT = " ".join(["Ray Serve scales replicas up and down with the number of ongoing requests."] * 10)
-STEADY_MAX_TOKENS = 16
+# Long enough that the steady load's two streams keep a request at the
+# model replica most of the time. Serve's autoscaler counts the requests a
+# handle has at its replicas from samples a few seconds apart
+# (ray/serve/_private/router.py, `_add_autoscaling_metrics_point`). With
+# 16-token answers each took the tiny model about 33 ms, so two streams 0.2 s
+# apart had one in flight about a quarter of the time; in a CI run's steady
+# state Serve decided on "Current ongoing requests: 0.00" while the replica
+# answered 7 requests a second, scaled dev's one replica to zero after the
+# twin's 15 s downscale delay, and the stopping replica (health 0) and its
+# draining proxy failed the steady state.
+STEADY_MAX_TOKENS = 64
 
 
 @dataclass

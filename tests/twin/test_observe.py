@@ -207,14 +207,15 @@ def test_the_overloads_alerts_get_time_to_fill_the_kv_cache_and_other_faults_do_
 
 
 class _SeriesProm:
-    """Answers ``count(metric)`` from a script: per metric, the reads (1-based) from which it has a series."""
+    """Answers the series query from a script: per metric, the reads (1-based) from which it has a series."""
 
     def __init__(self, present_from: dict[str, int]) -> None:
         self.present_from = present_from
         self.reads: dict[str, int] = {}
 
     def query(self, expr: str) -> list[object]:
-        metric = expr.removeprefix("count(").removesuffix(")")
+        metric = expr.removeprefix("count(last_over_time(").removesuffix(f"[{observe.SERIES_LOOKBACK}]))")
+        assert expr == observe.series_query(metric), expr
         self.reads[metric] = self.reads.get(metric, 0) + 1
         first = self.present_from.get(metric, 1)
         return [object()] if 0 < first <= self.reads[metric] else []
