@@ -32,14 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infra.config.routing import ROUTING_KEY_HEADER
+
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 PATHS = (COMPLETIONS, CHAT)
-# The header vllm-router's consistent_hash policy takes its key from. On the
-# pinned release it is read on every route (tests/test_router_affinity.py);
-# a `user` field in a /v1/completions body was not (the router hashed the
-# whole body, so each prompt went its own way).
-ROUTING_KEY_HEADER = "X-Session-ID"
 
 
 class TraceError(ValueError):

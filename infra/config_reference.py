@@ -28,6 +28,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from infra.config import API_KEY_MIN_LENGTH, CONFIG_NAMESPACES, NAMESPACE, SECRET_API_KEYS, StackConfig
+from infra.config.routing import ROUTING_KEY_HEADER
 
 # The one field of StackConfig that lives in another namespace (the AWS
 # provider's), and how the stack file names it.
@@ -145,7 +146,7 @@ NOTES: Mapping[str, str] = {
     "serving.routing.enabled": "Needs at least one `vllm-server` service.",
     "serving.routing.policy": (
         "`cache_aware`: prefix-cache affinity, balanced by load when out of balance; `consistent_hash`: the "
-        "replica the request's `X-Session-ID` hashes to; `power_of_two`: the shorter of two queues; "
+        f"replica the request's `{ROUTING_KEY_HEADER}` hashes to; `power_of_two`: the shorter of two queues; "
         "`round_robin`: in turn."
     ),
     "serving.routing.cache_threshold": "`cache_aware`: the share of a prompt a replica's cache must match.",

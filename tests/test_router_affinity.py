@@ -22,8 +22,7 @@ import pytest
 import yaml
 from typing_extensions import override
 
-from benchmarks.traces import ROUTING_KEY_HEADER
-from infra.config.routing import RoutingPolicy
+from infra.config.routing import ROUTING_KEY_HEADER, RoutingPolicy
 from tests.e2e.loopback_http import LoopbackHttp, SlowReplica
 from tests.harness import stack_doc
 from twin.routing import router_specs, start_router

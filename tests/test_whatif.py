@@ -11,7 +11,6 @@ import pytest
 from benchmarks.traces import (
     CHAT,
     COMPLETIONS,
-    ROUTING_KEY_HEADER,
     PrefixTraceSpec,
     TracedRequest,
     TraceError,
@@ -28,6 +27,7 @@ from benchmarks.whatif import (
     salted,
     summarize,
 )
+from infra.config.routing import ROUTING_KEY_HEADER
 
 METRICS = """# HELP vllm:prefix_cache_hits_total hits
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1536.0

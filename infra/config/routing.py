@@ -23,6 +23,11 @@ from workloads.inference_server.catalog import Layout
 # would place a key twice (it measured the same hit rate as consistent_hash
 # on one router); `random` is round_robin without the even split.
 RoutingPolicy = Literal["cache_aware", "consistent_hash", "power_of_two", "round_robin"]
+# The header consistent_hash takes its key from. On the pinned release it is
+# read on every route (tests/test_router_affinity.py); a `user` field in a
+# /v1/completions body was not (the router hashed the whole body, so each
+# prompt went its own way).
+ROUTING_KEY_HEADER = "X-Session-ID"
 
 # Prod's router survives the loss of a node and a zone: two replicas, spread.
 PROD_MIN_ROUTER_REPLICAS = 2
