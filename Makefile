@@ -140,7 +140,7 @@ $(VENV)/.bench: $(VENV)/.dev benchmarks/requirements.txt
 
 # Serving overhead against bare vLLM with vLLM's own benchmark client, and
 # render scale; writes benchmarks/results/ (~20 min).
-bench: $(VENV)/.bench
+bench: system-deps-twin $(VENV)/.bench
 	PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks
 
 # Replays a request trace (JSON Lines: benchmarks/traces.py) through the
@@ -148,13 +148,13 @@ bench: $(VENV)/.bench
 # build/whatif/$(STACK).md. Without TRACE, replays vLLM's prefix_repetition
 # case (55% of each prompt a shared prefix), written to build/whatif/prefix.jsonl.
 TRACE ?= build/whatif/prefix.jsonl
-whatif: $(VENV)/.bench
+whatif: system-deps-twin $(VENV)/.bench
 	@test -f "$(TRACE)" || PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks.whatif --stack $(STACK) --generate $(TRACE)
 	PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks.whatif --stack $(STACK) --trace $(TRACE)
 
 # The same code path once and small (project, routed and bare, one round): under 3 min
 # once the venv exists; fails on a failed request or a CPU layout that did not hold.
-bench-quick: $(VENV)/.bench
+bench-quick: system-deps-twin $(VENV)/.bench
 	PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks --quick --out build/bench-quick
 
 # Accept new or removed resources in the URN golden lists (review the diff: a

@@ -32,6 +32,8 @@ ROLES = (
     # vllm-router titles itself once it runs; before that, its module's name.
     ("vllm::router", "router"),
     ("vllm_router", "router"),
+    # The router's front (nginx: "nginx: master process ...", "nginx: worker process").
+    ("nginx: ", "router front"),
     ("ProxyActor", "Serve proxy"),
     ("haproxy", "Serve proxy"),
     ("VllmServer", "Serve VllmServer replica"),

@@ -342,13 +342,16 @@ def start_routed(work: Path, model_dir: Path, replicas: int = 1) -> Server:
     specs = router_specs(REPO / "Pulumi.prod.yaml")
     if not specs:
         raise RuntimeError("routed: Pulumi.prod.yaml has no vllm-server service for a router to front")
-    command = next(iter(specs.values())).command
+    spec = next(iter(specs.values()))
     server = start_vllm_server(work, model_dir, "routed", replicas)
     try:
         started = time.monotonic()
         upstream = server.base_url
-        router, _ = start_router(command, [upstream.removesuffix("/v1")], work / "routed" / "router.log")
-        server.companions.append(router.child)
+        router, _ = start_router(
+            spec.command, [upstream.removesuffix("/v1")], work / "routed" / "router.log", spec.front
+        )
+        # The front first: it stops before the router, as in the pod.
+        server.companions += [router.front, router.child]
         server.upstream_url = upstream
         server.base_url = router.base_url
         server.start_seconds += time.monotonic() - started

@@ -105,3 +105,10 @@ PAUSE_IMAGE = "registry.k8s.io/pause:3.10@sha256:ee6521f290b2168b6e0935a181d4cff
 
 # ElastiCache engine of the Redis that keeps the Ray GCS state (prod).
 ELASTICACHE_REDIS_VERSION = "7.1"
+
+# The request router's front (infra/serving/router_front.py): nginx built to
+# run as any non-root user, from ECR Public (no Docker Hub pull limits on the
+# nodes). Its config is checked with Debian's nginx 1.22 in the tests and the
+# twin (scripts/system-deps.sh); it uses only directives both releases share.
+# The image's stop signal is SIGQUIT, nginx's graceful stop.
+ROUTER_FRONT_IMAGE = "public.ecr.aws/nginx/nginx-unprivileged:1.28.0-alpine"

@@ -136,12 +136,12 @@ class Child:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the leader, give it ``grace_s``, then SIGKILL whatever is left of its session."""
+    def stop(self, grace_s: float = 20.0, stop_signal: signal.Signals = signal.SIGTERM) -> None:
+        """Signal the leader (SIGTERM unless told), wait ``grace_s``, then SIGKILL what is left of its session."""
         sid = self.proc.pid
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
+                self.proc.send_signal(stop_signal)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=grace_s)
         deadline = time.monotonic() + 10

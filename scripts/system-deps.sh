@@ -6,8 +6,11 @@
 #                                  (actionlint runs the workflows' scripts
 #                                  through it), redis-server and openssl (the
 #                                  GCS fault-tolerance test: Redis over TLS with
-#                                  a CA it makes)
-#   scripts/system-deps.sh twin    prometheus (the twin's monitoring)
+#                                  a CA it makes), nginx-light (the request
+#                                  router's front, infra/serving/router_front.py)
+#   scripts/system-deps.sh twin    prometheus (the twin's monitoring), nginx-light
+#                                  (the router's front, in the routing check and
+#                                  make bench / make whatif)
 #
 # As root with apt-get, the missing packages are installed; otherwise the
 # script stops with one line naming them and the command that installs them.
@@ -15,14 +18,16 @@ set -euo pipefail
 
 # package:command pairs: the package is missing when its command is not on PATH.
 case ${1:-} in
-  test) wanted="prometheus:prometheus prometheus:promtool shellcheck:shellcheck redis-server:redis-server openssl:openssl" ;;
-  twin) wanted="prometheus:prometheus" ;;
+  test) wanted="prometheus:prometheus prometheus:promtool shellcheck:shellcheck redis-server:redis-server openssl:openssl nginx-light:nginx" ;;
+  twin) wanted="prometheus:prometheus nginx-light:nginx" ;;
   *)
     echo "usage: scripts/system-deps.sh test|twin" >&2
     exit 2
     ;;
 esac
 
+# Debian puts nginx in /usr/sbin, which a user's PATH may not hold.
+PATH="$PATH:/usr/sbin"
 missing=()
 for pair in $wanted; do
   package=${pair%%:*}

@@ -25,7 +25,7 @@ from typing_extensions import override
 from infra.config.routing import ROUTING_KEY_HEADER, RoutingPolicy
 from tests.e2e.loopback_http import LoopbackHttp, SlowReplica
 from tests.harness import stack_doc
-from twin.routing import router_specs, start_router
+from twin.routing import RouterSpec, router_specs, start_router
 
 # An odd count, so that a policy that takes the replicas in turn moves every key between rounds.
 KEYS = [f"template-{i}" for i in range(13)]
@@ -50,8 +50,8 @@ def recording_replica(log: list[str | None]) -> type[BaseHTTPRequestHandler]:
     return Replica
 
 
-def command_for(tmp_path: Path, policy: str) -> tuple[str, ...]:
-    """The router command the render gives prod with `serving.routing.policy: <policy>`."""
+def spec_for(tmp_path: Path, policy: str) -> RouterSpec:
+    """The router the render gives prod with `serving.routing.policy: <policy>`."""
     doc = stack_doc("prod")
     serving = dict(doc["config"].get("llm-platform:serving", {}))
     serving["routing"] = {"enabled": True, "min_replicas": 2, "policy": policy}
@@ -59,11 +59,12 @@ def command_for(tmp_path: Path, policy: str) -> tuple[str, ...]:
     path = tmp_path / f"{policy}" / "Pulumi.prod.yaml"
     path.parent.mkdir(exist_ok=True)
     path.write_text(yaml.safe_dump(doc))
-    return next(iter(router_specs(path).values())).command
+    return next(iter(router_specs(path).values()))
 
 
-def keyed_command(tmp_path: Path) -> tuple[str, ...]:
-    return command_for(tmp_path, "consistent_hash")
+def command_for(tmp_path: Path, policy: str) -> tuple[str, ...]:
+    """The router command the render gives prod with `serving.routing.policy: <policy>`."""
+    return spec_for(tmp_path, policy).command
 
 
 @pytest.mark.parametrize("policy", get_args(RoutingPolicy))
@@ -109,9 +110,10 @@ def placement(logs: list[list[str | None]]) -> dict[str, set[int]]:
 
 def test_a_routing_key_keeps_its_replica_and_the_keys_spread_over_both(tmp_path: Path, replicas: Any) -> None:
     servers, logs = replicas
-    command = keyed_command(tmp_path)
+    spec = spec_for(tmp_path, "consistent_hash")
+    command = spec.command
     assert command[command.index("--policy") + 1] == "consistent_hash"
-    router, _ = start_router(command, [s.base_url for s in servers], tmp_path / "router.log")
+    router, _ = start_router(command, [s.base_url for s in servers], tmp_path / "router.log", spec.front)
     try:
         send_keys(router.base_url, ROUNDS)
         # Without a key the router still answers (it hashes the request).
@@ -135,11 +137,11 @@ def test_two_routers_that_found_the_replicas_in_either_order_place_every_key_ali
     # the replicas on its own: a key must land on the same replica whichever
     # router the connection reached, or each replica would cache it.
     servers, logs = replicas
-    command = keyed_command(tmp_path)
+    spec = spec_for(tmp_path, "consistent_hash")
     urls = [s.base_url for s in servers]
     placements = []
     for n, order in enumerate((urls, urls[::-1])):
-        router, _ = start_router(command, order, tmp_path / f"router-{n}.log")
+        router, _ = start_router(spec.command, order, tmp_path / f"router-{n}.log", spec.front)
         try:
             send_keys(router.base_url, 1)
         finally:

@@ -28,10 +28,14 @@ from twin.routing import router_specs, start_router
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_on_sigterm_the_router_takes_no_new_connection_and_finishes_the_stream_it_holds(tmp_path: Path) -> None:
+def test_on_their_stop_signals_the_front_and_router_take_no_new_connection_and_finish_the_stream_they_hold(
+    tmp_path: Path,
+) -> None:
+    # After their preStop sleeps the kubelet signals both containers of the
+    # pod at once: the router SIGTERM, the front its image's SIGQUIT.
     replica = LoopbackHttp(SlowReplica)
     spec = next(iter(router_specs(ROOT / "Pulumi.prod.yaml").values()))
-    router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log")
+    router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log", spec.front)
     seen: dict[str, Any] = {"chunks": 0, "done": False}
 
     def stream() -> None:
@@ -51,6 +55,7 @@ def test_on_sigterm_the_router_takes_no_new_connection_and_finishes_the_stream_i
         while seen["chunks"] < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert seen["chunks"] >= 3, "the stream did not start"
+        os.kill(router.front.proc.pid, signal.SIGQUIT)
         os.kill(router.child.proc.pid, signal.SIGTERM)
         time.sleep(0.3)
         refused = False
@@ -59,13 +64,13 @@ def test_on_sigterm_the_router_takes_no_new_connection_and_finishes_the_stream_i
         except httpx.ConnectError:
             refused = True
         client.join(timeout=30)
-        code = router.child.proc.wait(timeout=30)
+        codes = (router.front.proc.wait(timeout=30), router.child.proc.wait(timeout=30))
     finally:
         router.stop()
         replica.stop()
-    assert refused, "a new connection was taken after SIGTERM"
+    assert refused, "a new connection was taken after the stop signals"
     assert seen == {"chunks": CHUNKS, "done": True, "status": 200}
-    assert code == 0
+    assert codes == (0, 0)
 
 
 def test_the_router_pod_waits_for_the_load_balancer_then_gives_its_requests_their_timeout() -> None:
@@ -75,11 +80,13 @@ def test_the_router_pod_waits_for_the_load_balancer_then_gives_its_requests_thei
     for service, plan in plans.items():
         dep = deployments[f"{service}-router"]
         pod = dep["spec"]["template"]["spec"]
-        (container,) = pod["containers"]
-        command = container["command"]
+        containers = {c["name"]: c for c in pod["containers"]}
+        assert sorted(containers) == ["front", "router"]
+        command = containers["router"]["command"]
         timeout = int(command[command.index("--request-timeout-secs") + 1])
         assert timeout == plan.request_timeout_s
-        assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": DEREGISTER_SECONDS}}}
+        for container in containers.values():
+            assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": DEREGISTER_SECONDS}}}
         assert pod["terminationGracePeriodSeconds"] == DEREGISTER_SECONDS + timeout + EXIT_SECONDS
         # Rollouts add a router before one goes.
         assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}

@@ -18,7 +18,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -26,7 +26,7 @@ from infra.render import Rendered
 from infra.serving import kuberay
 from infra.serving.endpoint import public_service_name
 from infra.serving.ports import RAY_PORTS
-from infra.serving.router import router_name, router_pods
+from infra.serving.router import ROUTER_CONTAINER, router_name, router_pods
 from tests.harness import manifests_of, ray_cluster, render_config, render_routed, render_stack, stack_doc
 from twin import kuberay as mirror
 
@@ -292,8 +292,8 @@ def selections(w: World, render: Rendered) -> list[Selection]:
 
 def _router_container(render: Rendered, service: str) -> dict[str, Any]:
     (dep,) = [d for d in manifests_of(render, "Deployment") if d["metadata"]["name"] == router_name(service)]
-    container: dict[str, Any] = dep["spec"]["template"]["spec"]["containers"][0]
-    return container
+    (container,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == ROUTER_CONTAINER]
+    return cast(dict[str, Any], container)
 
 
 def _model_group(w: World, service: str) -> str:

@@ -18,7 +18,15 @@ from infra.config import PROD_MIN_ROUTER_REPLICAS
 from infra.render import Rendered
 from infra.serving.endpoint import public_service_name
 from infra.serving.ports import RAY_PORTS
-from infra.serving.router import READINESS_PATH, ROUTER_METRICS, ROUTER_PORT, router_name, router_pods
+from infra.serving.router import (
+    FRONT_CONTAINER,
+    ROUTER_CONTAINER,
+    ROUTER_METRICS,
+    ROUTER_PORT,
+    router_name,
+    router_pods,
+)
+from infra.serving.router_front import READINESS_PATH, ROUTER_BACKEND
 from tests.harness import ROUTING, config_problems, manifests_of, render_config, render_routed, render_stack, stack_doc
 
 
@@ -33,6 +41,12 @@ def _named(kind: str, name: str, rendered: Rendered | None = None) -> dict[str, 
 
 def _services() -> list[str]:
     return [rs["metadata"]["name"] for rs in manifests_of(routed(), "RayService")]
+
+
+def _container(service: str, name: str) -> dict[str, Any]:
+    pod = _named("Deployment", router_name(service))["spec"]["template"]["spec"]
+    (found,) = [c for c in pod["containers"] if c["name"] == name]
+    return found
 
 
 def test_routing_is_off_unless_asked_for() -> None:
@@ -52,11 +66,12 @@ def test_each_vllm_server_service_gets_its_router_and_the_load_balancer_sends_to
         # The router answers on the replicas' port name: the target port and the clients' URL do not change.
         (port,) = public["spec"]["ports"]
         assert port["targetPort"] == ROUTER_PORT.name == RAY_PORTS.openai.name
-        container = dep["spec"]["template"]["spec"]["containers"][0]
-        assert {"name": ROUTER_PORT.name, "containerPort": RAY_PORTS.openai.number, "protocol": "TCP"} in container[
-            "ports"
-        ]
-        assert container["readinessProbe"]["httpGet"] == {"path": READINESS_PATH, "port": ROUTER_PORT.name}
+        # The front holds that port; the router is on loopback behind it.
+        front = _container(service, FRONT_CONTAINER)
+        port_spec = {"name": ROUTER_PORT.name, "containerPort": RAY_PORTS.openai.number, "protocol": "TCP"}
+        assert front["ports"] == [port_spec]
+        assert front["readinessProbe"]["httpGet"] == {"path": READINESS_PATH, "port": ROUTER_PORT.name}
+        assert ROUTER_PORT.name not in {p["name"] for p in _container(service, ROUTER_CONTAINER)["ports"]}
 
 
 def test_the_routers_command_line_is_one_vllm_router_accepts() -> None:
@@ -65,7 +80,7 @@ def test_the_routers_command_line_is_one_vllm_router_accepts() -> None:
     import argparse
 
     for service in _services():
-        command = _named("Deployment", router_name(service))["spec"]["template"]["spec"]["containers"][0]["command"]
+        command = _container(service, ROUTER_CONTAINER)["command"]
         assert command[0] == "vllm-router"
         parser = argparse.ArgumentParser(exit_on_error=False)
         router_args.RouterArgs.add_cli_args(parser)
@@ -73,7 +88,9 @@ def test_the_routers_command_line_is_one_vllm_router_accepts() -> None:
         assert args.service_discovery and args.service_discovery_namespace == "llm"
         assert args.service_discovery_port == RAY_PORTS.openai.number
         assert args.policy == "cache_aware" and args.cache_threshold == ROUTING["cache_threshold"]
-        assert args.port == ROUTER_PORT.number and args.prometheus_port == ROUTER_METRICS.number
+        # Its API (with its keyless control routes) on loopback, behind the front; its metrics on the pod.
+        assert args.host == "127.0.0.1" and args.port == ROUTER_BACKEND.number != ROUTER_PORT.number
+        assert args.prometheus_port == ROUTER_METRICS.number
         assert args.selector == {
             "llm-platform/ray-service": service,
             "ray.io/node-type": "worker",
@@ -153,6 +170,7 @@ def test_router_manifests_validate_against_the_kubernetes_schema() -> None:
         "HorizontalPodAutoscaler",
         "NetworkPolicy",
         "Service",
+        "ConfigMap",
     }
     checked = 0
     for manifest in routed().manifests:
@@ -161,7 +179,7 @@ def test_router_manifests_validate_against_the_kubernetes_schema() -> None:
                 json.loads(json.dumps(manifest)), f"{versions.KUBERNETES_VERSION}.0", strict=True
             )
             checked += 1
-    assert checked == 7 * len(_services())
+    assert checked == 8 * len(_services())
 
 
 def test_the_routers_pod_monitor_scrapes_its_metrics_port() -> None:

@@ -8,6 +8,11 @@ addresses, because the twin has no API server to list pods from. Which pods
 that selector picks among the pods KubeRay builds is checked in
 tests/test_selectors.py; here the router itself runs, on loopback ports.
 
+The router runs behind its front, nginx with the config the render mounts
+in the router pod (infra/serving/router_front.py), on Debian's nginx, with
+loopback addresses and a scratch directory: what a client reaches is what
+the load balancer reaches in the cluster.
+
 The check is the one an NLB fails: one client with a keep-alive pool at
 steady load. An NLB balances connections, so that client's requests stay on
 the replicas its few connections landed on; the router balances requests.
@@ -27,15 +32,22 @@ on the client's connections.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import shutil
+import signal
 import sys
+import tempfile
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from infra.serving.router_front import FrontAddresses, FrontPlan
 from localserve.processes import Child, child_env, free_port
 from twin.live import status_of
 
@@ -53,6 +65,10 @@ DISCOVERY_FLAGS: dict[str, int | None] = {
 # Replaced with loopback ones: the pod's own address and ports.
 ADDRESS_FLAGS = ("--host", "--port", "--prometheus-host", "--prometheus-port")
 READY_TIMEOUT_S = 60.0
+# Debian's nginx (scripts/system-deps.sh), where root's PATH may not reach it.
+NGINX_FALLBACK = "/usr/sbin/nginx"
+# How long a stopping front may take to finish the requests it holds.
+FRONT_STOP_S = 10.0
 # Steady load from one client: its pool's connections, and the requests it sends.
 BALANCE_CONCURRENCY = 8
 BALANCE_REQUESTS = 120
@@ -69,6 +85,8 @@ class RouterSpec:
     command: tuple[str, ...]
     # Whether the stack turns it on (`serving.routing.enabled`).
     enabled: bool
+    # Its front, the nginx the load balancer reaches.
+    front: FrontPlan
 
 
 def router_specs(stack_config: Path) -> dict[str, RouterSpec]:
@@ -78,7 +96,7 @@ def router_specs(stack_config: Path) -> dict[str, RouterSpec]:
 
     cfg = load_stack_file(stack_config)
     return {
-        service: RouterSpec(service, tuple(plan.command), cfg.serving.routing.enabled)
+        service: RouterSpec(service, tuple(plan.command), cfg.serving.routing.enabled, plan.front)
         for service, plan in router_plans(cfg).items()
     }
 
@@ -125,34 +143,70 @@ def static_command(command: Sequence[str], worker_urls: Sequence[str], port: int
     ]
 
 
+def nginx_binary() -> str:
+    """Debian's nginx, on PATH or where the package puts it; one clear line when it is missing."""
+    found = shutil.which("nginx") or (NGINX_FALLBACK if Path(NGINX_FALLBACK).exists() else None)
+    if found is None:
+        raise RuntimeError("nginx is not installed: scripts/system-deps.sh test installs it (Debian's nginx-light)")
+    return found
+
+
 @dataclass
 class TwinRouter:
-    """A running vllm-router on loopback ports."""
+    """A running vllm-router on a loopback port, behind its front on another."""
 
     child: Child
+    front: Child
+    # The front's port: what clients reach.
     port: int
+    # The router's own port, which in the pod only the front reaches.
+    router_port: int
+    scratch: tempfile.TemporaryDirectory[str]
 
     @property
     def base_url(self) -> str:
-        """Its OpenAI base URL."""
+        """Its OpenAI base URL, through the front."""
         return f"http://{HOST}:{self.port}/v1"
 
     def stop(self) -> None:
-        """Stops it and anything it started."""
+        """Stops the front (gracefully, as the pod's stop signal does), then the router."""
+        self.front.stop(grace_s=FRONT_STOP_S, stop_signal=signal.SIGQUIT)
         self.child.stop(grace_s=10)
+        self.scratch.cleanup()
 
 
-def start_router(command: Sequence[str], worker_urls: Sequence[str], log_path: Path) -> tuple[TwinRouter, list[str]]:
-    """Starts the router in front of ``worker_urls``; returns it and the command it runs, once it is ready."""
+def start_front(
+    front: FrontPlan, router_port: int, log_path: Path
+) -> tuple[Child, int, tempfile.TemporaryDirectory[str]]:
+    """Starts nginx with the front's config, listening on a free loopback port, in front of ``router_port``."""
+    scratch = tempfile.TemporaryDirectory(prefix="router-front-")
+    # Run as root (as CI runs), nginx's workers drop to `nobody`, which must
+    # reach the temp directories the master makes (and hands them) in here.
+    os.chmod(scratch.name, 0o755)
     port = free_port()
-    argv = static_command(command, worker_urls, port, free_port())
-    router = TwinRouter(Child.start("vllm-router", argv, child_env(), log_path), port)
+    conf = Path(scratch.name) / "nginx.conf"
+    conf.write_text(front.config(FrontAddresses(f"{HOST}:{port}", f"{HOST}:{router_port}", scratch.name)))
+    argv = [nginx_binary(), "-p", scratch.name, "-c", str(conf), "-e", "stderr", "-g", "daemon off;"]
+    return Child.start("router-front", argv, child_env(), log_path), port, scratch
+
+
+def start_router(
+    command: Sequence[str], worker_urls: Sequence[str], log_path: Path, front: FrontPlan
+) -> tuple[TwinRouter, list[str]]:
+    """Starts the router before ``worker_urls``, and its front; returns them and the router's command once ready."""
+    router_port = free_port()
+    argv = static_command(command, worker_urls, router_port, free_port())
+    child = Child.start("vllm-router", argv, child_env(), log_path)
+    front_child, port, scratch = start_front(front, router_port, log_path.with_name(log_path.stem + "-front.log"))
+    router = TwinRouter(child, front_child, port, router_port, scratch)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
-        if router.child.proc.poll() is not None:
-            raise RuntimeError(f"vllm-router exited with {router.child.proc.returncode}: {router.child.log_tail(5)}")
+        for part in (router.child, router.front):
+            if part.proc.poll() is not None:
+                router.stop()
+                raise RuntimeError(f"{part.name} exited with {part.proc.returncode}: {part.log_tail(5)}")
         with contextlib.suppress(OSError):
-            # 503 until it has a healthy replica to send to.
+            # 503 until it has a healthy replica to send to; through the front, as the kubelet asks.
             if status_of(f"http://{HOST}:{port}/readiness") == 200:
                 return router, argv
         time.sleep(0.5)
@@ -201,14 +255,39 @@ def with_policy(command: Sequence[str], policy: str) -> list[str]:
     return words
 
 
-def measure_split(
-    command: Sequence[str], roots: Sequence[str], metrics_urls: Sequence[str], api_key: str, model_id: str, log: Path
-) -> tuple[Split, int]:
-    """Runs the router in front of ``roots`` and one client at steady load through it.
+def remove_worker_status(port: int, worker_url: str) -> int:
+    """The status of vllm-router's keyless control route that takes a replica out of rotation, at ``port``."""
+    query = urllib.parse.urlencode({"url": worker_url})
+    request = urllib.request.Request(f"http://{HOST}:{port}/remove_worker?{query}", data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
 
-    Returns the split and the status the router gives a request without an API key.
-    """
-    router, argv = start_router(command, roots, log)
+
+@dataclass(frozen=True)
+class RouterRun:
+    """What one run of the router in front of the replicas showed."""
+
+    split: Split
+    # The status a request without an API key got (the replica's guard answers it).
+    refused: int
+    # The status vllm-router's control route got through the front.
+    control: int
+
+
+def measure_split(
+    command: Sequence[str],
+    front: FrontPlan,
+    roots: Sequence[str],
+    metrics_urls: Sequence[str],
+    api_key: str,
+    model_id: str,
+    log: Path,
+) -> RouterRun:
+    """Runs the router in front of ``roots`` and one client at steady load through it, then its control route."""
+    router, argv = start_router(command, roots, log, front)
     try:
         before = [served(url) for url in metrics_urls]
         started = time.monotonic()
@@ -216,10 +295,11 @@ def measure_split(
         after = [served(url) for url in metrics_urls]
         seconds = time.monotonic() - started
         refused = status_of(f"http://{HOST}:{router.port}/v1/models")
+        control = remove_worker_status(router.port, roots[0])
     finally:
         router.stop()
     counts = [int(a - b) for a, b in zip(after, before, strict=True)]
-    return Split(argv[argv.index("--policy") + 1], counts, seconds), refused
+    return RouterRun(Split(argv[argv.index("--policy") + 1], counts, seconds), refused, control)
 
 
 def imbalance(counts: Sequence[float]) -> float:

@@ -554,11 +554,18 @@ def check_routing(session: Session, report: Report, model: ModelInfo, replicas: 
     )
     key, what = session.serve.api_key, f"routing ({model.model_id})"
     try:
-        split, refused = measure_split(spec.command, roots, metrics, key, model.model_id, workdir / "router.log")
+        run = measure_split(spec.command, spec.front, roots, metrics, key, model.model_id, workdir / "router.log")
+        split = run.split
         report.check(
             session.name,
-            refused == 401,
-            f"{what}: without an API key the router passes on the replica's {refused} (want 401)",
+            run.refused == 401,
+            f"{what}: without an API key the router passes on the replica's {run.refused} (want 401)",
+        )
+        report.check(
+            session.name,
+            run.control == 404,
+            f"{what}: the router's keyless control route (POST /remove_worker) through its front: {run.control} "
+            "(want 404: the load balancer reaches only the API's routes)",
         )
         turns = split
         if split.policy != "round_robin":
@@ -568,7 +575,7 @@ def check_routing(session: Session, report: Report, model: ModelInfo, replicas: 
                 f"the replicas answered {split.counts} in {split.seconds:.0f}s (the replicas' speeds differ here)",
             )
             rr = with_policy(spec.command, "round_robin")
-            turns, _ = measure_split(rr, roots, metrics, key, model.model_id, workdir / "router-rr.log")
+            turns = measure_split(rr, spec.front, roots, metrics, key, model.model_id, workdir / "router-rr.log").split
     except Exception as err:
         report.fail(session.name, f"{what}: {type(err).__name__}: {err}")
         return

@@ -48,20 +48,32 @@ from infra.serving.network import ANYWHERE, HTTPS, ClusterPeers
 from infra.serving.pod_security import RAY_GID, RAY_UID, container_security_context, pod_security_context
 from infra.serving.ports import RAY_PORTS, Port
 from infra.serving.ray_service import worker_group_name
+from infra.serving.router_front import (
+    CONFIG_DIR,
+    CONFIG_FILE,
+    FRONT_PORT,
+    LIVENESS_PATH,
+    POD_SCRATCH,
+    READINESS_PATH,
+    ROUTER_BACKEND,
+    FrontPlan,
+    config_digest,
+)
+from infra.versions import ROUTER_FRONT_IMAGE
 
 ROUTER_NAME_LABEL = {"app.kubernetes.io/name": "llm-router"}
 # Which RayService's replicas a router pod sends to.
 ROUTER_OF = "llm-platform/router-of"
-# The router answers on the port name and number the replicas' servers use,
-# so the load balancer's target port and the clients' URL are the same with
-# or without it.
-ROUTER_PORT = RAY_PORTS.openai
+# The pod answers on the port name and number the replicas' servers use, so
+# the load balancer's target port and the clients' URL are the same with or
+# without it; its front (router_front.py) listens there, the router behind it.
+ROUTER_PORT = FRONT_PORT
 ROUTER_METRICS = Port("router-metrics", 29000)
-# vllm-router's probes: /liveness answers while the process runs; /readiness
-# only once it has a healthy replica to send to, so a router that has found
-# none takes no connection from the load balancer.
-LIVENESS_PATH = "/liveness"
-READINESS_PATH = "/readiness"
+# The pod's two containers.
+ROUTER_CONTAINER = "router"
+FRONT_CONTAINER = "front"
+# The pod's annotation carrying its front's config digest.
+FRONT_CONFIG_DIGEST = "llm-platform/router-front-config"
 # How often the router checks each replica's /health itself (its own default
 # is 60 s); Kubernetes readiness removes a failing replica sooner still.
 HEALTH_CHECK_INTERVAL_S = 10
@@ -105,6 +117,8 @@ class RouterPlan:
     command: list[str]
     # The longest generation the limits allow at the SLO's pace: what a stopping router lets finish.
     request_timeout_s: int
+    # The nginx in front of it, which alone the load balancer reaches.
+    front: FrontPlan
 
     @property
     def grace_seconds(self) -> int:
@@ -122,7 +136,10 @@ def router_plans(cfg: StackConfig) -> dict[str, RouterPlan]:
         (model,) = models  # vllm-server serves one model per service (serving.vllm_server_problem)
         selector = replica_selector(service, worker_group_name(model))
         plans[service] = RouterPlan(
-            selector, router_args(cfg.serving.routing, cfg.serving.namespace, selector, timeout), timeout
+            selector,
+            router_args(cfg.serving.routing, cfg.serving.namespace, selector, timeout),
+            timeout,
+            FrontPlan.of(cfg.serving.limits, timeout),
         )
     return plans
 
@@ -132,9 +149,9 @@ def router_args(routing: Routing, namespace: str, selector: Mapping[str, str], r
     args = [
         "vllm-router",
         "--host",
-        "0.0.0.0",  # the pod's own address: the NetworkPolicy says who may connect
+        "127.0.0.1",  # its control routes need no key: only the pod's front reaches it
         "--port",
-        str(ROUTER_PORT.number),
+        str(ROUTER_BACKEND.number),
         "--service-discovery",
         "--service-discovery-namespace",
         namespace,
@@ -199,17 +216,15 @@ def _spread(service: str) -> list[dict[str, Any]]:
     ]
 
 
-def _container(routing: Routing, image: pulumi.Input[str], command: list[str]) -> dict[str, Any]:
+def _router_container(routing: Routing, image: pulumi.Input[str], command: list[str]) -> dict[str, Any]:
     return {
-        "name": "router",
+        "name": ROUTER_CONTAINER,
         "image": image,
         "command": command,
-        "ports": [ROUTER_PORT.container_port(), ROUTER_METRICS.container_port()],
-        "readinessProbe": {
-            "httpGet": {"path": READINESS_PATH, "port": ROUTER_PORT.name},
-            "periodSeconds": 5,
-            "failureThreshold": 2,
-        },
+        # Its API port is on loopback (router_front.py); only the metrics are on the pod's address.
+        "ports": [ROUTER_METRICS.container_port()],
+        # Through the front, the only way in from the kubelet: a router that
+        # stops answering is restarted.
         "livenessProbe": {
             "httpGet": {"path": LIVENESS_PATH, "port": ROUTER_PORT.name},
             "periodSeconds": 10,
@@ -222,6 +237,52 @@ def _container(routing: Routing, image: pulumi.Input[str], command: list[str]) -
         "securityContext": container_security_context(read_only_root=True),
         # Kubernetes' own sleep (no binary in the image needed): the load balancer stops sending first.
         "lifecycle": {"preStop": {"sleep": {"seconds": DEREGISTER_SECONDS}}},
+    }
+
+
+# The front's share of the pod: nginx proxying on loopback needs little.
+FRONT_CPU = "100m"
+FRONT_MEMORY = "128Mi"
+# Room for the request bodies it holds while they arrive (each under the guard's cap).
+FRONT_SCRATCH = "1Gi"
+
+
+def _front_container() -> dict[str, Any]:
+    return {
+        "name": FRONT_CONTAINER,
+        "image": ROUTER_FRONT_IMAGE,
+        "command": ["nginx", "-c", f"{CONFIG_DIR}/{CONFIG_FILE}", "-e", "stderr", "-g", "daemon off;"],
+        "ports": [ROUTER_PORT.container_port()],
+        # The router's readiness, through the front: Ready once the router has
+        # a healthy replica to send to and the front passes to it, so a pod
+        # that has found none takes no connection from the load balancer.
+        "readinessProbe": {
+            "httpGet": {"path": READINESS_PATH, "port": ROUTER_PORT.name},
+            "periodSeconds": 5,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {"tcpSocket": {"port": ROUTER_PORT.name}, "periodSeconds": 10, "failureThreshold": 3},
+        "resources": {
+            "requests": {"cpu": FRONT_CPU, "memory": FRONT_MEMORY},
+            "limits": {"memory": FRONT_MEMORY},
+        },
+        "securityContext": container_security_context(read_only_root=True),
+        "volumeMounts": [
+            {"name": "front-config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "front-scratch", "mountPath": POD_SCRATCH},
+        ],
+        # As the router's: the load balancer stops sending first. Then the
+        # image's stop signal, SIGQUIT, on which nginx finishes the requests
+        # it holds before it exits.
+        "lifecycle": {"preStop": {"sleep": {"seconds": DEREGISTER_SECONDS}}},
+    }
+
+
+def front_config_map(service: str, namespace: str, plan: RouterPlan) -> dict[str, Any]:
+    """The front's nginx.conf, mounted read-only."""
+    return {
+        "metadata": {"name": f"{router_name(service)}-front", "namespace": namespace, "labels": dict(PART_OF)},
+        "data": {CONFIG_FILE: plan.front.config()},
     }
 
 
@@ -243,7 +304,11 @@ def deployment(
             "selector": {"matchLabels": router_pods(service)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
-                "metadata": {"labels": labels},
+                "metadata": {
+                    "labels": labels,
+                    # A changed front config rolls the pods (nginx reads it once, at start).
+                    "annotations": {FRONT_CONFIG_DIGEST: config_digest(plan.front.config())},
+                },
                 "spec": {
                     **system.pod_scheduling(),
                     "serviceAccountName": router_name(service),
@@ -252,7 +317,12 @@ def deployment(
                     "securityContext": pod_security_context(RAY_UID, RAY_GID),
                     "topologySpreadConstraints": _spread(service),
                     "terminationGracePeriodSeconds": plan.grace_seconds,
-                    "containers": [_container(routing, image, plan.command)],
+                    "containers": [_front_container(), _router_container(routing, image, plan.command)],
+                    "volumes": [
+                        {"name": "front-config", "configMap": {"name": f"{router_name(service)}-front"}},
+                        # On the node's disk, not memory: large request bodies wait here.
+                        {"name": "front-scratch", "emptyDir": {"sizeLimit": FRONT_SCRATCH}},
+                    ],
                 },
             },
         },
@@ -379,6 +449,10 @@ class RequestRouter(pulumi.ComponentResource):
         k8s.networking.v1.NetworkPolicy(
             f"{name}-policy", metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts
         )
+        front = front_config_map(service, namespace, args.plan)
+        front_config = k8s.core.v1.ConfigMap(
+            f"{name}-front", metadata=front["metadata"], data=front["data"], opts=k8s_opts
+        )
         manifest = deployment(service, namespace, args.routing, args.image, args.system, args.plan)
         self.deployment = k8s.apps.v1.Deployment(
             f"{name}-deployment",
@@ -386,7 +460,7 @@ class RequestRouter(pulumi.ComponentResource):
             spec=manifest["spec"],
             opts=pulumi.ResourceOptions(
                 parent=self,
-                depends_on=[account, reader, binding],
+                depends_on=[account, reader, binding, front_config],
                 # The autoscaler owns the count after the first apply.
                 ignore_changes=["spec.replicas"],
             ),

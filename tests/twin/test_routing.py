@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.serving.router import router_name
+from infra.serving.router import ROUTER_CONTAINER, router_name
 from tests.harness import ROUTING, manifests_of, render_routed, stack_doc
 from twin.routing import imbalance, router_specs, static_command
 
@@ -19,7 +19,8 @@ def _rendered_command(service: str) -> list[str]:
     (dep,) = [
         d for d in manifests_of(render_routed("prod"), "Deployment") if d["metadata"]["name"] == router_name(service)
     ]
-    command: list[str] = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    (router,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == ROUTER_CONTAINER]
+    command: list[str] = router["command"]
     return command
 
 

@@ -1,0 +1,295 @@
+"""The router's front (infra/serving/router_front.py): the load balancer reaches the API's routes and nothing else.
+
+The pinned vllm-router serves keyless control routes on its API port. These
+tests run that release, with the command the render gives prod, behind
+Debian's nginx with the config the render mounts (loopback addresses and a
+scratch directory swapped in), in front of loopback stand-in replicas that
+record what reaches them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typing_extensions import override
+
+from infra.config import load_stack_file
+from infra.config.routing import ROUTING_KEY_HEADER
+from infra.serving import router_front
+from infra.serving.router import FRONT_CONFIG_DIGEST, router_name
+from infra.serving.router_front import LIVENESS_PATH, READINESS_PATH, ROUTES, FrontPlan, config_digest
+from infra.versions import ROUTER_FRONT_IMAGE
+from tests.e2e.loopback_http import CHUNK_S, CHUNKS, LoopbackHttp
+from tests.harness import manifests_of, render_routed, stack_config
+from twin.routing import RouterSpec, TwinRouter, nginx_binary, remove_worker_status, router_specs, start_router
+from workloads.inference_server.guard import LIMITED_PATHS, body_cap
+from workloads.inference_server.vllm_guard import SERVED_PATHS
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "Bearer sk-test-caller"
+# vllm-router's routes that are not the API's (server.rs of the pinned
+# release: admin_routes, worker_routes, and the protected and public routes
+# the replicas' guard does not serve), with the method each takes.
+CONTROL_ROUTES = [
+    ("POST", "/add_worker?url=http://127.0.0.1:9"),
+    ("POST", "/remove_worker?url=http://127.0.0.1:9"),
+    ("GET", "/list_workers"),
+    ("POST", "/flush_cache"),
+    ("GET", "/get_loads"),
+    ("GET", "/scheduling/diagnostics"),
+    ("POST", "/finish_session"),
+    ("POST", "/workers"),
+    ("GET", "/workers"),
+    ("GET", "/workers/http%3A%2F%2F127.0.0.1%3A9"),
+    ("DELETE", "/workers/http%3A%2F%2F127.0.0.1%3A9"),
+    ("POST", "/generate"),
+    ("POST", "/v1/responses"),
+    ("POST", "/v1/embeddings"),
+    ("POST", "/v1/rerank"),
+    ("GET", "/health"),
+    ("GET", "/health_generate"),
+    ("GET", "/get_model_info"),
+    ("GET", "/get_server_info"),
+]
+
+
+@dataclass
+class Seen:
+    """What reached one stand-in replica."""
+
+    requests: list[dict[str, Any]] = field(default_factory=list)
+
+    def api(self) -> list[dict[str, Any]]:
+        """The requests other than the router's health checks."""
+        return [r for r in self.requests if r["path"] != "/health"]
+
+
+def recording_replica(seen: Seen) -> type[BaseHTTPRequestHandler]:
+    """A replica's server as the router sees it: healthy, listing a model, streaming completions."""
+
+    class Replica(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        @override
+        def log_message(self, format: str, *args: Any) -> None:
+            return None
+
+        def _note(self, body: bytes = b"") -> None:
+            seen.requests.append(
+                {
+                    "method": self.command,
+                    "path": self.path,
+                    "authorization": self.headers.get("authorization"),
+                    "key": self.headers.get(ROUTING_KEY_HEADER),
+                    "bytes": len(body),
+                }
+            )
+
+        def _json(self, obj: Any) -> None:
+            body = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            self._note()
+            if self.path.startswith("/v1/models"):
+                self._json({"object": "list", "data": [{"id": "m", "object": "model"}]})
+            else:
+                self._json({"status": "ok"})
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("content-length", 0)))
+            self._note(body)
+            if not json.loads(body or b"{}").get("stream"):
+                self._json({"choices": [{"index": 0, "text": "ok"}]})
+                return
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            for i in range(CHUNKS):
+                data = f'data: {{"choices": [{{"index": 0, "text": "t{i}"}}]}}\n\n'.encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+                time.sleep(CHUNK_S)
+            done = b"data: [DONE]\n\n"
+            self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+
+    return Replica
+
+
+def prod_router() -> RouterSpec:
+    return next(iter(router_specs(ROOT / "Pulumi.prod.yaml").values()))
+
+
+@pytest.fixture
+def routed(tmp_path: Path) -> Iterator[tuple[TwinRouter, Seen, LoopbackHttp]]:
+    seen = Seen()
+    replica = LoopbackHttp(recording_replica(seen))
+    spec = prod_router()
+    router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log", spec.front)
+    yield router, seen, replica
+    router.stop()
+    replica.stop()
+
+
+def test_without_its_front_the_pinned_routers_control_routes_hand_the_traffic_to_anyone(
+    routed: tuple[TwinRouter, Seen, LoopbackHttp],
+) -> None:
+    # Why the front exists: a keyless POST on the router's own port adds a
+    # server of the caller's, takes the real replica out, and from then on
+    # every prompt reaches that server, with its caller's API key.
+    router, seen, replica = routed
+    stolen = Seen()
+    thief = LoopbackHttp(recording_replica(stolen))
+    direct = f"http://127.0.0.1:{router.router_port}"
+    try:
+        added = httpx.post(f"{direct}/add_worker", params={"url": thief.base_url}, timeout=60)
+        assert added.status_code == 200, added.text
+        assert remove_worker_status(router.router_port, replica.base_url) == 200
+        answer = httpx.post(
+            f"{direct}/v1/completions", json={"model": "m", "prompt": "secret"}, headers={"authorization": KEY}
+        )
+        assert answer.status_code == 200
+    finally:
+        thief.stop()
+    assert [r["authorization"] for r in stolen.api()] == [KEY]
+    assert seen.api() == []
+
+
+@pytest.mark.parametrize(("method", "path"), CONTROL_ROUTES)
+def test_through_its_front_every_other_route_of_the_router_is_not_found(
+    routed: tuple[TwinRouter, Seen, LoopbackHttp], method: str, path: str
+) -> None:
+    router, seen, _ = routed
+    front = f"http://127.0.0.1:{router.port}"
+    answer = httpx.request(method, front + path, json={"model": "m", "prompt": "x"}, timeout=30)
+    assert answer.status_code == 404, answer.text
+    assert answer.headers["content-type"] == "application/json"
+    assert answer.json()["error"]["type"] == "not_found_error"
+    # The replica is still in rotation and was not reached.
+    assert seen.api() == []
+    done = httpx.post(front + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=30)
+    assert done.status_code == 200
+    assert [r["path"] for r in seen.api()] == ["/v1/completions"]
+
+
+def test_the_api_streams_through_the_front_with_the_callers_headers(
+    routed: tuple[TwinRouter, Seen, LoopbackHttp],
+) -> None:
+    router, seen, _ = routed
+    started = time.monotonic()
+    arrivals: list[float] = []
+    body = {"model": "m", "prompt": "hello", "stream": True}
+    headers = {"authorization": KEY, ROUTING_KEY_HEADER: "template-7"}
+    with httpx.stream("POST", router.base_url + "/completions", json=body, headers=headers, timeout=30) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if line.startswith("data: "):
+                arrivals.append(time.monotonic() - started)
+    assert len(arrivals) == CHUNKS + 1
+    # Each token as it comes: the first long before the last (nginx buffers by default).
+    assert arrivals[0] < arrivals[-1] - (CHUNKS - 5) * CHUNK_S
+    chat = httpx.post(
+        router.base_url + "/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        headers=headers,
+        timeout=30,
+    )
+    assert chat.status_code == 200
+    models = httpx.get(router.base_url + "/models", headers=headers, timeout=30)
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "m"
+    reached = seen.api()
+    assert [r["path"] for r in reached] == ["/v1/completions", "/v1/chat/completions", "/v1/models"]
+    assert {r["authorization"] for r in reached} == {KEY}
+    assert [r["key"] for r in reached[:2]] == ["template-7", "template-7"]
+
+
+def test_a_route_with_the_wrong_method_gets_405_in_the_openai_shape(
+    routed: tuple[TwinRouter, Seen, LoopbackHttp],
+) -> None:
+    router, seen, _ = routed
+    answer = httpx.get(router.base_url + "/completions", timeout=30)
+    assert answer.status_code == 405
+    assert answer.json()["error"]["code"] == "method_not_allowed"
+    assert httpx.post(router.base_url + "/models", timeout=30).status_code == 405
+    assert seen.api() == []
+
+
+def test_a_body_the_replicas_guard_would_refuse_is_refused_at_the_front(
+    routed: tuple[TwinRouter, Seen, LoopbackHttp],
+) -> None:
+    router, seen, _ = routed
+    cap = body_cap(load_stack_file(ROOT / "Pulumi.prod.yaml").serving.limits)
+    assert prod_router().front.max_body_bytes == cap
+
+    def sized(n: int) -> bytes:
+        head = b'{"model": "m", "prompt": "'
+        tail = b'"}'
+        return head + b"a" * (n - len(head) - len(tail)) + tail
+
+    url = router.base_url + "/completions"
+    over = httpx.post(url, content=sized(cap + 1), headers={"content-type": "application/json"}, timeout=30)
+    assert over.status_code == 413
+    assert over.json()["error"]["code"] == "body_too_large"
+    assert seen.api() == []
+    at = httpx.post(url, content=sized(cap), headers={"content-type": "application/json"}, timeout=30)
+    assert at.status_code == 200
+    # The router writes the body out again with its own defaults added, so a little larger.
+    (passed,) = seen.api()
+    assert cap <= passed["bytes"] < cap + 1024
+
+
+def test_the_front_passes_only_what_the_replicas_serve_and_the_routers_probes() -> None:
+    generation = {path for path, method in ROUTES.items() if method == "POST"}
+    assert generation == LIMITED_PATHS
+    assert set(ROUTES) <= SERVED_PATHS | {LIVENESS_PATH, READINESS_PATH}
+
+
+def test_the_pod_mounts_the_config_the_tests_run_and_rolls_when_it_changes(tmp_path: Path) -> None:
+    cfg = stack_config("prod")
+    rendered = render_routed("prod")
+    maps = {m["metadata"]["name"]: m for m in manifests_of(rendered, "ConfigMap")}
+    deployments = {d["metadata"]["name"]: d for d in manifests_of(rendered, "Deployment")}
+    services = [rs["metadata"]["name"] for rs in manifests_of(rendered, "RayService")]
+    assert services
+    for service in services:
+        dep = deployments[router_name(service)]
+        template = dep["spec"]["template"]
+        front = next(c for c in template["spec"]["containers"] if c["name"] == "front")
+        assert front["image"] == ROUTER_FRONT_IMAGE
+        mounts = {m["name"]: m for m in front["volumeMounts"]}
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        config_map = volumes[mounts["front-config"]["name"]]["configMap"]["name"]
+        text = maps[config_map]["data"][router_front.CONFIG_FILE]
+        assert text == FrontPlan.of(cfg.serving.limits, _timeout(dep)).config()
+        assert template["metadata"]["annotations"][FRONT_CONFIG_DIGEST] == config_digest(text)
+        assert f"{mounts['front-config']['mountPath']}/{router_front.CONFIG_FILE}" in front["command"]
+        # nginx reads it as written (the pod's ports and paths), scratch aside.
+        conf = tmp_path / f"{service}.conf"
+        conf.write_text(text)
+        check = subprocess.run(
+            [nginx_binary(), "-t", "-p", str(tmp_path), "-c", str(conf), "-e", "stderr"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert check.returncode == 0, check.stderr
+
+
+def _timeout(deployment: dict[str, Any]) -> int:
+    router = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "router")
+    command = router["command"]
+    return int(command[command.index("--request-timeout-secs") + 1])
