@@ -23,7 +23,7 @@ help:
 	@echo "make local STACK=dev         the stack served at http://127.0.0.1:8000/v1 until Ctrl-C (MODEL=/path for your model, PORT= another port)"
 	@echo "make bench                   serving overhead and render-scale benchmarks -> benchmarks/results/"
 	@echo "make bench-quick             the same code path once, small (under 3 min): a check, not a measurement"
-	@echo "make pin-base                re-resolve the serving image's base tag to a digest (needs the registry)"
+	@echo "make pin-base                re-resolve the serving image's base and the router front's tags to digests (needs the registries)"
 	@echo "make lock-workloads          re-lock workloads/requirements.txt with hashes (needs PyPI)"
 	@echo "make whatif STACK=prod [TRACE=file.jsonl]  replay a trace with each routing policy"
 

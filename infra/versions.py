@@ -110,5 +110,11 @@ ELASTICACHE_REDIS_VERSION = "7.1"
 # run as any non-root user, from ECR Public (no Docker Hub pull limits on the
 # nodes). Its config is checked with Debian's nginx 1.22 in the tests and the
 # twin (scripts/system-deps.sh); it uses only directives both releases share.
-# The image's stop signal is SIGQUIT, nginx's graceful stop.
-ROUTER_FRONT_IMAGE = "public.ecr.aws/nginx/nginx-unprivileged:1.28.0-alpine"
+# The image's stop signal is SIGQUIT, nginx's graceful stop. Named by digest
+# as the serving image's base is: `make pin-base` resolves both tags and
+# rewrites both digest lines; until it has run where ECR Public is
+# reachable, the tag, and a preview of a stack with routing on says so.
+ROUTER_FRONT_TAG = "public.ecr.aws/nginx/nginx-unprivileged:1.28.0-alpine"
+ROUTER_FRONT_DIGEST = "sha256:0000000000000000000000000000000000000000000000000000000000000000"
+ROUTER_FRONT_PINNED = ROUTER_FRONT_DIGEST != UNRESOLVED_DIGEST
+ROUTER_FRONT_IMAGE = f"{ROUTER_FRONT_TAG}@{ROUTER_FRONT_DIGEST}" if ROUTER_FRONT_PINNED else ROUTER_FRONT_TAG

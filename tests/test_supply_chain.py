@@ -18,7 +18,8 @@ from infra.aws import registry
 from infra.cluster_services import monitoring
 from infra.serving import autoscaler_scope
 from infra.serving.ray_service import RAY_AUTH_MODE, ray_auth_secret_name
-from tests.harness import STACKS, by_type, manifests_of, render_stack
+from infra.serving.router import UNPINNED_FRONT_WARNING
+from tests.harness import STACKS, by_type, manifests_of, render_routed, render_stack
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ROOT / "workloads"
@@ -72,6 +73,22 @@ def test_every_image_the_program_builds_or_deploys_is_named_by_digest(stack: str
     # Charts: each is pinned, and each whose images are by tag is written down.
     for release in rendered.helm:
         assert release["name"] in CHART_IMAGE_EXCEPTIONS, f"chart {release['name']}: say how its images are pinned"
+
+
+def test_a_routed_stack_names_every_image_by_digest_but_an_unresolved_front_which_the_preview_names() -> None:
+    rendered = render_routed("prod")
+    images = {str(image) for m in rendered.manifests for image in _images(m)}
+    assert versions.ROUTER_FRONT_IMAGE in images
+    by_tag = {image for image in images if not BY_DIGEST.match(image)}
+    if versions.ROUTER_FRONT_PINNED:
+        assert by_tag == set()
+        assert UNPINNED_FRONT_WARNING not in rendered.log
+    else:
+        # Not resolved yet (ECR Public is not reachable here): the tag, and one line per router saying so.
+        assert by_tag == {versions.ROUTER_FRONT_TAG}
+        routers = [m for m in manifests_of(rendered, "Deployment") if m["metadata"]["name"].endswith("-router")]
+        assert rendered.log.count(UNPINNED_FRONT_WARNING) == len(routers) > 0
+        assert "make pin-base" in UNPINNED_FRONT_WARNING
 
 
 def test_the_karpenter_chart_names_its_controller_by_digest() -> None:
@@ -161,8 +178,8 @@ def test_the_build_cache_is_immutable_and_keyed_by_what_the_dependencies_are_bui
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is needed for the diff pin-base prints")
-def test_pin_base_rewrites_the_digest_in_versions_and_the_dockerfile(tmp_path: Path) -> None:
-    """`make pin-base` with a stand-in `crane` that resolves the tag: one diff, both places."""
+def test_pin_base_rewrites_the_digests_in_versions_and_the_dockerfile(tmp_path: Path) -> None:
+    """`make pin-base` with a stand-in `crane` that resolves each tag: one diff, every place."""
     work = tmp_path / "repo"
     (work / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "scripts" / "pin-base.sh", work / "scripts" / "pin-base.sh")
@@ -170,10 +187,16 @@ def test_pin_base_rewrites_the_digest_in_versions_and_the_dockerfile(tmp_path: P
     (work / "workloads").mkdir()
     shutil.copy(WORKLOADS / "Dockerfile", work / "workloads" / "Dockerfile")
     digest = "sha256:" + hashlib.sha256(b"a new base").hexdigest()
+    front = "sha256:" + hashlib.sha256(b"a new front").hexdigest()
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     crane = bin_dir / "crane"
-    crane.write_text(f'#!/bin/sh\n[ "$1" = digest ] && [ "$2" = "{versions.RAY_LLM_BASE_TAG}" ] && echo {digest}\n')
+    crane.write_text(
+        "#!/bin/sh\n"
+        f'[ "$1" = digest ] && [ "$2" = "{versions.RAY_LLM_BASE_TAG}" ] && echo {digest}\n'
+        f'[ "$1" = digest ] && [ "$2" = "{versions.ROUTER_FRONT_TAG}" ] && echo {front}\n'
+        "exit 0\n"
+    )
     crane.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": str(ROOT / "venv/bin/python")}
     if not Path(env["PYTHON"]).exists():
@@ -187,6 +210,8 @@ def test_pin_base_rewrites_the_digest_in_versions_and_the_dockerfile(tmp_path: P
     assert f'RAY_LLM_BASE_DIGEST = "{digest}"' in (work / "infra" / "versions.py").read_text()
     assert f"ARG BASE_IMAGE={pinned}\n" in (work / "workloads" / "Dockerfile").read_text()
     assert f"-> {digest}" in done.stdout
+    assert f'ROUTER_FRONT_DIGEST = "{front}"' in (work / "infra" / "versions.py").read_text()
+    assert f"{versions.ROUTER_FRONT_TAG} -> {front}" in done.stdout
 
 
 @pytest.mark.parametrize("stack", STACKS)

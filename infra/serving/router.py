@@ -38,6 +38,7 @@ from typing import Any
 import pulumi
 import pulumi_kubernetes as k8s
 
+from infra import versions
 from infra.config import Routing, StackConfig, longest_generation_seconds
 from infra.scheduling import Placement
 from infra.serving import kuberay
@@ -59,7 +60,6 @@ from infra.serving.router_front import (
     FrontPlan,
     config_digest,
 )
-from infra.versions import ROUTER_FRONT_IMAGE
 
 ROUTER_NAME_LABEL = {"app.kubernetes.io/name": "llm-router"}
 # Which RayService's replicas a router pod sends to.
@@ -69,6 +69,11 @@ ROUTER_OF = "llm-platform/router-of"
 # without it; its front (router_front.py) listens there, the router behind it.
 ROUTER_PORT = FRONT_PORT
 ROUTER_METRICS = Port("router-metrics", 29000)
+# Said once per router in a preview while the front's tag is not resolved to a digest.
+UNPINNED_FRONT_WARNING = (
+    f"the router's front runs {versions.ROUTER_FRONT_TAG} by its tag, which can be pushed again: "
+    "run `make pin-base` where ECR Public is reachable and commit the digest it writes"
+)
 # The pod's two containers.
 ROUTER_CONTAINER = "router"
 FRONT_CONTAINER = "front"
@@ -250,7 +255,7 @@ FRONT_SCRATCH = "1Gi"
 def _front_container() -> dict[str, Any]:
     return {
         "name": FRONT_CONTAINER,
-        "image": ROUTER_FRONT_IMAGE,
+        "image": versions.ROUTER_FRONT_IMAGE,
         "command": ["nginx", "-c", f"{CONFIG_DIR}/{CONFIG_FILE}", "-e", "stderr", "-g", "daemon off;"],
         "ports": [ROUTER_PORT.container_port()],
         # The router's readiness, through the front: Ready once the router has
@@ -429,6 +434,8 @@ class RequestRouter(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: RequestRouterArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("llm-platform:serving:RequestRouter", name, None, opts)
+        if not versions.ROUTER_FRONT_PINNED:
+            pulumi.log.warn(UNPINNED_FRONT_WARNING, resource=self)
         k8s_opts = pulumi.ResourceOptions(parent=self)
         service, namespace = args.service, args.namespace
         selector = args.plan.selector
