@@ -28,7 +28,7 @@ from infra.serving import router_front
 from infra.serving.router import FRONT_CONFIG_DIGEST, router_name
 from infra.serving.router_front import LIVENESS_PATH, READINESS_PATH, ROUTES, FrontPlan, config_digest
 from infra.versions import ROUTER_FRONT_IMAGE
-from tests.e2e.loopback_http import CHUNK_S, CHUNKS, LoopbackHttp
+from tests.e2e.loopback_http import CHUNK_S, CHUNKS, LoopbackHttp, SlowReplica
 from tests.harness import manifests_of, render_routed, stack_config
 from twin.routing import RouterSpec, TwinRouter, nginx_binary, remove_worker_status, router_specs, start_router
 from workloads.inference_server.guard import LIMITED_PATHS, body_cap
@@ -74,15 +74,9 @@ class Seen:
 
 
 def recording_replica(seen: Seen) -> type[BaseHTTPRequestHandler]:
-    """A replica's server as the router sees it: healthy, listing a model, streaming completions."""
+    """A replica's server as the router sees it: healthy, listing a model, streaming, noting each request."""
 
-    class Replica(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        @override
-        def log_message(self, format: str, *args: Any) -> None:
-            return None
-
+    class Replica(SlowReplica):
         def _note(self, body: bytes = b"") -> None:
             seen.requests.append(
                 {
@@ -102,30 +96,22 @@ def recording_replica(seen: Seen) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
+        @override
         def do_GET(self) -> None:
             self._note()
             if self.path.startswith("/v1/models"):
                 self._json({"object": "list", "data": [{"id": "m", "object": "model"}]})
             else:
-                self._json({"status": "ok"})
+                super().do_GET()
 
+        @override
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("content-length", 0)))
             self._note(body)
-            if not json.loads(body or b"{}").get("stream"):
+            if json.loads(body or b"{}").get("stream"):
+                self.stream()
+            else:
                 self._json({"choices": [{"index": 0, "text": "ok"}]})
-                return
-            self.send_response(200)
-            self.send_header("content-type", "text/event-stream")
-            self.send_header("transfer-encoding", "chunked")
-            self.end_headers()
-            for i in range(CHUNKS):
-                data = f'data: {{"choices": [{{"index": 0, "text": "t{i}"}}]}}\n\n'.encode()
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-                self.wfile.flush()
-                time.sleep(CHUNK_S)
-            done = b"data: [DONE]\n\n"
-            self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
 
     return Replica
 

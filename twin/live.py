@@ -336,9 +336,9 @@ def status_without_key(port: int) -> int:
     return status_of(f"http://{LOOPBACK}:{port}/v1/models")
 
 
-def status_of(url: str) -> int:
-    """The HTTP status of ``GET url`` without an API key."""
-    request = urllib.request.Request(url)
+def status_of(url: str, method: str = "GET") -> int:
+    """The HTTP status of ``method url`` (no body) without an API key."""
+    request = urllib.request.Request(url, data=b"" if method != "GET" else None, method=method)
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return int(response.status)

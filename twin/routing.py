@@ -39,7 +39,6 @@ import signal
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
@@ -258,12 +257,7 @@ def with_policy(command: Sequence[str], policy: str) -> list[str]:
 def remove_worker_status(port: int, worker_url: str) -> int:
     """The status of vllm-router's keyless control route that takes a replica out of rotation, at ``port``."""
     query = urllib.parse.urlencode({"url": worker_url})
-    request = urllib.request.Request(f"http://{HOST}:{port}/remove_worker?{query}", data=b"", method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as err:
-        return int(err.code)
+    return status_of(f"http://{HOST}:{port}/remove_worker?{query}", method="POST")
 
 
 @dataclass(frozen=True)

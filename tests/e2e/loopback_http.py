@@ -50,6 +50,10 @@ class SlowReplica(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.stream()
+
+    def stream(self) -> None:
+        """The streamed answer: CHUNKS chunks CHUNK_S apart, then [DONE]."""
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.send_header("transfer-encoding", "chunked")
