@@ -42,6 +42,7 @@ def free_port() -> int:
 
 # /proc/<pid>/stat after the parenthesised command name (which may hold spaces
 # and parentheses, hence the last ")"), 0-based: state, ppid, pgrp, session, ...
+STAT_STATE = 0
 STAT_PPID = 1
 STAT_SESSION = 3
 STAT_UTIME = 11
@@ -91,8 +92,18 @@ def with_descendants(roots: set[int]) -> set[int]:
 
 
 def session_members(sid: int) -> list[int]:
-    """Process ids whose session id is ``sid`` (Linux /proc)."""
-    return [pid for pid, fields in every_process() if len(fields) > STAT_SESSION and int(fields[STAT_SESSION]) == sid]
+    """Process ids whose session id is ``sid`` (Linux /proc), zombies left out.
+
+    A zombie has exited and holds nothing but its pid until its parent reaps
+    it. Once a session's leader is gone its children's parent is this
+    machine's init, which reaps them only every so often: counted, each stop
+    sent them SIGKILL until its deadline (10 s after every Ray cluster).
+    """
+    return [
+        pid
+        for pid, fields in every_process()
+        if len(fields) > STAT_SESSION and int(fields[STAT_SESSION]) == sid and fields[STAT_STATE] != "Z"
+    ]
 
 
 def marked_processes(marker: str) -> list[int]:

@@ -69,6 +69,7 @@ class StreamLoad:
     _threads: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _sent: int = 0
+    _abandon: bool = False
 
     def start(self) -> None:
         quiet_http_client_logs()
@@ -81,8 +82,14 @@ class StreamLoad:
         for thread in self._threads:
             thread.start()
 
-    def stop(self, timeout_s: float) -> list[threading.Thread]:
-        """Stop and join; returns the threads still running after `timeout_s` (hung requests)."""
+    def stop(self, timeout_s: float, *, abandon: bool = False) -> list[threading.Thread]:
+        """Stop and join; returns the threads still running after `timeout_s` (hung requests).
+
+        ``abandon``: each stream in flight is closed at its next chunk and kept
+        as no outcome, so the server drops it (vLLM aborts a request whose
+        client went away) instead of generating to the end for nobody.
+        """
+        self._abandon = abandon
         self._stop.set()
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
@@ -114,7 +121,7 @@ class StreamLoad:
             self._sent += 1
             return f"{self._sent} {self.prompt}"
 
-    def _one(self, client: Any, whole: bool = False) -> Outcome:
+    def _one(self, client: Any, whole: bool = False) -> Outcome | None:
         started = time.monotonic()
         prompt = self._prompt()
         try:
@@ -140,6 +147,8 @@ class StreamLoad:
                 extra_body={"ignore_eos": self.ignore_eos},
             ) as stream:
                 for chunk in stream:
+                    if self._abandon and self._stop.is_set():
+                        return None
                     for choice in chunk.choices:
                         finish = choice.finish_reason or finish
             if finish is None:
@@ -162,6 +171,8 @@ class StreamLoad:
         )
         while not self._stop.is_set():
             outcome = self._one(client, whole)
+            if outcome is None:
+                return
             with self._lock:
                 self.outcomes.append(outcome)
             time.sleep(self.think_s if outcome.ok else max(self.think_s, 0.25))
@@ -177,6 +188,18 @@ class StreamLoad:
                 healthy = False
             with self._lock:
                 self.health.append((time.monotonic(), healthy))
+
+
+def abandon_all(loads: list[StreamLoad], timeout_s: float) -> list[threading.Thread]:
+    """Stops every load at once, abandoning their streams in flight; the threads still running after ``timeout_s``.
+
+    Stopped one after another, each load's streams generate on while the
+    loads before it are joined, and the server keeps working for nobody.
+    """
+    for load in loads:
+        load.stop(timeout_s=0, abandon=True)
+    deadline = time.monotonic() + timeout_s
+    return [hung for load in loads for hung in load.stop(timeout_s=max(0.0, deadline - time.monotonic()), abandon=True)]
 
 
 @functools.cache

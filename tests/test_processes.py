@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from localserve.processes import (
     STAT_NICE,
     STAT_PPID,
     STAT_SESSION,
+    STAT_STATE,
     every_process,
     process_name,
     session_members,
@@ -55,3 +57,18 @@ def test_a_process_that_is_gone_reads_as_none() -> None:
     gone.wait()
     assert stat_fields(gone.pid) is None
     assert process_name(gone.pid) is None
+
+
+def test_an_exited_child_not_yet_reaped_is_no_member_of_its_session() -> None:
+    # A Ray cluster's processes, killed after their leader, are zombies until init reaps them;
+    # counted as members, every stop went on killing them until its deadline.
+    child = subprocess.Popen(["true"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while (fields := stat_fields(child.pid)) is not None and fields[STAT_STATE] != "Z":
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.01)
+        assert fields is not None and fields[STAT_STATE] == "Z", "reaped before it could be looked at"
+        assert session_members(child.pid) == []
+    finally:
+        child.wait()

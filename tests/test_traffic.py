@@ -6,12 +6,13 @@ import http.server
 import json
 import logging
 import ssl
+import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
 
-from localserve.traffic import HTTP_CLIENT_LOGGERS, StreamLoad
+from localserve.traffic import HTTP_CLIENT_LOGGERS, StreamLoad, abandon_all
 from tests.e2e.loopback_http import LoopbackHttp
 
 STREAMS = 12
@@ -127,3 +128,77 @@ def test_the_load_logs_no_line_per_request(server: _Replica, caplog: pytest.LogC
     assert load.wait_served(STREAMS, 0.0, timeout_s=20)
     load.stop(timeout_s=5)
     assert not [r.getMessage() for r in caplog.records if "HTTP Request" in r.getMessage()][:3]
+
+
+class _Endless(http.server.BaseHTTPRequestHandler):
+    """Streams chat chunks 50 ms apart for a minute; counts the streams whose client went away."""
+
+    protocol_version = "HTTP/1.1"
+    dropped: ClassVar[list[int]]
+    open_streams: ClassVar[list[int]]
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+        data = f"data: {json.dumps({**chunk, 'choices': [{'index': 0, 'delta': {'content': 'a'}}]})}\n\n".encode()
+        self.open_streams.append(1)
+        try:
+            for _ in range(1200):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+                time.sleep(0.05)
+        except OSError:
+            self.dropped.append(1)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_abandoning_the_loads_drops_their_streams_at_once_and_counts_none() -> None:
+    # The overload's 160 streams ran on after its alerts fired, each load stopped after the one
+    # before it: the server generated on for nobody and the next fault waited for it.
+    handler = type("Handler", (_Endless,), {"dropped": [], "open_streams": []})
+    server = LoopbackHttp(handler)
+    server.server.daemon_threads = True
+    loads = [StreamLoad(base_url=f"{server.base_url}/v1", api_key="k", streams=4) for _ in range(3)]
+    try:
+        for load in loads:
+            load.start()
+        deadline = time.monotonic() + 20
+        while len(handler.open_streams) < 12 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(handler.open_streams) == 12
+        started = time.monotonic()
+        hung = abandon_all(loads, timeout_s=10)
+        took = time.monotonic() - started
+        assert not hung and took < 3, f"{len(hung)} threads still running after {took:.1f}s"
+        assert [o for load in loads for o in load.done()] == []
+        deadline = time.monotonic() + 5
+        while len(handler.dropped) < 12 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(handler.dropped) == 12, "the server went on streaming to a client that had left"
+    finally:
+        server.stop()
+
+
+def test_a_plain_stop_lets_the_streams_in_flight_run_to_their_end() -> None:
+    # Day 2 counts every request of its load, the last ones included: stop() without abandon
+    # must not cut them.
+    handler = type("Handler", (_Endless,), {"dropped": [], "open_streams": []})
+    server = LoopbackHttp(handler)
+    server.server.daemon_threads = True
+    load = StreamLoad(base_url=f"{server.base_url}/v1", api_key="k", streams=2)
+    try:
+        load.start()
+        deadline = time.monotonic() + 20
+        while len(handler.open_streams) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(load.stop(timeout_s=1)) == 2
+        assert handler.dropped == []
+    finally:
+        load.stop(timeout_s=5, abandon=True)
+        server.stop()

@@ -40,6 +40,7 @@ NODES_FILE_KEY = "twin_nodes_file"
 FAKE_HEAD_NODE_ID = "fffffffffffffffffffffffffffffffffffffffffffffffffff00000"
 FAKE_HEAD_NODE_TYPE = "ray.head.default"
 HEAD_START_TIMEOUT_S = 120.0
+HEAD_STOP_GRACE_S = 3.0
 # Ray's smallest object store is 75 MiB; the twin moves no large objects.
 OBJECT_STORE_BYTES = 128 * 2**20
 
@@ -281,4 +282,7 @@ class LocalCluster:
             with contextlib.suppress(Exception):
                 ray.shutdown()
         if self.head is not None:
-            self.head.stop(grace_s=15)
+            # The checks are done. On SIGTERM `ray start --block` stops every process it started,
+            # gracefully and one after another, which took the whole of a 15 s grace at the end of
+            # every twin; what is left after HEAD_STOP_GRACE_S gets SIGKILL, as a deleted pod's does.
+            self.head.stop(grace_s=HEAD_STOP_GRACE_S)

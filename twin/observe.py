@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.serving import alerts, dashboards
-from localserve.traffic import StreamLoad
+from localserve.traffic import StreamLoad, abandon_all
 from twin import kuberay as mirror
 from twin import live, metrics_endpoint, prometheus_operator
 from twin.cluster import FAKE_HEAD_NODE_ID, LOOPBACK, LocalCluster
@@ -88,6 +88,8 @@ FIRE_SLACK_S = 60.0
 # The margin covers the slowest overload alert on record (115 s), and costs
 # nothing when the alerts are quick.
 OVERLOAD_FILL_S = 180.0
+# How long the overload's clients may take to drop their streams once its alerts fired.
+ABANDON_TIMEOUT_S = 10.0
 SETTLE_S = 8.0
 # Each fault starts from quiet: its alerts (and those that must stay quiet
 # through it) neither pending nor firing, else a "fired" could be the
@@ -956,8 +958,7 @@ def run_faults(
             fired = wait_firing(prom, wanted, timeout, began)
             if during_overload is not None:
                 during_overload()
-            for load in loads:
-                load.stop(timeout_s=1)
+            abandon_all(loads, timeout_s=ABANDON_TIMEOUT_S)
             streams = sum(load.streams for load in loads)
             what = (
                 f"{streams} streams of long prompts to one replica from {len(loads)} keys (the guard lets one "

@@ -36,6 +36,12 @@ from twin import prometheus_operator
 
 # 10m -> 10 s: a fault is seen within seconds of its alert's own wait, scaled.
 FOR_FACTOR = 1 / 60
+# And never longer than this: a scaled 60m (RayServiceUpgradeStuck) held the
+# twin a minute for nothing once the upgrade was stuck, and the steady state
+# holds for the longest `for`. 30 s is still twice the next longest (15m ->
+# 15 s), so the alerts that must stay quiet through it are still seen quiet
+# for longer than their own wait.
+FOR_CEILING_S = 30.0
 # Not 1s: on a loaded two-core machine Ray's metrics agents and an
 # overloaded vLLM server take about a second to answer, and a timed-out
 # scrape drops the series, which resets every alert's `for` (seen with 1s:
@@ -96,6 +102,11 @@ def monitors(objects: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [dict(o) for o in objects if o.get("kind") in MONITOR_KINDS]
 
 
+def scaled_for_s(for_s: float, factor: float = FOR_FACTOR) -> float:
+    """A rule's `for`, scaled, but not above the ceiling."""
+    return min(for_s * factor, FOR_CEILING_S)
+
+
 def scaled_window_s(window_s: float, factor: float = FOR_FACTOR) -> float:
     """A range selector's window, scaled, but not below the floor (nor above the window itself)."""
     return max(window_s * factor, min(window_s, WINDOW_FLOOR_S))
@@ -131,7 +142,7 @@ def rule_groups(objects: Iterable[Mapping[str, Any]], factor: float = FOR_FACTOR
             for rule in scaled["rules"]:
                 rule["expr"] = scaled_ranges(str(rule["expr"]), factor)
                 if "for" in rule:
-                    rule["for"] = as_duration(duration_s(rule["for"]) * factor)
+                    rule["for"] = as_duration(scaled_for_s(duration_s(rule["for"]), factor))
             groups.append(scaled)
     return groups
 
@@ -185,7 +196,8 @@ class TwinPrometheus:
         return [
             f"prometheus: {len(jobs)} scrape jobs generated from {len(monitors(self.objects))} monitors as the "
             "Prometheus Operator generates them; kubernetes_sd_configs -> file_sd_configs of the live twin processes",
-            f"prometheus: every rule's `for` x {self.factor:.4g} (10m -> {as_duration(600 * self.factor)}), "
+            f"prometheus: every rule's `for` x {self.factor:.4g} (10m -> {as_duration(600 * self.factor)}) "
+            f"but not above {as_duration(FOR_CEILING_S)} (60m -> {as_duration(scaled_for_s(3600, self.factor))}), "
             f"every range selector's window too, but not below {as_duration(WINDOW_FLOOR_S)} "
             f"([5m] -> [{as_duration(scaled_window_s(300, self.factor))}]); "
             f"scrape interval -> {SCRAPE_INTERVAL}, rule evaluation interval -> {EVALUATION_INTERVAL}",

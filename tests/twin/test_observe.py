@@ -15,6 +15,7 @@ from localserve.traffic import StreamLoad
 from tests.harness import manifests_of, render_stack
 from twin import observe
 from twin.prometheus import (
+    FOR_CEILING_S,
     FOR_FACTOR,
     Alert,
     TwinPrometheus,
@@ -43,13 +44,24 @@ def test_scaled_durations_keep_milliseconds() -> None:
     assert as_duration(0.25) == "250ms"
 
 
-def test_every_for_is_scaled_by_the_one_factor() -> None:
+def test_every_for_is_scaled_by_the_one_factor_up_to_the_ceiling() -> None:
     objects = manifests_of(render_stack("prod"), "PrometheusRule")
     rendered = {r["alert"]: r["for"] for o in objects for g in o["spec"]["groups"] for r in g["rules"] if "alert" in r}
     scaled = {r["alert"]: r["for"] for g in rule_groups(objects) for r in g["rules"] if "alert" in r}
     assert set(scaled) == set(rendered) == {a.name for a in alerts.ALERTS}
     for name, text in rendered.items():
-        assert duration_s(scaled[name]) == pytest.approx(duration_s(text) * FOR_FACTOR, abs=0.001), name
+        want = min(duration_s(text) * FOR_FACTOR, FOR_CEILING_S)
+        assert duration_s(scaled[name]) == pytest.approx(want, abs=0.001), name
+    # The ceiling bites only above it: the 60m wait is cut, the 15m one is not.
+    assert (
+        duration_s(scaled["RayServiceUpgradeStuck"])
+        == FOR_CEILING_S
+        < duration_s(rendered["RayServiceUpgradeStuck"]) * FOR_FACTOR
+    )
+    longest_below = max(duration_s(f) for f in scaled.values() if duration_s(f) < FOR_CEILING_S)
+    assert 2 * longest_below <= FOR_CEILING_S, (
+        "an alert that must stay quiet through another's wait needs twice its own"
+    )
 
 
 def test_range_windows_are_scaled_like_for_but_not_below_the_floor() -> None:
