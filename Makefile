@@ -112,7 +112,8 @@ system-deps-twin:
 # included, with their Prometheus and every alert's fault; TWIN_MONITORING=0
 # leaves those out), then bench-quick, the benchmark's whole code path once,
 # so it can not rot between the runs someone measures with.
-test: system-deps-test lint $(VENV)/.dev $(VENV)/.bench
+# Lint runs inside the suite, beside the tests that start no server (tests/run.py).
+test: system-deps-test $(VENV)/.dev $(VENV)/.bench
 	PYTHONUNBUFFERED=1 $(BIN)/python -m tests.run
 
 # The local twin of every RayService of a stack: Ray's own code reads the

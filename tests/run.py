@@ -4,12 +4,13 @@
    ``timing``), alone, so nothing else on the machine moves their figures;
 2. the tests that start no server (neither ``e2e`` nor ``timing``), two at
    a time (pytest-xdist): each is one process's work, and one at a time they
-   left a core idle for six minutes;
+   left a core idle for six minutes. `make lint` runs beside them: mypy is
+   one process for most of two minutes, and alone it left a core idle too;
 3. the end-to-end tests, the twins of both stacks included, one at a time;
 4. the benchmark's quick run (`python -m benchmarks --quick`), alone, as it
    pins the server it measures to a core.
 
-The suites run one after another. Run beside the rest of the suite on two
+The phases run one after another. Run beside the rest of the suite on two
 cores, the monitored twins failed (a steady-state TTFT alert fired, a Ray node
 timed out starting, `make local` did not come up), so they run alone, in the
 end-to-end suite (TWIN_MONITORING=0 leaves their monitoring out).
@@ -48,32 +49,68 @@ class Suite:
 
     name: str
     argv: list[str]
+    # Starts with the suite before it and runs beside it (the phase ends when both have).
+    beside_previous: bool = False
     took: float = 0.0
     code: int | None = None
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _started: float = field(default=0.0, repr=False)
 
     @property
     def log(self) -> Path:
         return LOGS / f"{self.name}.log"
 
-    def run(self) -> int:
-        """Runs it to its end, a line every few minutes meanwhile, then prints its whole output."""
+    def start(self) -> None:
+        """Starts it, its output going to its log."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "E2E": "1", "E2E_REQUIRED": "1"}
         print(f"[run] {self.name}: {' '.join(self.argv)}", flush=True)
-        started = time.monotonic()
-        beat = started + HEARTBEAT_S
+        self._started = time.monotonic()
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-            while (code := self.proc.poll()) is None:
-                time.sleep(1.0)
-                if time.monotonic() >= beat:
-                    beat += HEARTBEAT_S
-                    print(f"[run] still running: {self.name} {(time.monotonic() - started) / 60:.0f} min", flush=True)
-        self.code, self.took = code, time.monotonic() - started
+
+    def ended(self) -> bool:
+        """Whether it has ended; the first time it has, prints its whole output."""
+        if self.code is not None:
+            return True
+        assert self.proc is not None, "not started"
+        if (code := self.proc.poll()) is None:
+            return False
+        self.code, self.took = code, time.monotonic() - self._started
         print(f"\n========== {self.name} (exit {code}, {self.took / 60:.1f} min) ==========", flush=True)
         sys.stdout.write(self.log.read_text(errors="replace"))
         sys.stdout.flush()
-        return code
+        return True
+
+    def run(self) -> int:
+        """Runs it to its end, a line every few minutes meanwhile, then prints its whole output."""
+        run_together([self])
+        assert self.code is not None
+        return self.code
+
+
+def run_together(phase: list[Suite]) -> None:
+    """Starts every suite of ``phase`` at once and waits for all, a line every few minutes meanwhile."""
+    for suite in phase:
+        suite.start()
+    started = time.monotonic()
+    beat = started + HEARTBEAT_S
+    while not all([suite.ended() for suite in phase]):
+        time.sleep(1.0)
+        if time.monotonic() >= beat:
+            beat += HEARTBEAT_S
+            running = ", ".join(s.name for s in phase if s.code is None)
+            print(f"[run] still running: {running} {(time.monotonic() - started) / 60:.0f} min", flush=True)
+
+
+def phases(ordered: list[Suite]) -> list[list[Suite]]:
+    """The suites grouped into phases: each with those that run beside it."""
+    grouped: list[list[Suite]] = []
+    for suite in ordered:
+        if suite.beside_previous and grouped:
+            grouped[-1].append(suite)
+        else:
+            grouped.append([suite])
+    return grouped
 
 
 def pytest(name: str, *args: str, extra: list[str] | None = None) -> Suite:
@@ -86,6 +123,7 @@ def suites(extra: list[str] | None = None) -> list[Suite]:
         # Timing tests live in tests/e2e: collecting only it saves the whole suite's collection (most of a minute).
         pytest("timing", "-m", "timing", E2E_DIR, extra=extra),
         pytest("unit", "-m", "not e2e and not timing", UNIT_WORKERS, extra=extra),
+        Suite("lint", ["make", "--no-print-directory", "lint"], beside_previous=True),
         pytest("e2e", "-m", "e2e and not timing", *E2E_PATHS, extra=extra),
         Suite("bench-quick", [sys.executable, "-m", "benchmarks", "--quick", "--out", "build/bench-quick"]),
     ]
@@ -98,15 +136,19 @@ def _shown(path: Path) -> Path:
 def main() -> int:
     LOGS.mkdir(parents=True, exist_ok=True)
     ordered = suites(sys.argv[1:])
-    current: Suite | None = None
+    current: list[Suite] = []
     try:
-        for current in ordered:
-            current.run()
+        for current in phases(ordered):
+            if len(current) == 1:
+                current[0].run()
+            else:
+                run_together(current)
     except KeyboardInterrupt:
-        # Ctrl-C reached the suite too (one process group): its pytest ends its tests' servers itself.
-        if current is not None and current.proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                current.proc.wait(timeout=INTERRUPT_GRACE_S)
+        # Ctrl-C reached the suites too (one process group): each pytest ends its tests' servers itself.
+        for suite in current:
+            if suite.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    suite.proc.wait(timeout=INTERRUPT_GRACE_S)
         print(f"\n[run] interrupted; each suite's output so far is in {_shown(LOGS)}/", flush=True)
         return 130
     print("\n[run] " + "; ".join(f"{s.name}: exit {s.code} in {s.took / 60:.1f} min" for s in ordered), flush=True)

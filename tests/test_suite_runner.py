@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,7 +88,36 @@ def test_the_timing_tests_run_alone() -> None:
         "tests/e2e/test_fairness_e2e.py",
         "tests/e2e/test_serving_overhead.py",
     }
-    assert list(_suites()) == ["timing", "unit", "e2e", "bench-quick"]
+    assert [[s.name for s in phase] for phase in run.phases(run.suites())] == [
+        ["timing"],
+        ["unit", "lint"],
+        ["e2e"],
+        ["bench-quick"],
+    ]
+
+
+def test_lint_is_the_makefiles_and_make_test_reaches_it_only_through_the_suite() -> None:
+    # One list of linters (the Makefile's `lint`), run once: beside the unit suite, not before it too.
+    assert _suites()["lint"].argv[0] == "make" and _suites()["lint"].argv[-1] == "lint"
+    test_rule = next(line for line in (ROOT / "Makefile").read_text().splitlines() if line.startswith("test:"))
+    assert "lint" not in test_rule.split(":", 1)[1].split()
+
+
+def test_the_suites_of_a_phase_run_at_once_and_each_prints_its_output(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(run, "LOGS", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["run"])
+    sleep = "import sys, time; time.sleep(2); print(sys.argv[1]); sys.exit(int(sys.argv[2]))"
+    first = run.Suite("first", [sys.executable, "-c", sleep, "one", "0"])
+    second = run.Suite("second", [sys.executable, "-c", sleep, "two", "4"], beside_previous=True)
+    monkeypatch.setattr(run, "suites", lambda extra=None: [first, second])
+    started = time.monotonic()
+    assert run.main() == 1
+    assert time.monotonic() - started < 3.5, "the two suites ran one after the other"
+    out = capsys.readouterr().out
+    assert "one" in out and "two" in out and "[run] FAILED: second" in out
+    assert (first.code, second.code) == (0, 4)
 
 
 def test_the_unit_suite_runs_two_at_a_time_and_nothing_that_starts_a_server() -> None:
