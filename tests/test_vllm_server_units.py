@@ -383,3 +383,78 @@ def test_a_stopping_replica_serves_through_its_notice_then_stops_its_server(tmp_
     # Idle from the start, yet it kept serving for the notice: the probe and the LB need that long.
     assert replica._drain_file.exists() and 1.5 <= took < 10, took
     assert replica._process.poll() is not None
+
+
+_ARMED = """
+import os, sys, time
+from inference_server.vllm_main import die_with_parent
+die_with_parent(int(sys.argv[1]))
+print("armed", flush=True)
+time.sleep(60)
+"""
+
+
+def _starter(parent_arg: str) -> str:
+    # A stand-in replica: starts the server's first step as a child, prints its pid, then dies.
+    return (
+        "import subprocess, sys\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {_ARMED!r}, {parent_arg}], stdout=subprocess.PIPE)\n"
+        "assert child.stdout.readline() == b'armed\\n'\n"
+        "print(child.pid, flush=True)\n"
+    )
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    import os
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                if handle.read().rsplit(")", 1)[-1].split()[0] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def test_the_server_ends_with_the_replica_that_started_it() -> None:
+    import subprocess
+    import sys
+
+    starter = subprocess.run(
+        [sys.executable, "-c", _starter("str(__import__('os').getpid())")],
+        capture_output=True,
+        timeout=60,
+        check=True,
+        env=_workloads_env(),
+    )
+    assert _gone_within(int(starter.stdout.split()[-1]), 10), "the server outlived the replica that started it"
+
+
+def test_a_server_whose_replica_is_already_gone_exits_at_once() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _ARMED, "1"], capture_output=True, timeout=60, check=False, env=_workloads_env()
+    )
+    assert done.returncode != 0 and b"armed" not in done.stdout
+    assert b"the replica (pid 1) that started this server is gone" in done.stderr
+
+
+def test_nothing_runs_python_between_fork_and_exec_in_the_replicas() -> None:
+    # preexec_fn runs Python (imports, dlopen) in the child of a process with gRPC threads, whose
+    # locks it may find held: a replica's server start hung there in a day-2 run.
+    workloads = Path(__file__).resolve().parents[1] / "workloads"
+    users = [str(p.relative_to(workloads)) for p in workloads.rglob("*.py") if "preexec_fn=" in p.read_text()]
+    assert users == []
+
+
+def _workloads_env() -> dict[str, str]:
+    import os
+
+    root = Path(__file__).resolve().parents[1]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "workloads"), str(root)])}

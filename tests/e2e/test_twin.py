@@ -27,7 +27,7 @@ pytestmark = pytest.mark.e2e
 
 # Each stack's twin runs as `make twin` does, its monitoring included (a real Prometheus on the
 # render's monitors and rules, each alert fired by its own fault: twin/observe.py), and this test
-# checks its lines: dev about 12 min, prod about 9, on a quiet two-core machine. TWIN_MONITORING=0
+# checks its lines: dev about 10.5 min, prod about 7, on a quiet two-core machine. TWIN_MONITORING=0
 # leaves the monitoring out (about 4 min a stack) for a quicker local run.
 MONITORED = set() if os.environ.get("TWIN_MONITORING") == "0" else {"dev", "prod"}
 TWIN_TIMEOUT_S = {stack: 1200.0 if stack in MONITORED else 600.0 for stack in ("dev", "prod")}

@@ -9,6 +9,7 @@ string round trip, and a name vLLM does not know stops the start.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +34,9 @@ if __name__ in ("__main__", "__mp_main__"):
 
 
 SPEC_ENV = "INFERENCE_VLLM_SERVER_SPEC"
+# The pid of the replica that started this server: it dies, this server gets SIGTERM.
+PARENT_ENV = "INFERENCE_VLLM_SERVER_PARENT"
+PR_SET_PDEATHSIG = 1
 GUARD_MIDDLEWARE = "inference_server.vllm_guard.VllmServerGuard"
 
 
@@ -66,7 +70,28 @@ def server_args(spec: dict[str, Any]) -> Any:
     return args
 
 
+def die_with_parent(parent: int) -> None:
+    """SIGTERM to this process when ``parent`` dies, however it dies (Linux); exits now if it already has.
+
+    Set here, after exec, and not in the replica's ``preexec_fn``: that ran
+    Python (an import, a dlopen) between fork and exec in a process whose
+    gRPC threads may hold the locks those take, and in a day-2 run a
+    replica's child hung there, so its server never started. SIGTERM, not
+    SIGKILL: vLLM's server then stops its engine processes, and main() ends
+    its process group on the way out.
+    """
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        # The replica died before the signal was armed: no one would ever stop this server.
+        raise SystemExit(f"the replica (pid {parent}) that started this server is gone")
+
+
 def main() -> int:
+    if PARENT_ENV in os.environ:
+        die_with_parent(int(os.environ[PARENT_ENV]))
     spec = json.loads(os.environ[SPEC_ENV])
     args = server_args(spec)
 

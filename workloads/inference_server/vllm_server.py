@@ -41,7 +41,7 @@ from .autoscale import ONGOING_METRIC, POLICY_PATH
 from .catalog import Catalog, ModelEntry
 from .engine import autoscaling_config, engine_kwargs, replica_env
 from .vllm_guard import DRAIN_FILE_ENV, SETTINGS_ENV, ServerGuardSettings
-from .vllm_main import SPEC_ENV
+from .vllm_main import PARENT_ENV, SPEC_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,7 @@ class VllmServer:
         env[SPEC_ENV] = json.dumps(self._spec())
         env[SETTINGS_ENV] = guard.model_dump_json()
         env[DRAIN_FILE_ENV] = str(self._drain_file)
+        env[PARENT_ENV] = str(os.getpid())
         return env
 
     def _start(self) -> subprocess.Popen[bytes]:
@@ -183,7 +184,6 @@ class VllmServer:
             env=self._env(),
             # Its own process group: the engine core and workers it starts go with it.
             start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
 
     def _wait_healthy(self, *, retry_on_exit: bool) -> bool:
@@ -279,19 +279,6 @@ class VllmServer:
             self._kill()
         if self._address_file is not None:
             self._address_file.unlink(missing_ok=True)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the replica's process dies, however it dies (Linux).
-
-    SIGTERM, not SIGKILL: vLLM's server then stops its engine processes,
-    and ``vllm_main`` ends its process group on the way out.
-    """
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def build_vllm_server_app(catalog: Catalog) -> Application:
