@@ -81,12 +81,6 @@ class Suite:
         sys.stdout.flush()
         return True
 
-    def run(self) -> int:
-        """Runs it to its end, a line every few minutes meanwhile, then prints its whole output."""
-        run_together([self])
-        assert self.code is not None
-        return self.code
-
 
 def run_together(phase: list[Suite]) -> None:
     """Starts every suite of ``phase`` at once and waits for all, a line every few minutes meanwhile."""
@@ -139,10 +133,7 @@ def main() -> int:
     current: list[Suite] = []
     try:
         for current in phases(ordered):
-            if len(current) == 1:
-                current[0].run()
-            else:
-                run_together(current)
+            run_together(current)
     except KeyboardInterrupt:
         # Ctrl-C reached the suites too (one process group): each pytest ends its tests' servers itself.
         for suite in current:

@@ -130,7 +130,7 @@ def test_ctrl_c_waits_for_the_running_suite_and_returns_130(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     class Interrupted(run.Suite):
-        def run(self) -> int:
+        def start(self) -> None:
             self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
             raise KeyboardInterrupt
 

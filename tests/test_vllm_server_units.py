@@ -14,6 +14,7 @@ from inference_server.catalog import Catalog
 from inference_server.vllm_guard import DRAIN_FILE_ENV, NODE_DRAIN_FILE_ENV, SETTINGS_ENV, VllmServerGuard
 from pydantic import ValidationError
 
+from localserve.processes import STAT_STATE, stat_fields
 from tests.guard_calls import Downstream, send_to
 
 
@@ -405,19 +406,15 @@ def _starter(parent_arg: str) -> str:
 
 
 def _gone_within(pid: int, seconds: float) -> bool:
-    import os
+    """Whether ``pid`` has exited (gone, or a zombie nobody reaped yet) within ``seconds``."""
     import time
 
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as handle:
-                if handle.read().rsplit(")", 1)[-1].split()[0] == "Z":
-                    return True
-        except OSError:
-            return True
+    while (fields := stat_fields(pid)) is not None and fields[STAT_STATE] != "Z":
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.05)
-    return not os.path.exists(f"/proc/{pid}")
+    return True
 
 
 def test_the_server_ends_with_the_replica_that_started_it() -> None:
