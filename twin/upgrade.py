@@ -71,6 +71,8 @@ TWIN_PRESTOP_S = 20
 TWIN_SHUTDOWN_S = 30.0
 # The readiness probe's period here (prod: 5 s, three misses).
 PROBE_PERIOD_S = 0.5
+# How long a Ready replica may take to pass the load balancer's health check.
+TARGET_TIMEOUT_S = 30.0
 # Engine arguments that run on the CPU, carried from the render into the local catalogue.
 TWIN_ENGINE_KEYS = ("max_num_seqs",)
 # Paths the pod mounts that this machine keeps under the run's folder instead.
@@ -344,6 +346,7 @@ class Registration:
     timeline: list[tuple[float, tuple[str, ...]]] = field(default_factory=list)
     gated: dict[str, bool] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, cluster: LocalCluster) -> None:
         for pod in cluster.pods:
@@ -367,18 +370,34 @@ class Registration:
                     found.append((pod["metadata"]["name"], host, int(port)))
         return found
 
+    def refresh(self) -> tuple[str, ...]:
+        """Probe once and hand the load balancer its targets; the target pods' names."""
+        with self._lock:  # the probe loop and wait_targeted both probe
+            targets = self._targets()
+            self.lb.set_targets(targets)
+            names = tuple(sorted(t[0] for t in targets))
+            if not self.timeline or self.timeline[-1][1] != names:
+                self.timeline.append((time.monotonic(), names))
+            return names
+
     def run(self) -> None:
+        """Probe now, then every PROBE_PERIOD_S: the targets are set when this returns, not a period later."""
+        self.refresh()
+
         def loop() -> None:
-            last: tuple[str, ...] = ()
             while not self._stop.wait(PROBE_PERIOD_S):
-                targets = self._targets()
-                self.lb.set_targets(targets)
-                names = tuple(sorted(t[0] for t in targets))
-                if names != last:
-                    self.timeline.append((time.monotonic(), names))
-                    last = names
+                self.refresh()
 
         threading.Thread(target=loop, daemon=True, name="twin-targets").start()
+
+    def wait_targeted(self, cluster: LocalCluster, timeout_s: float) -> bool:
+        """Until one of the cluster's pods is a target (the NLB's health checks passed); False after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(name.startswith(f"{cluster.name}-") for name in self.refresh()):
+                return True
+            time.sleep(PROBE_PERIOD_S)
+        return False
 
     def stop(self) -> None:
         self._stop.set()
@@ -532,6 +551,13 @@ def run_upgrade_under_load(
         wait_app_running(old)
         registration.add(old)
         registration.run()
+        # Users reach the Service once a target is registered; traffic sent before would count as refused.
+        if not report.check(
+            SERVICE,
+            registration.wait_targeted(old, TARGET_TIMEOUT_S),
+            f"{active.name}: its serving pod is a load balancer target before traffic starts",
+        ):
+            return False
         # A steady stream, not a saturating one: this machine's two cores hold both clusters.
         traffic = StreamLoad(
             f"http://{HOST}:{lb.port}/v1",
