@@ -26,6 +26,8 @@ ROLES = (
     ("VLLM::EngineCore", ENGINE_CORE),
     ("VLLM::Worker", FORWARD_PASS),
     ("EngineCore", ENGINE_CORE),
+    # The project's server titles itself as vLLM names its API servers (inference_server/vllm_main.py).
+    ("VLLM::APIServer", API_SERVER),
     ("inference_server.vllm_main", API_SERVER),
     ("vllm.entrypoints.openai.api_server", API_SERVER),
     ("guarded_serve.py", "launcher"),
@@ -50,8 +52,9 @@ ROLES = (
     ("serve_main.py", "Ray driver"),
     ("stock_serve.py", "Ray driver"),
 )
-# What a measured server must have before a cell can lay out its CPUs.
-SERVER_ROLES = (ENGINE_CORE, FORWARD_PASS)
+# What a measured server must have before a cell can lay out its CPUs (and
+# name its CPU: a server whose API server is not found here shows its CPU as "other").
+SERVER_ROLES = (API_SERVER, ENGINE_CORE, FORWARD_PASS)
 
 
 class ServerTreeError(RuntimeError):

@@ -19,14 +19,23 @@ import pytest
 
 from benchmarks.pinning import REST_CPUS, SERVER_CPUS, Pinner, allowed_cpus, threads
 from benchmarks.report import headline_table, router_table, verdict
-from benchmarks.server_tree import ENGINE_CORE, FORWARD_PASS, ServerTreeError, process_role, wait_for_tree
+from benchmarks.server_tree import (
+    API_SERVER,
+    ENGINE_CORE,
+    FORWARD_PASS,
+    ServerTreeError,
+    process_role,
+    wait_for_tree,
+)
 from benchmarks.serving_overhead import Cell, ServingResults
 
-# A root that starts its "engine core" late, which starts its "forward pass" later,
-# as vLLM's API server does. Each child's title is in its own command line only
-# (built from halves here, so the root's command line does not match).
+# A root titled as vLLM's API server that starts its "engine core" late, which
+# starts its "forward pass" later, as vLLM's API server does. Each child's title
+# is in its own command line only (built from halves here, so the root's
+# command line does not match).
 STAGED = textwrap.dedent(
     """
+    # VLLM::APIServer
     import subprocess, sys, time
     time.sleep(0.6)
     worker = "import time; time.sleep(0.6); time.sleep(60)  # VLLM" + "::Worker"
@@ -55,14 +64,14 @@ def test_the_tree_is_waited_for_until_engine_core_and_forward_pass_show(
 ) -> None:
     tree = wait_for_tree(lambda: {staged_server.pid}, timeout_s=30, poll_s=0.1)
     roles = sorted(process_role(pid) for pid in tree)
-    assert roles == sorted([ENGINE_CORE, FORWARD_PASS, "other"])
+    assert roles == sorted([API_SERVER, ENGINE_CORE, FORWARD_PASS])
     assert staged_server.pid in tree
 
 
 def test_a_tree_that_never_completes_fails_naming_what_it_found(staged_server: subprocess.Popen[bytes]) -> None:
     with pytest.raises(ServerTreeError) as err:
-        wait_for_tree(lambda: {staged_server.pid}, roles=("vLLM API server",), timeout_s=0.5, poll_s=0.1)
-    assert "no vLLM API server" in str(err.value)
+        wait_for_tree(lambda: {staged_server.pid}, roles=("router",), timeout_s=0.5, poll_s=0.1)
+    assert "no router" in str(err.value)
     assert str(staged_server.pid) in str(err.value)
 
 

@@ -273,6 +273,7 @@ class LoadBalancer:
     _cycle: itertools.count[int] = field(default_factory=itertools.count)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _loop: asyncio.AbstractEventLoop | None = None
+    stopped: threading.Event = field(default_factory=threading.Event)
 
     def set_targets(self, targets: list[tuple[str, str, int]]) -> None:
         with self._lock:
@@ -288,12 +289,14 @@ class LoadBalancer:
             return target
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        with contextlib.suppress(OSError):
-            writer.close()
+        try:
+            with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+                while data := await reader.read(65536):
+                    writer.write(data)
+                    await writer.drain()
+        finally:  # the far end closed, or the load balancer stops
+            with contextlib.suppress(OSError):
+                writer.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         target = self._pick()
@@ -318,13 +321,22 @@ class LoadBalancer:
             with contextlib.suppress(Exception):
                 loop.run_forever()
             server.close()
+            # As asyncio.run ends: the connections still piped are cancelled and awaited, then the loop closes.
+            open_connections = asyncio.all_tasks(loop)
+            for task in open_connections:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*open_connections, return_exceptions=True))
+            loop.close()
+            self.stopped.set()
 
         threading.Thread(target=run, daemon=True, name="twin-nlb").start()
         ready.wait(10)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop listening and close the connections still open; waits up to `timeout_s` for that."""
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
+            self.stopped.wait(timeout_s)
 
 
 def healthy(url: str) -> bool:

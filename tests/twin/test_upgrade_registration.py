@@ -25,6 +25,9 @@ from twin import kuberay as mirror
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
+    # Keep-alive, as vLLM's server: a connection stays open between requests.
+    protocol_version = "HTTP/1.1"
+
     def do_GET(self) -> None:
         self.send_response(200 if self.path == "/health" else 404)
         self.send_header("Content-Length", "0")
@@ -84,7 +87,7 @@ def test_a_connection_made_as_registration_starts_reaches_the_replica(tmp_path: 
         with socket.create_connection((upgrade.HOST, lb.port), timeout=5) as conn:
             conn.sendall(b"GET /health HTTP/1.0\r\nHost: x\r\n\r\n")
             answer = conn.recv(64)
-        assert answer.startswith(b"HTTP/1.0 200"), answer
+        assert answer.startswith(b"HTTP/1.1 200"), answer
         assert lb.refused == 0
         assert sum(lb.connections.values()) == 1
     finally:
@@ -104,3 +107,23 @@ def test_a_terminating_cluster_leaves_the_targets_and_waiting_for_it_times_out(t
     assert lb.targets == []
     # A client now is refused, and counted.
     assert lb._pick() is None and lb.refused == 1
+
+
+def test_stopping_the_load_balancer_closes_the_connections_it_still_pipes(tmp_path: Path, replica: str) -> None:
+    cluster, service = _cluster(tmp_path, replica)
+    lb = upgrade.LoadBalancer()
+    lb.start()
+    registration = upgrade.Registration(lb, service)
+    registration.add(cluster)
+    registration.run()
+    registration.stop()
+    # A keep-alive connection, open and idle when the load balancer stops.
+    with socket.create_connection((upgrade.HOST, lb.port), timeout=5) as conn:
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert conn.recv(64).startswith(b"HTTP/1.1 200")
+        started = time.monotonic()
+        lb.stop()
+        assert lb.stopped.is_set() and time.monotonic() - started < 5
+        conn.settimeout(5)
+        while conn.recv(4096):  # the rest of the answer, then the close
+            pass

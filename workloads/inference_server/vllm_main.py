@@ -26,11 +26,18 @@ from typing import Any
 # environment string; when that variable was rewritten, the string is on the
 # heap, the setup fails silently and the engine stays "python" in ps, top and
 # /proc (whether it does depends on the environment's order). This call sets
-# it up while the environment is as exec left it.
+# it up while the environment is as exec left it. The server itself takes
+# vLLM's name for an API server process: in a replica's environment the title
+# can use only the command line's own bytes less one, and its command line
+# read back as "... -m inference_server.vllm_mai", which no one recognises.
+API_SERVER_TITLE = "VLLM::APIServer"
 if __name__ in ("__main__", "__mp_main__"):
     import setproctitle  # vLLM depends on it
 
-    setproctitle.getproctitle()
+    if __name__ == "__main__":
+        setproctitle.setproctitle(API_SERVER_TITLE)
+    else:
+        setproctitle.getproctitle()
 
 
 SPEC_ENV = "INFERENCE_VLLM_SERVER_SPEC"
