@@ -269,10 +269,10 @@ class FrontDoor(LoadBalancer):
 
         threading.Thread(target=loop, daemon=True, name="front-door-routes").start()
 
-    def stop(self) -> None:
-        """Stops following the routes and serving."""
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stops following the routes and serving (closing the connections still open)."""
         self._following.set()
-        super().stop()
+        super().stop(timeout_s)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

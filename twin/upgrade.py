@@ -322,10 +322,7 @@ class LoadBalancer:
                 loop.run_forever()
             server.close()
             # As asyncio.run ends: the connections still piped are cancelled and awaited, then the loop closes.
-            open_connections = asyncio.all_tasks(loop)
-            for task in open_connections:
-                task.cancel()
-            loop.run_until_complete(asyncio.gather(*open_connections, return_exceptions=True))
+            loop.run_until_complete(_cancel_the_others())
             loop.close()
             self.stopped.set()
 
@@ -337,6 +334,14 @@ class LoadBalancer:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self.stopped.wait(timeout_s)
+
+
+async def _cancel_the_others() -> None:
+    """Cancels every other task of the running loop and waits until each has ended."""
+    others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
 
 
 def healthy(url: str) -> bool:

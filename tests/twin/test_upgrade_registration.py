@@ -93,6 +93,8 @@ def test_a_connection_made_as_registration_starts_reaches_the_replica(tmp_path: 
     finally:
         registration.stop()
         lb.stop()
+    # Stopped cleanly with no connection left open too.
+    assert lb.stopped.is_set()
 
 
 def test_a_terminating_cluster_leaves_the_targets_and_waiting_for_it_times_out(tmp_path: Path, replica: str) -> None:
