@@ -274,7 +274,7 @@ class FrontDoor(LoadBalancer):
         self._following.set()
         super().stop(timeout_s)
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             await self._serve(reader, writer)
         finally:

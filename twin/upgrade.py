@@ -299,6 +299,12 @@ class LoadBalancer:
                 writer.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Cancelled when the load balancer stops: the connection ends with it. The task ends without
+        # an error, as asyncio's server (3.11) logs a traceback for a connection task that ends cancelled.
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._connect(reader, writer)
+
+    async def _connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         target = self._pick()
         if target is None:
             writer.close()
@@ -331,7 +337,7 @@ class LoadBalancer:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop listening and close the connections still open; waits up to `timeout_s` for that."""
-        if self._loop is not None:
+        if self._loop is not None and not self.stopped.is_set():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self.stopped.wait(timeout_s)
 

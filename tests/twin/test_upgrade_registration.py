@@ -7,8 +7,10 @@ labels KubeRay would give them.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
+import logging
 import socket
 import threading
 import time
@@ -47,9 +49,20 @@ def replica() -> Iterator[str]:
         server.shutdown()
 
 
-def _cluster(tmp_path: Path, url: str) -> tuple[upgrade.LocalCluster, dict[str, Any]]:
-    inputs = day2.upgrade_inputs("prod", render_stack("prod"))
-    ref = mirror.RayClusterRef(mirror.ray_cluster_name(inputs.before, "aaaaa"), inputs.before)
+@pytest.fixture(scope="module")
+def prod_upgrade() -> Any:
+    """What day 2 upgrades in prod: its RayService and load-balancer Service, rendered once for the module."""
+    return day2.upgrade_inputs("prod", render_stack("prod"))
+
+
+def _registered(
+    prod_upgrade: Any, tmp_path: Path, url: str, *, listening: bool
+) -> tuple[upgrade.LocalCluster, upgrade.LoadBalancer, upgrade.Registration]:
+    """Render A's cluster (the mirror's pods, a replica record for `url`) added to a registration of its own.
+
+    ``listening`` starts the load balancer's listener.
+    """
+    ref = mirror.RayClusterRef(mirror.ray_cluster_name(prod_upgrade.before, "aaaaa"), prod_upgrade.before)
     group = upgrade._serving_group(ref)
     pods = [mirror.build_pod(ref, ref.spec["headGroupSpec"], mirror.HEAD), mirror.build_pod(ref, group, mirror.WORKER)]
     address_dir = tmp_path / "replicas"
@@ -58,50 +71,64 @@ def _cluster(tmp_path: Path, url: str) -> tuple[upgrade.LocalCluster, dict[str, 
     # Registration reads the pods, the replica record and `terminating`; the nodes are not started here.
     node = cast(RayNode, None)
     cluster = upgrade.LocalCluster(ref, pods, node, node, "", "", address_dir, tmp_path / "drain", "app")
-    return cluster, dict(inputs.load_balancer)
-
-
-def test_the_targets_are_set_when_registration_starts_not_a_probe_period_later(tmp_path: Path, replica: str) -> None:
-    cluster, service = _cluster(tmp_path, replica)
     lb = upgrade.LoadBalancer()
-    registration = upgrade.Registration(lb, service)
+    if listening:
+        lb.start()
+    registration = upgrade.Registration(lb, dict(prod_upgrade.load_balancer))
     registration.add(cluster)
+    return cluster, lb, registration
+
+
+@contextlib.contextmanager
+def _running(
+    prod_upgrade: Any, tmp_path: Path, url: str, *, listening: bool
+) -> Iterator[tuple[upgrade.LocalCluster, upgrade.LoadBalancer]]:
+    """:func:`_registered` with its registration running; stopped (and the load balancer too) on the way out."""
+    cluster, lb, registration = _registered(prod_upgrade, tmp_path, url, listening=listening)
     try:
         registration.run()
-        # No wait: a client that connects as soon as run() returns must find a target.
-        head, worker = (p["metadata"]["name"] for p in cluster.pods)
-        assert [t[0] for t in lb.targets] == [worker], f"the Service selects the serving pod, not {head}"
-        assert registration.wait_targeted(cluster, 1.0)
+        yield cluster, lb
     finally:
         registration.stop()
+        if listening:
+            lb.stop()
 
 
-def test_a_connection_made_as_registration_starts_reaches_the_replica(tmp_path: Path, replica: str) -> None:
-    cluster, service = _cluster(tmp_path, replica)
-    lb = upgrade.LoadBalancer()
-    lb.start()
-    registration = upgrade.Registration(lb, service)
-    registration.add(cluster)
-    try:
-        registration.run()
-        with socket.create_connection((upgrade.HOST, lb.port), timeout=5) as conn:
-            conn.sendall(b"GET /health HTTP/1.0\r\nHost: x\r\n\r\n")
-            answer = conn.recv(64)
-        assert answer.startswith(b"HTTP/1.1 200"), answer
+def test_the_targets_are_set_when_registration_starts_not_a_probe_period_later(
+    prod_upgrade: Any, tmp_path: Path, replica: str
+) -> None:
+    cluster, lb, registration = _registered(prod_upgrade, tmp_path, replica, listening=False)
+    registration.run()
+    registration.stop()
+    # No wait: a client that connects as soon as run() returns must find a target.
+    head, worker = (p["metadata"]["name"] for p in cluster.pods)
+    assert [t[0] for t in lb.targets] == [worker], f"the Service selects the serving pod, not {head}"
+    assert registration.wait_targeted(cluster, 1.0)
+
+
+def _healthy_connection(lb: upgrade.LoadBalancer) -> socket.socket:
+    """A keep-alive connection through the load balancer that has had one answer: vLLM's /health, 200."""
+    conn = socket.create_connection((upgrade.HOST, lb.port), timeout=5)
+    conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    answer = conn.recv(64)
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    return conn
+
+
+def test_a_connection_made_as_registration_starts_reaches_the_replica(
+    prod_upgrade: Any, tmp_path: Path, replica: str
+) -> None:
+    with _running(prod_upgrade, tmp_path, replica, listening=True) as (_, lb), _healthy_connection(lb):
         assert lb.refused == 0
         assert sum(lb.connections.values()) == 1
-    finally:
-        registration.stop()
-        lb.stop()
     # Stopped cleanly with no connection left open too.
     assert lb.stopped.is_set()
 
 
-def test_a_terminating_cluster_leaves_the_targets_and_waiting_for_it_times_out(tmp_path: Path, replica: str) -> None:
-    cluster, service = _cluster(tmp_path, replica)
-    lb = upgrade.LoadBalancer()
-    registration = upgrade.Registration(lb, service)
-    registration.add(cluster)
+def test_a_terminating_cluster_leaves_the_targets_and_waiting_for_it_times_out(
+    prod_upgrade: Any, tmp_path: Path, replica: str
+) -> None:
+    cluster, lb, registration = _registered(prod_upgrade, tmp_path, replica, listening=False)
     cluster.terminating = True
     started = time.monotonic()
     assert not registration.wait_targeted(cluster, 1.0)
@@ -111,21 +138,17 @@ def test_a_terminating_cluster_leaves_the_targets_and_waiting_for_it_times_out(t
     assert lb._pick() is None and lb.refused == 1
 
 
-def test_stopping_the_load_balancer_closes_the_connections_it_still_pipes(tmp_path: Path, replica: str) -> None:
-    cluster, service = _cluster(tmp_path, replica)
-    lb = upgrade.LoadBalancer()
-    lb.start()
-    registration = upgrade.Registration(lb, service)
-    registration.add(cluster)
-    registration.run()
-    registration.stop()
-    # A keep-alive connection, open and idle when the load balancer stops.
-    with socket.create_connection((upgrade.HOST, lb.port), timeout=5) as conn:
-        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert conn.recv(64).startswith(b"HTTP/1.1 200")
+def test_stopping_the_load_balancer_closes_the_connections_it_still_pipes(
+    prod_upgrade: Any, tmp_path: Path, replica: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    # The connection is open and idle when the load balancer stops.
+    with _running(prod_upgrade, tmp_path, replica, listening=True) as (_, lb), _healthy_connection(lb) as conn:
         started = time.monotonic()
         lb.stop()
         assert lb.stopped.is_set() and time.monotonic() - started < 5
         conn.settimeout(5)
         while conn.recv(4096):  # the rest of the answer, then the close
             pass
+    # Ended quietly: asyncio's server logs a traceback for a connection task that ends cancelled.
+    assert not [r.getMessage() for r in caplog.records if r.name == "asyncio"]
