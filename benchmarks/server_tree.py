@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from localserve.processes import with_descendants
+from workloads.inference_server.vllm_main import API_SERVER_TITLE
 
 FORWARD_PASS = "vLLM worker (forward pass)"
 ENGINE_CORE = "vLLM engine core"
@@ -26,8 +27,8 @@ ROLES = (
     ("VLLM::EngineCore", ENGINE_CORE),
     ("VLLM::Worker", FORWARD_PASS),
     ("EngineCore", ENGINE_CORE),
-    # The project's server titles itself as vLLM names its API servers (inference_server/vllm_main.py).
-    ("VLLM::APIServer", API_SERVER),
+    # The project's server titles itself as vLLM names its API servers.
+    (API_SERVER_TITLE, API_SERVER),
     ("inference_server.vllm_main", API_SERVER),
     ("vllm.entrypoints.openai.api_server", API_SERVER),
     ("guarded_serve.py", "launcher"),

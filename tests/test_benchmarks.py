@@ -28,14 +28,14 @@ from benchmarks.server_tree import (
     wait_for_tree,
 )
 from benchmarks.serving_overhead import Cell, ServingResults
+from workloads.inference_server.vllm_main import API_SERVER_TITLE
 
 # A root titled as vLLM's API server that starts its "engine core" late, which
 # starts its "forward pass" later, as vLLM's API server does. Each child's title
 # is in its own command line only (built from halves here, so the root's
 # command line does not match).
-STAGED = textwrap.dedent(
+STAGED = f"# {API_SERVER_TITLE}\n" + textwrap.dedent(
     """
-    # VLLM::APIServer
     import subprocess, sys, time
     time.sleep(0.6)
     worker = "import time; time.sleep(0.6); time.sleep(60)  # VLLM" + "::Worker"

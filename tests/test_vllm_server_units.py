@@ -444,7 +444,7 @@ def test_a_server_whose_replica_is_already_gone_exits_at_once() -> None:
 
 def test_nothing_runs_python_between_fork_and_exec_in_the_replicas() -> None:
     # preexec_fn runs Python (imports, dlopen) in the child of a process with gRPC threads, whose
-    # locks it may find held: a replica's server start hung there in a day-2 run.
+    # locks it may find held, and the server would then never start.
     workloads = Path(__file__).resolve().parents[1] / "workloads"
     users = [str(p.relative_to(workloads)) for p in workloads.rglob("*.py") if "preexec_fn=" in p.read_text()]
     assert users == []

@@ -369,7 +369,6 @@ class Registration:
     timeline: list[tuple[float, tuple[str, ...]]] = field(default_factory=list)
     gated: dict[str, bool] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, cluster: LocalCluster) -> None:
         for pod in cluster.pods:
@@ -393,15 +392,17 @@ class Registration:
                     found.append((pod["metadata"]["name"], host, int(port)))
         return found
 
-    def refresh(self) -> tuple[str, ...]:
-        """Probe once and hand the load balancer its targets; the target pods' names."""
-        with self._lock:  # the probe loop and wait_targeted both probe
-            targets = self._targets()
-            self.lb.set_targets(targets)
-            names = tuple(sorted(t[0] for t in targets))
-            if not self.timeline or self.timeline[-1][1] != names:
-                self.timeline.append((time.monotonic(), names))
-            return names
+    def refresh(self) -> None:
+        """Probe once and hand the load balancer its targets."""
+        targets = self._targets()
+        self.lb.set_targets(targets)
+        names = tuple(sorted(t[0] for t in targets))
+        if names != self.targeted():
+            self.timeline.append((time.monotonic(), names))
+
+    def targeted(self) -> tuple[str, ...]:
+        """The target pods' names as the last probe found them."""
+        return self.timeline[-1][1] if self.timeline else ()
 
     def run(self) -> None:
         """Probe now, then every PROBE_PERIOD_S: the targets are set when this returns, not a period later."""
@@ -414,10 +415,10 @@ class Registration:
         threading.Thread(target=loop, daemon=True, name="twin-targets").start()
 
     def wait_targeted(self, cluster: LocalCluster, timeout_s: float) -> bool:
-        """Until one of the cluster's pods is a target (the NLB's health checks passed); False after `timeout_s`."""
+        """Until the running probe finds one of the cluster's pods a target; False after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if any(name.startswith(f"{cluster.name}-") for name in self.refresh()):
+            if any(name.startswith(f"{cluster.name}-") for name in self.targeted()):
                 return True
             time.sleep(PROBE_PERIOD_S)
         return False

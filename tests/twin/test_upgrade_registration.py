@@ -130,12 +130,16 @@ def test_a_terminating_cluster_leaves_the_targets_and_waiting_for_it_times_out(
 ) -> None:
     cluster, lb, registration = _registered(prod_upgrade, tmp_path, replica, listening=False)
     cluster.terminating = True
-    started = time.monotonic()
-    assert not registration.wait_targeted(cluster, 1.0)
-    assert 1.0 <= time.monotonic() - started < 3.0
-    assert lb.targets == []
-    # A client now is refused, and counted.
-    assert lb._pick() is None and lb.refused == 1
+    registration.run()
+    try:
+        started = time.monotonic()
+        assert not registration.wait_targeted(cluster, 1.0)
+        assert 1.0 <= time.monotonic() - started < 3.0
+        assert lb.targets == []
+        # A client now is refused, and counted.
+        assert lb._pick() is None and lb.refused == 1
+    finally:
+        registration.stop()
 
 
 def test_stopping_the_load_balancer_closes_the_connections_it_still_pipes(

@@ -82,8 +82,8 @@ def die_with_parent(parent: int) -> None:
 
     Set here, after exec, and not in the replica's ``preexec_fn``: that ran
     Python (an import, a dlopen) between fork and exec in a process whose
-    gRPC threads may hold the locks those take, and in a day-2 run a
-    replica's child hung there, so its server never started. SIGTERM, not
+    gRPC threads may hold the locks those take, so the child could hang
+    before its server ever started. SIGTERM, not
     SIGKILL: vLLM's server then stops its engine processes, and main() ends
     its process group on the way out.
     """
