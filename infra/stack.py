@@ -70,6 +70,9 @@ def build_stack(loaded: LoadedConfig) -> None:
         "load_balancers",
         {model: serving.load_balancers[name] for name, models in serving.service_models.items() for model in models},
     )
+    if serving.gateway is not None:
+        # Every model at one base URL (serving.gateway); `endpoints` keeps each model's own.
+        pulumi.export("gateway_endpoint", serving.gateway)
     pulumi.export("grafana_url", platform.grafana_url)
     pulumi.export("ray_dashboard", serving.ray_dashboards)
     pulumi.export("image", aws.image)

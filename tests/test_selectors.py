@@ -25,6 +25,7 @@ import pytest
 from infra.render import Rendered
 from infra.serving import kuberay
 from infra.serving.endpoint import public_service_name
+from infra.serving.gateway import GATEWAY_LABEL, upstream_name
 from infra.serving.ports import RAY_PORTS
 from infra.serving.router import ROUTER_CONTAINER, router_name, router_pods
 from tests.harness import manifests_of, ray_cluster, render_config, render_routed, render_stack, stack_doc
@@ -78,6 +79,8 @@ class World:
     ray_services: dict[str, dict[str, Any]]
     # The RayServices with a router in front (serving.routing).
     routed: frozenset[str] = frozenset()
+    # The model gateway's Deployment, when serving.gateway is on.
+    gateway: str | None = None
 
     def name(self, pod: Pod) -> str:
         name: str = pod["metadata"]["name"]
@@ -116,7 +119,12 @@ def world(variant: str) -> World:
     services += manifests_of(render, "Service")
     deployments = {d["metadata"]["name"] for d in manifests_of(render, "Deployment")}
     routed = frozenset(s for s in ray_services if router_name(s) in deployments)
-    return World(namespace, pods, services, ray_services, routed)
+    gateways = [
+        d["metadata"]["name"]
+        for d in manifests_of(render, "Deployment")
+        if d["spec"]["selector"]["matchLabels"] == GATEWAY_LABEL
+    ]
+    return World(namespace, pods, services, ray_services, routed, gateways[0] if gateways else None)
 
 
 # --- what each pod is --------------------------------------------------------------
@@ -185,6 +193,8 @@ def _policy_intent(w: World, name: str) -> Intent:
     for service in w.routed:
         if name == router_name(service):
             return deployment(router_name(service))
+    if name == w.gateway:
+        return deployment(w.gateway)
     raise AssertionError(f"no intent declared for NetworkPolicy {name}")
 
 
@@ -197,6 +207,8 @@ def _pdb_intent(w: World, name: str) -> Intent:
                 return both(of_service(service), in_group(g["groupName"]))
         if service in w.routed and name == router_name(service):
             return deployment(router_name(service))
+    if name == w.gateway:
+        return deployment(w.gateway)
     raise AssertionError(f"no intent declared for PodDisruptionBudget {name}")
 
 
@@ -212,6 +224,8 @@ def _monitor_intent(w: World, name: str) -> Intent:
         ),
     }
     intents.update({router_name(s): deployment(router_name(s)) for s in w.routed})
+    if w.gateway is not None:
+        intents[w.gateway] = deployment(w.gateway)
     if name not in intents:
         raise AssertionError(f"no intent declared for PodMonitor {name}")
     return intents[name]
@@ -234,6 +248,10 @@ def _service_intent(w: World, svc: dict[str, Any]) -> Intent:
             return both(lambda p, c=cluster: _labels(p).get(kuberay.CLUSTER) == c, serving_worker)
         if name == kuberay.head_service(service):
             return both(lambda p, c=cluster: _labels(p).get(kuberay.CLUSTER) == c, node_type("head"))
+        if w.gateway is not None and name == upstream_name(service):
+            return deployment(router_name(service))  # one route of the gateway
+    if w.gateway is not None and name == public_service_name(w.gateway):
+        return deployment(w.gateway)  # the gateway takes the connections
     raise AssertionError(f"no intent declared for Service {name}")
 
 
@@ -312,7 +330,11 @@ def _peer_intent(w: World, policy: str, peer: dict[str, Any]) -> Intent:
                 return deployment(router_name(service))  # the router sends to the replicas
             return deployment("batch-worker")  # the batch workers call the model
         if service in w.routed and policy == router_name(service):
+            if w.gateway is not None and peer["podSelector"]["matchLabels"] == GATEWAY_LABEL:
+                return deployment(w.gateway)  # the gateway sends to the router
             return both(of_service(service), in_group(_model_group(w, service)), serving_worker)
+        if policy == w.gateway and peer["podSelector"]["matchLabels"] == router_pods(service):
+            return deployment(router_name(service))  # the gateway sends to each model's router
     if policy == "batch-worker":
         # The batch workers' egress: the serving port of any RayService's workers (network.serving_pods).
         return serving_worker

@@ -49,6 +49,7 @@ from pathlib import Path
 from infra.serving.router_front import FrontAddresses, FrontPlan
 from localserve.processes import Child, child_env, free_port
 from twin.live import status_of
+from workloads.inference_server.gateway_settings import GatewaySettings
 
 HOST = "127.0.0.1"
 # The console script the image runs, and the module behind it (the wheel's entry_points.txt).
@@ -86,17 +87,23 @@ class RouterSpec:
     enabled: bool
     # Its front, the nginx the load balancer reaches.
     front: FrontPlan
+    # The model gateway's settings as the render writes them (or, with `serving.gateway` off, would),
+    # when the stack has several vllm-server services for it to route between; None otherwise.
+    gateway: GatewaySettings | None = None
 
 
 def router_specs(stack_config: Path) -> dict[str, RouterSpec]:
     """Each vllm-server service's router command, from the stack file, as the render builds it."""
     from infra.config import load_stack_file
+    from infra.serving.gateway import gateway_plan
     from infra.serving.router import router_plans
 
     cfg = load_stack_file(stack_config)
+    plans = router_plans(cfg)
+    gateway = gateway_plan(cfg).settings() if len(plans) > 1 else None
     return {
-        service: RouterSpec(service, tuple(plan.command), cfg.serving.routing.enabled, plan.front)
-        for service, plan in router_plans(cfg).items()
+        service: RouterSpec(service, tuple(plan.command), cfg.serving.routing.enabled, plan.front, gateway)
+        for service, plan in plans.items()
     }
 
 

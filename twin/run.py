@@ -16,6 +16,7 @@ from twin import live, observe
 from twin.checks import ParsedStart, model_groups_for, run_static_checks, scaled, shortfall
 from twin.cluster import LOOPBACK, REPO, LocalCluster
 from twin.deploy import Fitting, ModelInfo, TwinServeConfig, deploy, twin_serve_config, with_tracing
+from twin.gateway import measure_gateway
 from twin.render import RayServiceSpec
 from twin.report import Report
 from twin.routing import MAX_IMBALANCE, RouterSpec, imbalance, measure_split, with_policy
@@ -587,6 +588,74 @@ def check_routing(session: Session, report: Report, model: ModelInfo, replicas: 
         f"{turns.counts} in {turns.seconds:.0f}s, busiest over idlest {ratio:.2f} (want <= {MAX_IMBALANCE}; a "
         "network load balancer keeps each of the client's connections on one replica)",
     )
+    if spec.gateway is not None:
+        check_gateway(session, report, model, roots)
+
+
+def _keys_file(serve: TwinServeConfig) -> str:
+    """The twin's keys file, as the deployed config names it for the servers' guards."""
+    for app in serve.config.get("applications", []):
+        path = app.get("args", {}).get("args", {}).get("api_keys_file")
+        if path:
+            return str(path)
+    raise RuntimeError("the deployed config names no api_keys_file")
+
+
+def check_gateway(session: Session, report: Report, model: ModelInfo, roots: list[str]) -> None:
+    """The model gateway in front of this model's router: routed by `model`, keyed first, the others held apart."""
+    spec = session.router
+    assert spec is not None and spec.gateway is not None
+    what = f"gateway ({model.model_id})"
+    report.sub(
+        session.name,
+        f"gateway (`serving.gateway`, {'on' if spec.enabled else 'off'} in this stack): the rendered settings, run as "
+        "`python -m inference_server.gateway`; the twin runs one RayService at a time, so only this model's "
+        "router is live and every other model's route points at a closed port",
+    )
+    try:
+        run = measure_gateway(
+            spec.gateway,
+            _keys_file(session.serve),
+            spec.command,
+            spec.front,
+            roots,
+            session.serve.api_key,
+            model.model_id,
+            session.cluster.workdir,
+            lambda line: report.sub(session.name, line),
+        )
+    except Exception as err:
+        report.fail(session.name, f"{what}: {type(err).__name__}: {err}")
+        return
+    report.check(
+        session.name,
+        run.streamed.status == 200 and run.chunks >= 1,
+        f"{what}: a streamed chat naming {model.model_id}, through the gateway and its router: {run.streamed.status}, "
+        f"{run.chunks} chunks with content (want 200 and at least one)",
+    )
+    report.check(
+        session.name,
+        run.listed == [model.model_id],
+        f"{what}: /v1/models through the gateway lists {run.listed} (want [{model.model_id!r}]: the models "
+        "whose routers answer)",
+    )
+    report.check(
+        session.name,
+        run.refused.status == 401,
+        f"{what}: without an API key: {run.refused.status} (want 401, before the gateway says anything of the model)",
+    )
+    report.check(
+        session.name,
+        run.unknown.status == 404 and run.unknown.code() == "model_not_found",
+        f"{what}: a model no service serves: {run.unknown.status} {run.unknown.code()} (want 404 model_not_found)",
+    )
+    for other, answer in sorted(run.absent.items()):
+        report.check(
+            session.name,
+            answer.status == 503 and answer.retry_after is not None,
+            f"{what}: {other}, whose router is not live in this session: {answer.status} Retry-After "
+            f"{answer.retry_after} (want 503 with Retry-After, never another model's server)",
+        )
 
 
 def check_every_server_ready(

@@ -17,6 +17,8 @@ node_groups.py     `node_groups`: the system group and the GPU groups
 storage.py         `storage`: the model bucket and the StorageClass
 ray.py             `ray`: GCS fault tolerance, cold-start timeouts, the upgrade strategy
 serving.py         `serving`: limits, layout, ingress
+routing.py         `serving.routing`: the request router in front of each vllm-server service
+gateway.py         `serving.gateway`: one address for the models of several vllm-server services
 models.py          `models`: each model on its GPU group, its weights, vLLM's engine arguments
 workload.py        a model's `workload`: the traffic its capacity is planned for, figures or a trace
 autoscaling.py     `autoscaling`: cluster-autoscaler and the pre-scale windows
@@ -52,6 +54,7 @@ from infra.config.cold_start import (
 from infra.config.endpoint import Endpoint, TlsPolicy
 from infra.config.fairness import key_fairness, replica_inflight_caps
 from infra.config.fields import CpuQuantity, Duration, K8sName, MemoryQuantity, duration_seconds, quantity_value
+from infra.config.gateway import PROD_MIN_GATEWAY_REPLICAS, Gateway
 from infra.config.image import Image
 from infra.config.loader import (
     API_KEY_MIN_LENGTH,
@@ -115,6 +118,7 @@ __all__ = [
     "NAMESPACE",
     "PLACEHOLDER_API_KEYS",
     "PRIVATE_CIDR_MASK",
+    "PROD_MIN_GATEWAY_REPLICAS",
     "PROD_MIN_INGRESS_REPLICAS",
     "PROD_MIN_MODEL_REPLICAS",
     "PROD_MIN_ROUTER_REPLICAS",
@@ -135,6 +139,7 @@ __all__ = [
     "CpuQuantity",
     "Duration",
     "Endpoint",
+    "Gateway",
     "GcsFaultTolerance",
     "GpuNodeGroupSettings",
     "GpuOperatorSettings",

@@ -20,6 +20,7 @@ from infra.config.cold_start import check_cold_start
 from infra.config.endpoint import check_dns
 from infra.config.fairness import check_fairness
 from infra.config.fields import dns_label
+from infra.config.gateway import check_gateway
 from infra.config.models import RAY_SERVICE_NAME_MAX, Model, check_model, check_parallelism, nodes_per_replica
 from infra.config.network import check_network, cidr_list_problem
 from infra.config.node_groups import GpuNodeGroupSettings, check_gpu_group, check_node_group, usable_group
@@ -68,6 +69,7 @@ def check_rules(cfg: StackConfig) -> list[Problem]:
     if cfg.uses_serve_ingress():
         problems += check_ingress(cfg.serving.ingress, is_prod=cfg.is_prod)
     problems += check_routing(cfg.serving.routing, cfg.layouts(), is_prod=cfg.is_prod)
+    problems += check_gateway(cfg.serving.gateway, cfg.serving.routing, cfg.layouts(), is_prod=cfg.is_prod)
     return problems
 
 

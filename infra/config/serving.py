@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Literal
 
 from infra.config.fields import K8sName, Section
+from infra.config.gateway import Gateway
 from infra.config.models import Model
 from infra.config.observability import Slo
 from infra.config.problems import Problem
@@ -33,6 +34,8 @@ class Serving(Section):
     fairness: KeyFairness = KeyFairness()
     # A request-level router in front of the vllm-server services (off by default).
     routing: Routing = Routing()
+    # One address for the models of several vllm-server services (off by default).
+    gateway: Gateway = Gateway()
 
 
 def vllm_server_problem(models: list[Model]) -> str | None:

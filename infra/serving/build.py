@@ -14,6 +14,7 @@ from infra.serving.autoscaling import ServingAutoscaling, ServingAutoscalingArgs
 from infra.serving.batch import BatchWorkers, BatchWorkersArgs
 from infra.serving.dashboards import ServingDashboards, ServingDashboardsArgs
 from infra.serving.endpoint import ServingEndpoint, ServingEndpointArgs, serve_service_spec
+from infra.serving.gateway import GATEWAY_LABEL, ModelGateway, ModelGatewayArgs, gateway_plan
 from infra.serving.layer import ServingLayer
 from infra.serving.namespace import ServingNamespace, ServingNamespaceArgs
 from infra.serving.network import ClusterPeers
@@ -169,10 +170,39 @@ def _routers(
                 plan=plan,
                 peers=cluster_peers(cfg, platform),
                 prometheus_selector_labels=dict(platform.prometheus_selector_labels),
+                gateway_pods=GATEWAY_LABEL if cfg.serving.gateway.enabled else None,
             ),
             _after(aws, *ns.ready, platform.monitoring_crds, ray_services[service].ray_service),
         )
     return routers
+
+
+def _gateway(
+    cfg: StackConfig,
+    aws: AwsLayer,
+    platform: PlatformLayer,
+    ns: ServingNamespace,
+    routers: dict[str, RequestRouter],
+) -> ModelGateway | None:
+    """One address for every model, in front of their routers, when `serving.gateway` is on."""
+    if not cfg.serving.gateway.enabled:
+        return None
+    plan = gateway_plan(cfg)
+    return ModelGateway(
+        cfg.serving.gateway.name,
+        ModelGatewayArgs(
+            gateway=cfg.serving.gateway,
+            namespace=cfg.serving.namespace,
+            endpoint=cfg.endpoint,
+            image=aws.image,
+            system=aws.system,
+            plan=plan,
+            peers=cluster_peers(cfg, platform),
+            api_keys_secret=ns.api_keys_secret,
+            prometheus_selector_labels=dict(platform.prometheus_selector_labels),
+        ),
+        _after(aws, *ns.ready, platform.monitoring_crds, *(router.deployment for router in routers.values())),
+    )
 
 
 def build_serving(
@@ -203,6 +233,7 @@ def build_serving(
         _batch_workers(cfg, aws, platform, ns)
     _observability(cfg, aws, platform, ns)
     routers = _routers(cfg, aws, platform, ns, ray_services)
+    gateway = _gateway(cfg, aws, platform, ns, routers)
     endpoint = ServingEndpoint(
         "serving-endpoint",
         ServingEndpointArgs(
@@ -228,4 +259,5 @@ def build_serving(
         endpoints=endpoint.urls,
         service_models={name: [m.model_id for m in models] for name, models in services.items()},
         load_balancers=endpoint.hostnames,
+        gateway=gateway.url if gateway is not None else None,
     )

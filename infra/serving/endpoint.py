@@ -257,16 +257,23 @@ class ServingEndpoint(pulumi.ComponentResource):
                 opts=pulumi.ResourceOptions(parent=self, depends_on=[resource]),
             )
             self.services[service] = svc
-            hostname = svc.status.apply(lambda s: _ingress_hostname(s) or PENDING_HOSTNAME)
-            self.hostnames[service] = hostname
-            host = args.endpoint.service_host(service)
-            # Clients use the name the certificate covers, not the LB's.
-            self.urls[service] = (
-                pulumi.Output.from_input(base_url(host, args.endpoint, layout))
-                if host
-                else hostname.apply(_base_url_of(args.endpoint, layout))
-            )
+            self.hostnames[service], self.urls[service] = public_address(svc, service, args.endpoint, layout)
         self.register_outputs({"urls": self.urls, "hostnames": self.hostnames})
+
+
+def public_address(
+    svc: k8s.core.v1.Service, name: str, endpoint: Endpoint, layout: Layout
+) -> tuple[pulumi.Output[str], pulumi.Output[str]]:
+    """A load-balancer Service's DNS name (PENDING_HOSTNAME until the controller wrote it) and its base URL."""
+    hostname = svc.status.apply(lambda s: _ingress_hostname(s) or PENDING_HOSTNAME)
+    host = endpoint.service_host(name)
+    # Clients use the name the certificate covers, not the LB's.
+    url = (
+        pulumi.Output.from_input(base_url(host, endpoint, layout))
+        if host
+        else hostname.apply(_base_url_of(endpoint, layout))
+    )
+    return hostname, url
 
 
 def _base_url_of(endpoint: Endpoint, layout: Layout) -> Callable[[str], str]:

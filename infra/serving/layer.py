@@ -20,3 +20,5 @@ class ServingLayer:
     service_models: dict[str, list[str]] = field(default_factory=dict)
     # RayService name -> its network load balancer's DNS name.
     load_balancers: dict[str, pulumi.Output[str]] = field(default_factory=dict)
+    # The model gateway's OpenAI base URL (every model at one address), when `serving.gateway` is on.
+    gateway: pulumi.Output[str] | None = None

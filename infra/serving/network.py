@@ -76,7 +76,7 @@ class ClusterPeers:
     vpc_cidr: str
 
 
-def _tcp(*ports: int) -> list[dict[str, Any]]:
+def tcp(*ports: int) -> list[dict[str, Any]]:
     return [{"protocol": "TCP", "port": p} for p in ports]
 
 
@@ -122,15 +122,15 @@ def _ray_pods_policy(
         {"to": [own]},
         # S3 (model weights), the Kubernetes API (the head's
         # autoscaler) and, outside prod, the model hub.
-        {"to": [_ip(ANYWHERE)], "ports": _tcp(HTTPS)},
+        {"to": [_ip(ANYWHERE)], "ports": tcp(HTTPS)},
         # AWS credentials for the model reader's pod identity.
-        {"to": [_ip(POD_IDENTITY_AGENT)], "ports": _tcp(POD_IDENTITY_AGENT_PORT)},
+        {"to": [_ip(POD_IDENTITY_AGENT)], "ports": tcp(POD_IDENTITY_AGENT_PORT)},
     ]
     if otlp_port is not None and otlp_port != HTTPS:
         # The trace collector (observability.tracing), by port only: the
         # stack names it by host, which a NetworkPolicy can not; vLLM runs on
         # the GPU workers, Serve's replicas on the ingress and GPU workers.
-        egress.append({"to": [_ip(ANYWHERE)], "ports": _tcp(otlp_port)})
+        egress.append({"to": [_ip(ANYWHERE)], "ports": tcp(otlp_port)})
     return {
         "metadata": policy_metadata(f"{service}-ray", namespace),
         "spec": {
@@ -140,7 +140,7 @@ def _ray_pods_policy(
                 # Ray nodes talk to each other on many ports (GCS, raylets,
                 # object managers, workers, NCCL): only within the RayService.
                 {"from": [own]},
-                {"from": [peer(peers.prometheus)], "ports": _tcp(*(p.number for p in scraped_ports(layout)))},
+                {"from": [peer(peers.prometheus)], "ports": tcp(*(p.number for p in scraped_ports(layout)))},
             ],
             "egress": egress,
         },
@@ -150,11 +150,11 @@ def _ray_pods_policy(
 def _head_policy(namespace: str, service: str, peers: ClusterPeers, gcs_redis: bool) -> dict[str, Any]:
     """A RayService's heads: the operator in; Prometheus, Grafana and the GCS Redis out."""
     egress: list[dict[str, Any]] = [
-        {"to": [peer(peers.prometheus)], "ports": _tcp(*peers.prometheus.ports)},
-        {"to": [peer(peers.grafana)], "ports": _tcp(*peers.grafana.ports)},
+        {"to": [peer(peers.prometheus)], "ports": tcp(*peers.prometheus.ports)},
+        {"to": [peer(peers.grafana)], "ports": tcp(*peers.grafana.ports)},
     ]
     if gcs_redis:
-        egress.append({"to": [_ip(peers.vpc_cidr)], "ports": _tcp(REDIS_PORT)})
+        egress.append({"to": [_ip(peers.vpc_cidr)], "ports": tcp(REDIS_PORT)})
     return {
         "metadata": policy_metadata(f"{service}-ray-head", namespace),
         "spec": {
@@ -163,7 +163,7 @@ def _head_policy(namespace: str, service: str, peers: ClusterPeers, gcs_redis: b
             "ingress": [
                 # Serve deploys and status (dashboard) and the head's Serve
                 # health, which sets its `ray.io/serve` label; nothing else.
-                {"from": [peer(peers.operator)], "ports": _tcp(*OPERATOR_PORTS)},
+                {"from": [peer(peers.operator)], "ports": tcp(*OPERATOR_PORTS)},
             ],
             "egress": egress,
         },
@@ -184,7 +184,7 @@ def _redis_cleanup_policy(namespace: str, service: str, peers: ClusterPeers) -> 
         "spec": {
             "podSelector": {"matchLabels": redis_cleanup_pods(service)},
             "policyTypes": ["Egress"],
-            "egress": [{"to": [_ip(peers.vpc_cidr)], "ports": _tcp(REDIS_PORT)}],
+            "egress": [{"to": [_ip(peers.vpc_cidr)], "ports": tcp(REDIS_PORT)}],
         },
     }
 
@@ -209,7 +209,7 @@ def _serve_policy(
         "spec": {
             "podSelector": {"matchLabels": worker_pods(service)},
             "policyTypes": ["Ingress"],
-            "ingress": [{"from": sources, "ports": _tcp(RAY_PORTS.public(layout).number)}],
+            "ingress": [{"from": sources, "ports": tcp(RAY_PORTS.public(layout).number)}],
         },
     }
 
@@ -271,11 +271,11 @@ def batch_worker_policy(
             "policyTypes": ["Ingress", "Egress"],
             "ingress": [],
             "egress": [
-                {"to": [{"podSelector": {"matchLabels": serving_pods()}}], "ports": _tcp(serve_port.number)},
+                {"to": [{"podSelector": {"matchLabels": serving_pods()}}], "ports": tcp(serve_port.number)},
                 # SQS and S3 on their public endpoints (through the NAT), not
                 # anything inside the VPC.
-                {"to": [_ip(ANYWHERE, exclude=(vpc_cidr,))], "ports": _tcp(HTTPS)},
-                {"to": [_ip(POD_IDENTITY_AGENT)], "ports": _tcp(POD_IDENTITY_AGENT_PORT)},
+                {"to": [_ip(ANYWHERE, exclude=(vpc_cidr,))], "ports": tcp(HTTPS)},
+                {"to": [_ip(POD_IDENTITY_AGENT)], "ports": tcp(POD_IDENTITY_AGENT_PORT)},
             ],
         },
     }

@@ -45,7 +45,7 @@ from infra.serving import kuberay
 from infra.serving.drain import PROXY_DRAIN_SECONDS
 from infra.serving.endpoint import serving_workers
 from infra.serving.namespace import PART_OF, peer, policy_metadata
-from infra.serving.network import ANYWHERE, HTTPS, ClusterPeers
+from infra.serving.network import ANYWHERE, HTTPS, ClusterPeers, tcp
 from infra.serving.pod_security import RAY_GID, RAY_UID, container_security_context, pod_security_context
 from infra.serving.ports import RAY_PORTS, Port
 from infra.serving.ray_service import worker_group_name
@@ -203,20 +203,20 @@ def role(service: str, namespace: str) -> dict[str, Any]:
     }
 
 
-def _spread(service: str) -> list[dict[str, Any]]:
-    """Across zones first (a zone's loss leaves a router in another), then across nodes."""
+def spread(pods: Mapping[str, str]) -> list[dict[str, Any]]:
+    """Across zones first (a zone's loss leaves one of `pods` in another), then across nodes."""
     return [
         {
             "maxSkew": 1,
             "topologyKey": "topology.kubernetes.io/zone",
             "whenUnsatisfiable": "DoNotSchedule",
-            "labelSelector": {"matchLabels": router_pods(service)},
+            "labelSelector": {"matchLabels": dict(pods)},
         },
         {
             "maxSkew": 1,
             "topologyKey": "kubernetes.io/hostname",
             "whenUnsatisfiable": "ScheduleAnyway",
-            "labelSelector": {"matchLabels": router_pods(service)},
+            "labelSelector": {"matchLabels": dict(pods)},
         },
     ]
 
@@ -320,7 +320,7 @@ def deployment(
                     # The token is how it lists and watches the replicas.
                     "automountServiceAccountToken": True,
                     "securityContext": pod_security_context(RAY_UID, RAY_GID),
-                    "topologySpreadConstraints": _spread(service),
+                    "topologySpreadConstraints": spread(router_pods(service)),
                     "terminationGracePeriodSeconds": plan.grace_seconds,
                     "containers": [_front_container(), _router_container(routing, image, plan.command)],
                     "volumes": [
@@ -363,7 +363,13 @@ def autoscaler(service: str, namespace: str, routing: Routing) -> dict[str, Any]
     }
 
 
-def network_policy(service: str, namespace: str, peers: ClusterPeers, selector: Mapping[str, str]) -> dict[str, Any]:
+def network_policy(
+    service: str,
+    namespace: str,
+    peers: ClusterPeers,
+    selector: Mapping[str, str],
+    gateway_pods: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     """The router: the load balancer in, Prometheus to its metrics; out to its replicas and the Kubernetes API.
 
     A network load balancer with IP targets connects from its own addresses
@@ -371,19 +377,24 @@ def network_policy(service: str, namespace: str, peers: ClusterPeers, selector: 
     port before; `loadBalancerSourceRanges` limits the clients at the load
     balancer. The API server's addresses are not known to a NetworkPolicy,
     so HTTPS goes out to any address, as it does for the Ray heads.
+    `gateway_pods`: the model gateway's (gateway.py), named as well, since
+    their addresses need not be in the VPC's range (custom networking).
     """
+    sources: list[dict[str, Any]] = [{"ipBlock": {"cidr": peers.vpc_cidr}}]
+    if gateway_pods:
+        sources.append({"podSelector": {"matchLabels": dict(gateway_pods)}})
     return {
         "metadata": policy_metadata(router_name(service), namespace),
         "spec": {
             "podSelector": {"matchLabels": router_pods(service)},
             "policyTypes": ["Ingress", "Egress"],
             "ingress": [
-                {"from": [{"ipBlock": {"cidr": peers.vpc_cidr}}], "ports": _tcp(ROUTER_PORT.number)},
-                {"from": [peer(peers.prometheus)], "ports": _tcp(ROUTER_METRICS.number)},
+                {"from": sources, "ports": tcp(ROUTER_PORT.number)},
+                {"from": [peer(peers.prometheus)], "ports": tcp(ROUTER_METRICS.number)},
             ],
             "egress": [
-                {"to": [{"podSelector": {"matchLabels": dict(selector)}}], "ports": _tcp(RAY_PORTS.openai.number)},
-                {"to": [{"ipBlock": {"cidr": ANYWHERE}}], "ports": _tcp(HTTPS)},
+                {"to": [{"podSelector": {"matchLabels": dict(selector)}}], "ports": tcp(RAY_PORTS.openai.number)},
+                {"to": [{"ipBlock": {"cidr": ANYWHERE}}], "ports": tcp(HTTPS)},
             ],
         },
     }
@@ -409,10 +420,6 @@ def pod_monitor(service: str, namespace: str, selector_labels: Mapping[str, str]
     }
 
 
-def _tcp(*ports: int) -> list[dict[str, Any]]:
-    return [{"protocol": "TCP", "port": p} for p in ports]
-
-
 @dataclass(frozen=True)
 class RequestRouterArgs:
     """One vllm-server RayService's router: its settings, where it runs, what it sends to."""
@@ -427,6 +434,8 @@ class RequestRouterArgs:
     peers: ClusterPeers
     # The labels Prometheus selects its PodMonitors by.
     prometheus_selector_labels: Mapping[str, str]
+    # The model gateway's pods, when `serving.gateway` puts one in front of the routers.
+    gateway_pods: Mapping[str, str] | None = None
 
 
 class RequestRouter(pulumi.ComponentResource):
@@ -452,7 +461,7 @@ class RequestRouter(pulumi.ComponentResource):
             subjects=[k8s.rbac.v1.SubjectArgs(kind="ServiceAccount", name=router_name(service), namespace=namespace)],
             opts=k8s_opts,
         )
-        policy = network_policy(service, namespace, args.peers, selector)
+        policy = network_policy(service, namespace, args.peers, selector, args.gateway_pods)
         k8s.networking.v1.NetworkPolicy(
             f"{name}-policy", metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts
         )

@@ -145,6 +145,20 @@ def parse_keys_env(text: str) -> list[str]:
     return [key.secret for key in parse_keys_list(text)[0]]
 
 
+# What a request without a valid key gets, wherever it is refused (the servers' guard, the gateway).
+UNAUTHORIZED_CHALLENGE = b'Bearer realm="inference"'
+
+
+def unauthorized_body() -> bytes:
+    """The 401's body: the OpenAI error shape, naming how to send the key and never which keys exist."""
+    return error_body(
+        "Missing or invalid API key. Send it as 'Authorization: Bearer <key>'.",
+        type_=INVALID_REQUEST,
+        param=None,
+        code="invalid_api_key",
+    )
+
+
 class ApiKeys:
     """The accepted API keys, read from a mounted file or else an env var.
 
@@ -841,17 +855,7 @@ class ApiGuard:
             return
 
         if not self.keys.verify(bearer_token(scope)):
-            await send_json(
-                send,
-                401,
-                error_body(
-                    "Missing or invalid API key. Send it as 'Authorization: Bearer <key>'.",
-                    type_=INVALID_REQUEST,
-                    param=None,
-                    code="invalid_api_key",
-                ),
-                [(b"www-authenticate", b'Bearer realm="inference"')],
-            )
+            await send_json(send, 401, unauthorized_body(), [(b"www-authenticate", UNAUTHORIZED_CHALLENGE)])
             return
 
         shaped_send = _shape_errors(send, method)

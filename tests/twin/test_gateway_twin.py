@@ -1,0 +1,54 @@
+"""The twin's gateway (twin/gateway.py): the rendered settings, with only addresses, routes and keys swapped."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.harness import GATEWAY, ROUTING, manifests_of, render_routed, stack_doc
+from twin.gateway import local_settings, substitutions
+from twin.routing import router_specs
+from workloads.inference_server.gateway_settings import SETTINGS_ENV, GatewaySettings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _rendered_settings() -> GatewaySettings:
+    (dep,) = [d for d in manifests_of(render_routed("prod"), "Deployment") if d["metadata"]["name"] == "llm-gateway"]
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    (env,) = [e for e in container["env"] if e["name"] == SETTINGS_ENV]
+    return GatewaySettings.model_validate_json(env["value"])
+
+
+def test_the_twin_runs_the_settings_the_render_gives_the_deployment(tmp_path: Path) -> None:
+    doc = copy.deepcopy(stack_doc("prod"))
+    serving = doc["config"].get("llm-platform:serving", {})
+    doc["config"]["llm-platform:serving"] = {**serving, "routing": ROUTING, "gateway": GATEWAY}
+    path = tmp_path / "Pulumi.prod.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    gateways = [spec.gateway for spec in router_specs(path).values()]
+    assert len(gateways) == 2 and all(g == _rendered_settings() for g in gateways)
+
+
+def test_the_committed_stacks_the_twin_gateway_is_prods_two_models_and_not_devs() -> None:
+    for spec in router_specs(ROOT / "Pulumi.prod.yaml").values():
+        assert spec.gateway is not None and spec.gateway.routes == _rendered_settings().routes
+    # Dev serves its models in serve-ingress: no router, so no gateway to run.
+    assert router_specs(ROOT / "Pulumi.dev.yaml") == {}
+
+
+def test_only_addresses_routes_and_keys_change_and_each_change_is_printed() -> None:
+    rendered = _rendered_settings()
+    routes = {model: f"http://127.0.0.1:{40000 + i}" for i, model in enumerate(sorted(rendered.routes))}
+    local = local_settings(rendered, routes, "/tmp/twin-keys")
+    changed = {k for k, v in local.model_dump().items() if v != rendered.model_dump()[k]}
+    assert changed == {"host", "port", "metrics_port", "routes", "api_keys_file"}
+    assert local.max_body_bytes == rendered.max_body_bytes and local.request_timeout_s == rendered.request_timeout_s
+    lines = substitutions(rendered, local)
+    for model in rendered.routes:
+        assert any(rendered.routes[model] in line and routes[model] in line for line in lines), model
+    with pytest.raises(ValueError, match="routes for"):
+        local_settings(rendered, {next(iter(routes)): "http://127.0.0.1:1"}, "/tmp/twin-keys")
