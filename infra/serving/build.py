@@ -20,6 +20,7 @@ from infra.serving.namespace import ServingNamespace, ServingNamespaceArgs
 from infra.serving.network import ClusterPeers
 from infra.serving.ports import RAY_PORTS
 from infra.serving.ray_service import VllmRayService, VllmRayServiceArgs
+from infra.serving.replicated import DeploymentSite
 from infra.serving.router import RequestRouter, RequestRouterArgs, router_plans
 
 
@@ -143,6 +144,17 @@ def _observability(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer, ns:
     )
 
 
+def _site(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer) -> DeploymentSite:
+    """Where the serving layer's own Deployments (routers, gateway) run, and who is around them."""
+    return DeploymentSite(
+        namespace=cfg.serving.namespace,
+        image=aws.image,
+        system=aws.system,
+        peers=cluster_peers(cfg, platform),
+        prometheus_selector_labels=dict(platform.prometheus_selector_labels),
+    )
+
+
 def _routers(
     cfg: StackConfig,
     aws: AwsLayer,
@@ -163,13 +175,9 @@ def _routers(
             f"{service}-router",
             RequestRouterArgs(
                 service=service,
-                namespace=cfg.serving.namespace,
                 routing=cfg.serving.routing,
-                image=aws.image,
-                system=aws.system,
                 plan=plan,
-                peers=cluster_peers(cfg, platform),
-                prometheus_selector_labels=dict(platform.prometheus_selector_labels),
+                site=_site(cfg, aws, platform),
                 gateway_pods=GATEWAY_LABEL if cfg.serving.gateway.enabled else None,
             ),
             _after(aws, *ns.ready, platform.monitoring_crds, ray_services[service].ray_service),
@@ -187,19 +195,14 @@ def _gateway(
     """One address for every model, in front of their routers, when `serving.gateway` is on."""
     if not cfg.serving.gateway.enabled:
         return None
-    plan = gateway_plan(cfg)
     return ModelGateway(
         cfg.serving.gateway.name,
         ModelGatewayArgs(
             gateway=cfg.serving.gateway,
-            namespace=cfg.serving.namespace,
             endpoint=cfg.endpoint,
-            image=aws.image,
-            system=aws.system,
-            plan=plan,
-            peers=cluster_peers(cfg, platform),
+            plan=gateway_plan(cfg),
+            site=_site(cfg, aws, platform),
             api_keys_secret=ns.api_keys_secret,
-            prometheus_selector_labels=dict(platform.prometheus_selector_labels),
         ),
         _after(aws, *ns.ready, platform.monitoring_crds, *(router.deployment for router in routers.values())),
     )

@@ -37,7 +37,15 @@ from infra.serving.namespace import PART_OF, peer, policy_metadata
 from infra.serving.network import ClusterPeers, tcp
 from infra.serving.pod_security import RAY_GID, RAY_UID, container_security_context, pod_security_context
 from infra.serving.ports import Port
-from infra.serving.router import DEREGISTER_SECONDS, EXIT_SECONDS, ROUTER_PORT, router_plans, router_pods, spread
+from infra.serving.replicated import (
+    DeploymentSite,
+    cpu_autoscaler,
+    declare_scaling_and_monitoring,
+    disruption_budget,
+    pod_monitor,
+    spread,
+)
+from infra.serving.router import DEREGISTER_SECONDS, EXIT_SECONDS, ROUTER_PORT, router_plans, router_pods
 from infra.serving.serve_config import MOUNTS
 from workloads.inference_server.catalog import Catalog
 from workloads.inference_server.gateway_settings import SETTINGS_ENV, GatewaySettings
@@ -210,64 +218,16 @@ def network_policy(gateway: Gateway, namespace: str, peers: ClusterPeers, servic
     }
 
 
-def disruption_budget(gateway: Gateway, namespace: str) -> dict[str, Any]:
-    """A node drain takes one gateway at a time."""
-    return {
-        "metadata": {"name": gateway.name, "namespace": namespace, "labels": dict(PART_OF)},
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": dict(GATEWAY_LABEL)}},
-    }
-
-
-def autoscaler(gateway: Gateway, namespace: str) -> dict[str, Any]:
-    """The gateway's count follows its CPU: it reads every request's body and copies every chunk."""
-    return {
-        "metadata": {"name": gateway.name, "namespace": namespace, "labels": dict(PART_OF)},
-        "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": gateway.name},
-            "minReplicas": gateway.min_replicas,
-            "maxReplicas": gateway.max_replicas,
-            "metrics": [
-                {
-                    "type": "Resource",
-                    "resource": {
-                        "name": "cpu",
-                        "target": {"type": "Utilization", "averageUtilization": gateway.target_cpu_utilization},
-                    },
-                }
-            ],
-        },
-    }
-
-
-def pod_monitor(gateway: Gateway, namespace: str, selector_labels: Mapping[str, str]) -> dict[str, Any]:
-    """Prometheus scrapes each gateway's llm_gateway_* series."""
-    return {
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "PodMonitor",
-        "metadata": {"name": gateway.name, "namespace": namespace, "labels": {**PART_OF, **selector_labels}},
-        "spec": {
-            "namespaceSelector": {"matchNames": [namespace]},
-            "selector": {"matchLabels": dict(GATEWAY_LABEL)},
-            "podMetricsEndpoints": [{"port": GATEWAY_METRICS.name, "path": "/metrics", "interval": "15s"}],
-        },
-    }
-
-
 @dataclass(frozen=True)
 class ModelGatewayArgs:
     """The gateway's settings, where it runs, and the routers it sends to."""
 
     gateway: Gateway
-    namespace: str
     endpoint: Endpoint
-    image: pulumi.Input[str]
-    system: Placement
     plan: GatewayPlan
-    peers: ClusterPeers
+    site: DeploymentSite
     # The Secret holding the API keys file every server's guard reads (ServingNamespace).
     api_keys_secret: str
-    # The labels Prometheus selects its PodMonitors by.
-    prometheus_selector_labels: Mapping[str, str]
 
 
 class ModelGateway(pulumi.ComponentResource):
@@ -279,7 +239,8 @@ class ModelGateway(pulumi.ComponentResource):
     def __init__(self, name: str, args: ModelGatewayArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("llm-platform:serving:ModelGateway", name, None, opts)
         k8s_opts = pulumi.ResourceOptions(parent=self)
-        gw, namespace = args.gateway, args.namespace
+        gw, site = args.gateway, args.site
+        namespace = site.namespace
         services = sorted(set(args.plan.models.values()))
         account = k8s.core.v1.ServiceAccount(
             f"{name}-account",
@@ -292,35 +253,27 @@ class ModelGateway(pulumi.ComponentResource):
             k8s.core.v1.Service(
                 f"{name}-{service}-upstream", metadata=upstream["metadata"], spec=upstream["spec"], opts=k8s_opts
             )
-        policy = network_policy(gw, namespace, args.peers, services)
+        policy = network_policy(gw, namespace, site.peers, services)
         k8s.networking.v1.NetworkPolicy(
             f"{name}-policy", metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts
         )
-        manifest = deployment(gw, namespace, args.image, args.system, args.plan, args.api_keys_secret)
+        manifest = deployment(gw, namespace, site.image, site.system, args.plan, args.api_keys_secret)
         self.deployment = k8s.apps.v1.Deployment(
             f"{name}-deployment",
             metadata=manifest["metadata"],
             spec=manifest["spec"],
             opts=pulumi.ResourceOptions(parent=self, depends_on=[account], ignore_changes=["spec.replicas"]),
         )
-        budget = disruption_budget(gw, namespace)
-        k8s.policy.v1.PodDisruptionBudget(
-            f"{name}-budget", metadata=budget["metadata"], spec=budget["spec"], opts=k8s_opts
+        declare_scaling_and_monitoring(
+            name,
+            self,
+            disruption_budget(gw.name, namespace, GATEWAY_LABEL),
+            # Its count follows its CPU: it reads every request's body and copies every chunk.
+            cpu_autoscaler(gw.name, namespace, gw.min_replicas, gw.max_replicas, gw.target_cpu_utilization),
+            # Its llm_gateway_* series.
+            pod_monitor(gw.name, namespace, GATEWAY_LABEL, GATEWAY_METRICS, site.prometheus_selector_labels),
         )
-        scaler = autoscaler(gw, namespace)
-        k8s.autoscaling.v2.HorizontalPodAutoscaler(
-            f"{name}-autoscaler", metadata=scaler["metadata"], spec=scaler["spec"], opts=k8s_opts
-        )
-        monitor = pod_monitor(gw, namespace, args.prometheus_selector_labels)
-        k8s.apiextensions.CustomResource(
-            f"{name}-monitor",
-            api_version=monitor["apiVersion"],
-            kind=monitor["kind"],
-            metadata=monitor["metadata"],
-            spec=monitor["spec"],
-            opts=k8s_opts,
-        )
-        public = public_service(gw, namespace, args.endpoint, args.peers.vpc_cidr)
+        public = public_service(gw, namespace, args.endpoint, site.peers.vpc_cidr)
         self.service = k8s.core.v1.Service(
             f"{name}-public",
             metadata=public["metadata"],

@@ -49,6 +49,14 @@ from infra.serving.network import ANYWHERE, HTTPS, ClusterPeers, tcp
 from infra.serving.pod_security import RAY_GID, RAY_UID, container_security_context, pod_security_context
 from infra.serving.ports import RAY_PORTS, Port
 from infra.serving.ray_service import worker_group_name
+from infra.serving.replicated import (
+    DeploymentSite,
+    cpu_autoscaler,
+    declare_scaling_and_monitoring,
+    disruption_budget,
+    pod_monitor,
+    spread,
+)
 from infra.serving.router_front import (
     CONFIG_DIR,
     CONFIG_FILE,
@@ -203,24 +211,6 @@ def role(service: str, namespace: str) -> dict[str, Any]:
     }
 
 
-def spread(pods: Mapping[str, str]) -> list[dict[str, Any]]:
-    """Across zones first (a zone's loss leaves one of `pods` in another), then across nodes."""
-    return [
-        {
-            "maxSkew": 1,
-            "topologyKey": "topology.kubernetes.io/zone",
-            "whenUnsatisfiable": "DoNotSchedule",
-            "labelSelector": {"matchLabels": dict(pods)},
-        },
-        {
-            "maxSkew": 1,
-            "topologyKey": "kubernetes.io/hostname",
-            "whenUnsatisfiable": "ScheduleAnyway",
-            "labelSelector": {"matchLabels": dict(pods)},
-        },
-    ]
-
-
 def _router_container(routing: Routing, image: pulumi.Input[str], command: list[str]) -> dict[str, Any]:
     return {
         "name": ROUTER_CONTAINER,
@@ -334,35 +324,6 @@ def deployment(
     }
 
 
-def disruption_budget(service: str, namespace: str) -> dict[str, Any]:
-    """A node drain takes one router at a time."""
-    return {
-        "metadata": {"name": router_name(service), "namespace": namespace, "labels": dict(PART_OF)},
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": router_pods(service)}},
-    }
-
-
-def autoscaler(service: str, namespace: str, routing: Routing) -> dict[str, Any]:
-    """The router's count follows its CPU: it parses every request and matches every prompt."""
-    return {
-        "metadata": {"name": router_name(service), "namespace": namespace, "labels": dict(PART_OF)},
-        "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": router_name(service)},
-            "minReplicas": routing.min_replicas,
-            "maxReplicas": routing.max_replicas,
-            "metrics": [
-                {
-                    "type": "Resource",
-                    "resource": {
-                        "name": "cpu",
-                        "target": {"type": "Utilization", "averageUtilization": routing.target_cpu_utilization},
-                    },
-                }
-            ],
-        },
-    }
-
-
 def network_policy(
     service: str,
     namespace: str,
@@ -400,24 +361,22 @@ def network_policy(
     }
 
 
-def pod_monitor(service: str, namespace: str, selector_labels: Mapping[str, str]) -> dict[str, Any]:
-    """Prometheus scrapes each router's own registry (vllm_router_* series)."""
-    return {
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "PodMonitor",
-        "metadata": {
-            "name": router_name(service),
-            "namespace": namespace,
-            "labels": {**PART_OF, **selector_labels},
-        },
-        "spec": {
-            "namespaceSelector": {"matchNames": [namespace]},
-            "selector": {"matchLabels": router_pods(service)},
-            # The RayService it routes for, on every series.
-            "podTargetLabels": [ROUTER_OF],
-            "podMetricsEndpoints": [{"port": ROUTER_METRICS.name, "path": "/metrics", "interval": "15s"}],
-        },
-    }
+def _scaling_and_monitoring(
+    service: str, routing: Routing, site: DeploymentSite
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The router's budget, autoscaler and PodMonitor."""
+    name, pods = router_name(service), router_pods(service)
+    return (
+        disruption_budget(name, site.namespace, pods),
+        # Its count follows its CPU: it parses every request and matches every prompt.
+        cpu_autoscaler(
+            name, site.namespace, routing.min_replicas, routing.max_replicas, routing.target_cpu_utilization
+        ),
+        # Its own registry (vllm_router_* series), with the RayService it routes for on every series.
+        pod_monitor(
+            name, site.namespace, pods, ROUTER_METRICS, site.prometheus_selector_labels, target_labels=[ROUTER_OF]
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -425,15 +384,10 @@ class RequestRouterArgs:
     """One vllm-server RayService's router: its settings, where it runs, what it sends to."""
 
     service: str
-    namespace: str
     routing: Routing
-    image: pulumi.Input[str]
-    system: Placement
     # Its replicas and command line (router_plans).
     plan: RouterPlan
-    peers: ClusterPeers
-    # The labels Prometheus selects its PodMonitors by.
-    prometheus_selector_labels: Mapping[str, str]
+    site: DeploymentSite
     # The model gateway's pods, when `serving.gateway` puts one in front of the routers.
     gateway_pods: Mapping[str, str] | None = None
 
@@ -446,7 +400,8 @@ class RequestRouter(pulumi.ComponentResource):
         if not versions.ROUTER_FRONT_PINNED:
             pulumi.log.warn(UNPINNED_FRONT_WARNING, resource=self)
         k8s_opts = pulumi.ResourceOptions(parent=self)
-        service, namespace = args.service, args.namespace
+        service, site = args.service, args.site
+        namespace = site.namespace
         selector = args.plan.selector
         meta = k8s.meta.v1.ObjectMetaArgs(name=router_name(service), namespace=namespace, labels=dict(PART_OF))
         account = k8s.core.v1.ServiceAccount(f"{name}-account", metadata=meta, opts=k8s_opts)
@@ -461,7 +416,7 @@ class RequestRouter(pulumi.ComponentResource):
             subjects=[k8s.rbac.v1.SubjectArgs(kind="ServiceAccount", name=router_name(service), namespace=namespace)],
             opts=k8s_opts,
         )
-        policy = network_policy(service, namespace, args.peers, selector, args.gateway_pods)
+        policy = network_policy(service, namespace, site.peers, selector, args.gateway_pods)
         k8s.networking.v1.NetworkPolicy(
             f"{name}-policy", metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts
         )
@@ -469,7 +424,7 @@ class RequestRouter(pulumi.ComponentResource):
         front_config = k8s.core.v1.ConfigMap(
             f"{name}-front", metadata=front["metadata"], data=front["data"], opts=k8s_opts
         )
-        manifest = deployment(service, namespace, args.routing, args.image, args.system, args.plan)
+        manifest = deployment(service, namespace, args.routing, site.image, site.system, args.plan)
         self.deployment = k8s.apps.v1.Deployment(
             f"{name}-deployment",
             metadata=manifest["metadata"],
@@ -481,22 +436,6 @@ class RequestRouter(pulumi.ComponentResource):
                 ignore_changes=["spec.replicas"],
             ),
         )
-        budget = disruption_budget(service, namespace)
-        k8s.policy.v1.PodDisruptionBudget(
-            f"{name}-budget", metadata=budget["metadata"], spec=budget["spec"], opts=k8s_opts
-        )
-        scaler = autoscaler(service, namespace, args.routing)
-        k8s.autoscaling.v2.HorizontalPodAutoscaler(
-            f"{name}-autoscaler", metadata=scaler["metadata"], spec=scaler["spec"], opts=k8s_opts
-        )
-        monitor = pod_monitor(service, namespace, args.prometheus_selector_labels)
-        k8s.apiextensions.CustomResource(
-            f"{name}-monitor",
-            api_version=monitor["apiVersion"],
-            kind=monitor["kind"],
-            metadata=monitor["metadata"],
-            spec=monitor["spec"],
-            opts=k8s_opts,
-        )
+        declare_scaling_and_monitoring(name, self, *_scaling_and_monitoring(service, args.routing, site))
         self.pod_labels = router_pods(service)
         self.register_outputs({"deployment": self.deployment.metadata.name})
