@@ -164,6 +164,24 @@ def router_table(results: ServingResults) -> str:
     return "\n".join(lines)
 
 
+def gateway_table(results: ServingResults) -> str:
+    """The model gateway's hop: the gateway variant against the routed one (the same router behind it)."""
+    if "gateway" not in results.variants or "routed" not in results.variants:
+        return ""
+    lines = [
+        f"{_label('gateway')} against {_label('routed')}, paired within each round: median [min, max] over rounds.",
+        "",
+        "| figure | c | measured |",
+        "|---|---|---|",
+    ]
+    for concurrency in results.concurrency:
+        added = _paired(results, "gateway", concurrency, "ttft_p50_ms", "diff", "routed")
+        ratio = _paired(results, "gateway", concurrency, "rps", "ratio", "routed")
+        lines.append(f"| TTFT p50 the gateway adds, ms | {concurrency} | {spread(added, '{:+.1f}')} |")
+        lines.append(f"| req/s, gateway / routed | {concurrency} | {spread(ratio, '{:.2f}x')} |")
+    return "\n".join(lines)
+
+
 def _variant_tables(results: ServingResults) -> list[str]:
     lines = [
         "| c | server | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms | e2e p50 ms "
@@ -272,6 +290,7 @@ def serving_tables(results: ServingResults) -> str:
         headline_table(results),
         "",
         *(["### The routing tier", "", router_table(results), ""] if "routed" in results.variants else []),
+        *(["### The model gateway", "", gateway_table(results), ""] if gateway_table(results) else []),
         f"### Every variant ({results.layout} layout)",
         "",
         *_variant_tables(results),

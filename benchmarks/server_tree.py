@@ -37,6 +37,8 @@ ROLES = (
     ("vllm_router", "router"),
     # The router's front (nginx: "nginx: master process ...", "nginx: worker process").
     ("nginx: ", "router front"),
+    # The model gateway (python -m inference_server.gateway).
+    ("inference_server.gateway", "gateway"),
     ("ProxyActor", "Serve proxy"),
     ("haproxy", "Serve proxy"),
     ("VllmServer", "Serve VllmServer replica"),

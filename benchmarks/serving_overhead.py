@@ -154,6 +154,7 @@ REQUEST_PATH_ROLES = frozenset({"Serve proxy", "Serve ingress replica", "Serve L
 VARIANT_LABELS = {
     "project": "project (vllm-server, default)",
     "routed": "project behind its router (serving.routing)",
+    "gateway": "project behind its router and the model gateway (serving.gateway)",
     "guarded": "guarded vLLM alone (no Ray)",
     "bare": "bare vLLM (vllm serve)",
     "project-ingress": "project-ingress (Ray Serve LLM ingress + guard)",
@@ -326,7 +327,7 @@ def start_vllm_server(
     return Server(variant, local.base_url, api_key, local.child, seconds, address_dir=local.address_dir)
 
 
-def start_routed(work: Path, model_dir: Path, replicas: int = 1) -> Server:
+def start_routed(work: Path, model_dir: Path, replicas: int = 1, variant: str = "routed") -> Server:
     """The default layout behind the router prod's render runs, in front of the measured replica alone.
 
     The router's command is the one ``serving.routing`` renders for prod's
@@ -343,17 +344,57 @@ def start_routed(work: Path, model_dir: Path, replicas: int = 1) -> Server:
     if not specs:
         raise RuntimeError("routed: Pulumi.prod.yaml has no vllm-server service for a router to front")
     spec = next(iter(specs.values()))
-    server = start_vllm_server(work, model_dir, "routed", replicas)
+    server = start_vllm_server(work, model_dir, variant, replicas)
     try:
         started = time.monotonic()
         upstream = server.base_url
         router, _ = start_router(
-            spec.command, [upstream.removesuffix("/v1")], work / "routed" / "router.log", spec.front
+            spec.command, [upstream.removesuffix("/v1")], work / variant / "router.log", spec.front
         )
         # The front first: it stops before the router, as in the pod.
         server.companions += [router.front, router.child]
         server.upstream_url = upstream
         server.base_url = router.base_url
+        server.start_seconds += time.monotonic() - started
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def start_gateway_variant(work: Path, model_dir: Path, replicas: int = 1) -> Server:
+    """The routed layout with the model gateway prod's render runs (`serving.gateway`) in front of its router.
+
+    The gateway's settings are the rendered ones (twin/gateway.py), with the
+    loopback address, the twin's keys, and one route: the benchmark's model to
+    the router in front of the measured replica (the rendered models' routes
+    point at a closed port, as the twin's do). What it adds over ``routed`` is
+    the gateway's hop; it runs on the load generator's core, like the router.
+    """
+    from twin.gateway import start_gateway
+    from twin.routing import router_specs
+
+    specs = router_specs(REPO / "Pulumi.prod.yaml")
+    rendered = next((spec.gateway for spec in specs.values() if spec.gateway is not None), None)
+    if rendered is None:
+        raise RuntimeError("gateway: Pulumi.prod.yaml has fewer than two vllm-server services for a gateway")
+    server = start_routed(work, model_dir, replicas, variant="gateway")
+    try:
+        started = time.monotonic()
+        closed = f"http://127.0.0.1:{free_port()}"
+        settings = rendered.model_copy(
+            update={
+                "host": "127.0.0.1",
+                "port": free_port(),
+                "metrics_port": None,
+                "routes": {**{m: closed for m in rendered.routes}, MODEL_ID: server.root_url()},
+                "api_keys_file": str(work / "gateway" / "keys"),
+            }
+        )
+        gateway = start_gateway(settings, work / "gateway" / "gateway.log")
+        # The gateway first: it stops before the router behind it.
+        server.companions.insert(0, gateway)
+        server.base_url = f"http://{settings.host}:{settings.port}/v1"
         server.start_seconds += time.monotonic() - started
     except BaseException:
         server.stop()
@@ -500,6 +541,8 @@ def start(variant: str, work: Path, model_dir: Path, replicas: int = 1) -> Serve
         return start_vllm_server(work, model_dir, replicas=replicas)
     if variant == "routed":
         return start_routed(work, model_dir, replicas)
+    if variant == "gateway":
+        return start_gateway_variant(work, model_dir, replicas)
     if variant == "guarded":
         return start_guarded(work, model_dir)
     if variant in INGRESS_VARIANTS:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.pinning import REST_CPUS, SERVER_CPUS, Pinner, allowed_cpus, threads
-from benchmarks.report import headline_table, router_table, verdict
+from benchmarks.report import gateway_table, headline_table, router_table, verdict
 from benchmarks.server_tree import (
     API_SERVER,
     ENGINE_CORE,
@@ -192,6 +192,33 @@ def test_the_routing_tier_is_judged_on_its_hop_against_the_direct_layout_and_its
     assert router_table(ServingResults(**{**results.__dict__, "variants": ["project", "bare"]})) == ""
 
 
+def test_the_gateways_hop_is_paired_with_the_routed_layout_in_each_round() -> None:
+    # c=1: the gateway's TTFT is 1, 2 and 6 ms over the routed layout's in the same round (median 2);
+    # c=32: 0.95x, 0.90x and 1.00x its req/s. Without the routed variant there is nothing to pair with.
+    cells = []
+    for rnd, (added, ratio) in enumerate([(1.0, 0.95), (2.0, 0.90), (6.0, 1.00)]):
+        cells += [_cell("routed", rnd, 1, 10.0, 20.0 + rnd), _cell("gateway", rnd, 1, 10.0, 20.0 + rnd + added)]
+        cells += [_cell("routed", rnd, 32, 100.0 + rnd), _cell("gateway", rnd, 32, (100.0 + rnd) * ratio)]
+    results = ServingResults(
+        variants=["routed", "gateway"],
+        rounds=3,
+        concurrency=[1, 32],
+        prompts={1: 10, 32: 10},
+        max_tokens=32,
+        input_tokens=64,
+        layout="isolated",
+        replicas=1,
+        start_seconds={},
+        idle_cpu_share={},
+        cells=cells,
+        seconds=1.0,
+    )
+    table = gateway_table(results)
+    assert "| TTFT p50 the gateway adds, ms | 1 | +2.0 [+1.0, +6.0] |" in table
+    assert "| req/s, gateway / routed | 32 | 0.95x [0.90x, 1.00x] |" in table
+    assert gateway_table(ServingResults(**{**results.__dict__, "variants": ["gateway"]})) == ""
+
+
 def test_the_routers_process_is_counted_as_the_router(tmp_path: Path) -> None:
     # vllm-router retitles its process ("vllm::router"); its CPU must not land in "other".
     from benchmarks.serving_overhead import REPO
@@ -206,3 +233,27 @@ def test_the_routers_process_is_counted_as_the_router(tmp_path: Path) -> None:
     finally:
         router.stop()
         replica.stop()
+
+
+def test_the_gateways_process_is_counted_as_the_gateway(tmp_path: Path) -> None:
+    # Its CPU must not land in "other" in the gateway variant's per-role table.
+    from localserve.processes import free_port
+    from twin.gateway import start_gateway
+    from workloads.inference_server.gateway_settings import GatewaySettings
+
+    keys = tmp_path / "keys"
+    keys.write_text("sk-bench-0123456789abcdef0123\n")
+    settings = GatewaySettings(
+        host="127.0.0.1",
+        port=free_port(),
+        routes={"m": f"http://127.0.0.1:{free_port()}"},
+        api_keys_file=str(keys),
+        api_keys_env="UNUSED_KEYS",
+        max_body_bytes=1024,
+        request_timeout_s=5,
+    )
+    gateway = start_gateway(settings, tmp_path / "gateway.log")
+    try:
+        assert process_role(gateway.proc.pid) == "gateway"
+    finally:
+        gateway.stop(grace_s=5)

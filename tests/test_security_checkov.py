@@ -26,7 +26,12 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.harness import manifests_of, ray_service_pods, render_stack
+from infra.config import Gateway
+from infra.serving.endpoint import public_service_name
+from tests.harness import manifests_of, ray_service_pods, render_routed, render_stack
+
+# The gateway's name when `serving.gateway` leaves it at its default.
+GATEWAY_NAME = Gateway().name
 
 STACKS = ["dev", "prod"]
 CHECKOV_VARIABLE = "CHECKOV_BIN"
@@ -52,6 +57,12 @@ def _write(path: Path, objects: list[dict[str, Any]]) -> None:
     path.write_text(yaml.safe_dump_all(objects, sort_keys=False))
 
 
+def gateway_objects() -> list[dict[str, Any]]:
+    """The gateway's own objects in prod's routed render (its name, and its load balancer's Service)."""
+    names = {GATEWAY_NAME, public_service_name(GATEWAY_NAME)}
+    return [m for m in render_routed("prod").manifests if m["metadata"]["name"] in names and m["kind"] != "PodMonitor"]
+
+
 def checkov_report(tmp: str) -> tuple[dict[str, Any], float]:
     """One checkov run over both stacks: (report, seconds)."""
     binary = checkov_binary()
@@ -62,6 +73,9 @@ def checkov_report(tmp: str) -> tuple[dict[str, Any], float]:
         _write(root / stack / "manifests.yaml", rendered.manifests)
         pods = [pod for rs in manifests_of(rendered, "RayService") for pod in ray_service_pods(rs)]
         _write(root / stack / "ray-service-pods.yaml", pods)
+    # The model gateway, off in both stacks: prod's routed render has it (tests.harness.GATEWAY).
+    (root / "prod-gateway").mkdir(parents=True, exist_ok=True)
+    _write(root / "prod-gateway" / "manifests.yaml", gateway_objects())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BC_", "PRISMA_", "CKV_"))}
     started = time.monotonic()
     run = subprocess.run(
@@ -129,6 +143,7 @@ def test_checkov_saw_the_ray_pods_and_the_serving_workloads(report: dict[str, An
                 assert f"Pod.{pod['metadata']['namespace']}.{pod['metadata']['name']}" in resources
         for dep in manifests_of(rendered, "Deployment"):
             assert f"Deployment.{dep['metadata']['namespace']}.{dep['metadata']['name']}" in resources
+    assert f"Deployment.llm.{GATEWAY_NAME}" in resources
     assert report["summary"]["passed"] > 500
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from infra import versions
-from infra.config import PROD_MIN_GATEWAY_REPLICAS
+from infra.config import PROD_MIN_GATEWAY_REPLICAS, Gateway
 from infra.render import Rendered
 from infra.serving.endpoint import public_service_name
 from infra.serving.gateway import GATEWAY_LABEL, GATEWAY_METRICS, GATEWAY_PORT, upstream_name
@@ -21,7 +21,8 @@ from infra.serving.router import ROUTER_PORT, router_name, router_pods
 from tests.harness import GATEWAY, ROUTING, config_problems, manifests_of, render_routed, render_stack
 from workloads.inference_server.gateway_settings import SETTINGS_ENV, GatewaySettings
 
-NAME = "llm-gateway"
+# The gateway's default name (serving.gateway.name), which the routed render keeps.
+NAME = Gateway().name
 
 
 def routed() -> Rendered:

@@ -30,6 +30,7 @@ from infra.serving.network import batch_worker_policy
 from infra.serving.pod_security import (
     RAY_GID,
     RAY_UID,
+    SERVING_IMAGE_UID_SKIP,
     checkov_skips,
     container_security_context,
     pod_security_context,
@@ -50,7 +51,7 @@ RUN_AS_GROUP = RAY_GID
 CHECKOV_SKIPS = {
     "CKV_K8S_8": "listens on nothing: it long-polls SQS, and a stuck worker's messages return to the queue",
     "CKV_K8S_9": "takes no traffic: readiness gates nothing for a queue consumer",
-    "CKV_K8S_40": "the serving image's own user is uid 1000 (workloads/Dockerfile), owner of its Python environment",
+    **SERVING_IMAGE_UID_SKIP,
 }
 # A request must end this long before its message's visibility timeout, so
 # the answer is stored and the message deleted while this worker still holds it.

@@ -35,7 +35,14 @@ from infra.scheduling import Placement
 from infra.serving.endpoint import load_balancer_service, public_address
 from infra.serving.namespace import PART_OF, peer, policy_metadata
 from infra.serving.network import ClusterPeers, tcp
-from infra.serving.pod_security import RAY_GID, RAY_UID, container_security_context, pod_security_context
+from infra.serving.pod_security import (
+    RAY_GID,
+    RAY_UID,
+    SERVING_IMAGE_UID_SKIP,
+    checkov_skips,
+    container_security_context,
+    pod_security_context,
+)
 from infra.serving.ports import Port
 from infra.serving.replicated import (
     DeploymentSite,
@@ -56,6 +63,7 @@ GATEWAY_LABEL = {"app.kubernetes.io/name": "llm-gateway"}
 GATEWAY_PORT = ROUTER_PORT
 GATEWAY_METRICS = Port("gateway-metrics", 29001)
 CONTAINER = "gateway"
+GATEWAY_CPU_LIMIT = "2"
 
 
 def upstream_name(service: str) -> str:
@@ -135,7 +143,9 @@ def deployment(
         "livenessProbe": {"tcpSocket": {"port": GATEWAY_PORT.name}, "periodSeconds": 10, "failureThreshold": 3},
         "resources": {
             "requests": {"cpu": gateway.cpu, "memory": gateway.memory},
-            "limits": {"memory": gateway.memory},
+            # A ceiling for a runaway, well above what the autoscaler holds it to
+            # (a quota it reached would hold back every token it streams).
+            "limits": {"cpu": GATEWAY_CPU_LIMIT, "memory": gateway.memory},
         },
         "securityContext": container_security_context(read_only_root=True),
         "volumeMounts": [{"name": "api-keys", "mountPath": MOUNTS.api_keys_dir, "readOnly": True}],
@@ -144,7 +154,12 @@ def deployment(
         "lifecycle": {"preStop": {"sleep": {"seconds": DEREGISTER_SECONDS}}},
     }
     return {
-        "metadata": {"name": gateway.name, "namespace": namespace, "labels": labels},
+        "metadata": {
+            "name": gateway.name,
+            "namespace": namespace,
+            "labels": labels,
+            "annotations": checkov_skips(SERVING_IMAGE_UID_SKIP),
+        },
         "spec": {
             # The HorizontalPodAutoscaler owns the count once it exists; this is the start.
             "replicas": gateway.min_replicas,

@@ -25,6 +25,11 @@ from typing import Any
 # group, which workloads/Dockerfile names in its USER line.
 RAY_UID = 1000
 RAY_GID = 100
+# Why a pod running the serving image skips checkov's "high UID" check (checkov.io/skip annotations).
+SERVING_IMAGE_UID_SKIP = {
+    "CKV_K8S_40": f"the serving image's own user is uid {RAY_UID} (workloads/Dockerfile), owner of its Python "
+    "environment",
+}
 # The pause image's `nobody` user (65535:65535).
 PAUSE_UID = 65535
 

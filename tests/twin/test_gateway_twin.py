@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from infra.config import Gateway
 from tests.harness import GATEWAY, ROUTING, manifests_of, render_routed, stack_doc
 from twin.gateway import local_settings, substitutions
 from twin.routing import router_specs
@@ -17,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _rendered_settings() -> GatewaySettings:
-    (dep,) = [d for d in manifests_of(render_routed("prod"), "Deployment") if d["metadata"]["name"] == "llm-gateway"]
+    deployments = manifests_of(render_routed("prod"), "Deployment")
+    (dep,) = [d for d in deployments if d["metadata"]["name"] == Gateway().name]
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     (env,) = [e for e in container["env"] if e["name"] == SETTINGS_ENV]
     return GatewaySettings.model_validate_json(env["value"])
