@@ -134,18 +134,13 @@ def _cell(variant: str, rnd: int, concurrency: int, rps: float, ttft_ms: float =
     )
 
 
-def test_the_headline_pairs_each_round_with_bare_and_judges_the_median() -> None:
-    # Project at 0.96x, 0.90x, 1.00x of bare in three rounds at c=8: median 0.96x passes;
-    # at c=32 it is 0.90x in every round and misses.
-    cells = []
-    for rnd, (ratio8, bare8) in enumerate([(0.96, 50.0), (0.90, 80.0), (1.00, 60.0)]):
-        cells += [_cell("bare", rnd, 8, bare8), _cell("project", rnd, 8, bare8 * ratio8)]
-        cells += [_cell("bare", rnd, 32, 100.0), _cell("project", rnd, 32, 90.0)]
-    results = ServingResults(
-        variants=["project", "bare"],
+def _three_rounds(variants: list[str], concurrency: list[int], cells: list[Cell]) -> ServingResults:
+    """Three rounds of `cells` at `concurrency`, 10 prompts a cell, as the run records them."""
+    return ServingResults(
+        variants=variants,
         rounds=3,
-        concurrency=[8, 32],
-        prompts={8: 10, 32: 10},
+        concurrency=concurrency,
+        prompts=dict.fromkeys(concurrency, 10),
         max_tokens=32,
         input_tokens=64,
         layout="isolated",
@@ -155,6 +150,16 @@ def test_the_headline_pairs_each_round_with_bare_and_judges_the_median() -> None
         cells=cells,
         seconds=1.0,
     )
+
+
+def test_the_headline_pairs_each_round_with_bare_and_judges_the_median() -> None:
+    # Project at 0.96x, 0.90x, 1.00x of bare in three rounds at c=8: median 0.96x passes;
+    # at c=32 it is 0.90x in every round and misses.
+    cells = []
+    for rnd, (ratio8, bare8) in enumerate([(0.96, 50.0), (0.90, 80.0), (1.00, 60.0)]):
+        cells += [_cell("bare", rnd, 8, bare8), _cell("project", rnd, 8, bare8 * ratio8)]
+        cells += [_cell("bare", rnd, 32, 100.0), _cell("project", rnd, 32, 90.0)]
+    results = _three_rounds(["project", "bare"], [8, 32], cells)
     table = headline_table(results)
     assert "| req/s ratio | 8 | 0.96x [0.90x, 1.00x] | >= 0.95x | **PASS** |" in table
     assert "| req/s ratio | 32 | 0.90x [0.90x, 0.90x] | >= 0.95x | **MISS** |" in table
@@ -171,20 +176,7 @@ def test_the_routing_tier_is_judged_on_its_hop_against_the_direct_layout_and_its
         cells += [_cell("routed", rnd, 1, 10.0, 20.0 + added)]
         cells += [_cell("bare", rnd, 8, 50.0), _cell("project", rnd, 8, 49.0), _cell("routed", rnd, 8, 48.5)]
         cells += [_cell("bare", rnd, 32, 100.0), _cell("project", rnd, 32, 95.0), _cell("routed", rnd, 32, 90.0)]
-    results = ServingResults(
-        variants=["project", "routed", "bare"],
-        rounds=3,
-        concurrency=[1, 8, 32],
-        prompts={1: 10, 8: 10, 32: 10},
-        max_tokens=32,
-        input_tokens=64,
-        layout="isolated",
-        replicas=1,
-        start_seconds={},
-        idle_cpu_share={},
-        cells=cells,
-        seconds=1.0,
-    )
+    results = _three_rounds(["project", "routed", "bare"], [1, 8, 32], cells)
     table = router_table(results)
     assert "| TTFT p50 the router adds, ms | 1 | +4.0 [+3.0, +9.0] | <= 5 ms | **PASS** |" in table
     assert "| req/s ratio to bare vLLM | 8 | 0.97x [0.97x, 0.97x] | >= 0.95x | **PASS** |" in table
@@ -199,20 +191,7 @@ def test_the_gateways_hop_is_paired_with_the_routed_layout_in_each_round() -> No
     for rnd, (added, ratio) in enumerate([(1.0, 0.95), (2.0, 0.90), (6.0, 1.00)]):
         cells += [_cell("routed", rnd, 1, 10.0, 20.0 + rnd), _cell("gateway", rnd, 1, 10.0, 20.0 + rnd + added)]
         cells += [_cell("routed", rnd, 32, 100.0 + rnd), _cell("gateway", rnd, 32, (100.0 + rnd) * ratio)]
-    results = ServingResults(
-        variants=["routed", "gateway"],
-        rounds=3,
-        concurrency=[1, 32],
-        prompts={1: 10, 32: 10},
-        max_tokens=32,
-        input_tokens=64,
-        layout="isolated",
-        replicas=1,
-        start_seconds={},
-        idle_cpu_share={},
-        cells=cells,
-        seconds=1.0,
-    )
+    results = _three_rounds(["routed", "gateway"], [1, 32], cells)
     table = gateway_table(results)
     assert "| TTFT p50 the gateway adds, ms | 1 | +2.0 [+1.0, +6.0] |" in table
     assert "| req/s, gateway / routed | 32 | 0.95x [0.90x, 1.00x] |" in table
