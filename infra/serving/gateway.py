@@ -121,17 +121,9 @@ def gateway_plan(cfg: StackConfig) -> GatewayPlan:
     return GatewayPlan(models, cfg.serving.namespace, first.front.max_body_bytes, first.request_timeout_s)
 
 
-def deployment(
-    gateway: Gateway,
-    namespace: str,
-    image: pulumi.Input[str],
-    system: Placement,
-    plan: GatewayPlan,
-    api_keys_secret: str,
-) -> dict[str, Any]:
-    """The gateway Deployment: non-root, read-only root, no API token, the API keys' Secret read-only."""
-    labels = {**PART_OF, **GATEWAY_LABEL}
-    container = {
+def _container(gateway: Gateway, image: pulumi.Input[str], plan: GatewayPlan) -> dict[str, Any]:
+    """The gateway process: the rendered settings in its environment, the keys from the mounted Secret."""
+    return {
         "name": CONTAINER,
         "image": image,
         "command": ["python", "-m", "inference_server.gateway"],
@@ -153,6 +145,18 @@ def deployment(
         # on which the gateway takes no new connection and finishes what it holds.
         "lifecycle": {"preStop": {"sleep": {"seconds": DEREGISTER_SECONDS}}},
     }
+
+
+def deployment(
+    gateway: Gateway,
+    namespace: str,
+    image: pulumi.Input[str],
+    system: Placement,
+    plan: GatewayPlan,
+    api_keys_secret: str,
+) -> dict[str, Any]:
+    """The gateway Deployment: non-root, read-only root, no API token, the API keys' Secret read-only."""
+    labels = {**PART_OF, **GATEWAY_LABEL}
     return {
         "metadata": {
             "name": gateway.name,
@@ -175,7 +179,7 @@ def deployment(
                     "securityContext": pod_security_context(RAY_UID, RAY_GID),
                     "topologySpreadConstraints": spread(GATEWAY_LABEL),
                     "terminationGracePeriodSeconds": plan.grace_seconds,
-                    "containers": [container],
+                    "containers": [_container(gateway, image, plan)],
                     "volumes": [{"name": "api-keys", "secret": {"secretName": api_keys_secret, "defaultMode": 0o444}}],
                 },
             },
