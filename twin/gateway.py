@@ -34,14 +34,6 @@ READY_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 120.0
 
 
-def gateway_settings(stack_config: Path) -> GatewaySettings:
-    """The gateway's settings as the render writes them for the stack (whether or not the stack turns it on)."""
-    from infra.config import load_stack_file
-    from infra.serving.gateway import gateway_plan
-
-    return gateway_plan(load_stack_file(stack_config)).settings()
-
-
 def local_settings(rendered: GatewaySettings, routes: Mapping[str, str], keys_file: str) -> GatewaySettings:
     """The rendered settings on loopback, with the twin's routes and keys; the limits unchanged."""
     if set(routes) != set(rendered.routes):

@@ -63,7 +63,7 @@ def check_gateway(
         )
     elif len(layouts) < 2:
         yield Problem("serving.gateway.enabled", "one service has one model: its own address already serves it")
-    if layouts and gateway.name in layouts:
+    if gateway.name in layouts:
         yield Problem("serving.gateway.name", f"'{gateway.name}' is a service's name too; pick another")
     if is_prod and gateway.min_replicas < PROD_MIN_GATEWAY_REPLICAS:
         yield Problem(
