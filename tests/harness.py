@@ -84,18 +84,18 @@ def render_config(doc: dict[str, Any], stack: str = "custom") -> Rendered:
 
 # What tests/test_selectors.py, test_serving_router.py and test_security_pods.py turn on.
 ROUTING = {"enabled": True, "min_replicas": 2, "policy": "cache_aware", "cache_threshold": 0.5}
-# And the model gateway in front of those routers (prod: both models at one address).
+# And the model gateway in front of those routers (prod: both models at one address;
+# dev: its one model, which scales to zero and which the gateway then wakes).
 GATEWAY = {"enabled": True, "min_replicas": 2}
 
 
 @cache
 def render_routed(stack: str) -> Rendered:
-    """A committed stack with its request router on (`serving.routing` = ROUTING), and prod's gateway (GATEWAY)."""
+    """A committed stack with its request router and model gateway on (`serving.routing` = ROUTING,
+    `serving.gateway` = GATEWAY): prod's two models at one address, dev's model woken from zero."""
     doc = copy.deepcopy(stack_doc(stack))
     config = doc["config"]
-    serving = {**config.get("llm-platform:serving", {}), "routing": ROUTING}
-    if stack == "prod":
-        serving["gateway"] = GATEWAY
+    serving = {**config.get("llm-platform:serving", {}), "routing": ROUTING, "gateway": GATEWAY}
     config["llm-platform:serving"] = serving
     return render_config(doc, f"{stack}-routed")
 

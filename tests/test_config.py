@@ -301,8 +301,9 @@ CASES: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
         "vllm-server for a model that scales to zero",
         "dev",
         _set("serving.layout", "vllm-server"),
-        "config error: serving.layout: vllm-server: model 'llama-31-8b' needs autoscaling.min_replicas >= 1 "
-        "(nothing in its path wakes it from zero); use auto or serve-ingress",
+        "config error: serving.layout: vllm-server: model 'llama-31-8b' needs autoscaling.min_replicas >= 1, "
+        "or serving.gateway and serving.routing enabled (only the gateway wakes a vllm-server model from zero); "
+        "use auto or serve-ingress",
     ),
     (
         "vllm-server for a service of two models",

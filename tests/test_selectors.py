@@ -26,6 +26,7 @@ from infra.render import Rendered
 from infra.serving import kuberay
 from infra.serving.endpoint import public_service_name
 from infra.serving.gateway import GATEWAY_LABEL, upstream_name
+from infra.serving.network import head_service_pods
 from infra.serving.ports import RAY_PORTS
 from infra.serving.router import ROUTER_CONTAINER, router_name, router_pods
 from tests.harness import manifests_of, ray_cluster, render_config, render_routed, render_stack, stack_doc
@@ -50,8 +51,9 @@ def _layout_variant(stack: str, layout: str) -> Rendered:
 
 
 # The committed stacks in their own layouts (dev: serve-ingress, prod:
-# vllm-server), each in the other one, and prod with its router.
-VARIANTS = ["dev", "prod", "dev-vllm-server", "prod-serve-ingress", "prod-routed"]
+# vllm-server), each in the other one, and each with its router and gateway
+# (dev's then vllm-server at min_replicas 0, woken by the gateway).
+VARIANTS = ["dev", "prod", "dev-vllm-server", "prod-serve-ingress", "prod-routed", "dev-routed"]
 
 
 @cache
@@ -325,6 +327,8 @@ def _peer_intent(w: World, policy: str, peer: dict[str, Any]) -> Intent:
     for service in w.ray_services:
         if policy == f"{service}-ray":
             return of_service(service)  # a RayService's pods talk among themselves
+        if policy == f"{service}-ray-head" and w.gateway is not None:
+            return deployment(w.gateway)  # the gateway wakes the model through its head's Serve proxy
         if policy == f"{service}-ray-serve":
             if service in w.routed and peer["podSelector"]["matchLabels"] == router_pods(service):
                 return deployment(router_name(service))  # the router sends to the replicas
@@ -335,6 +339,9 @@ def _peer_intent(w: World, policy: str, peer: dict[str, Any]) -> Intent:
             return both(of_service(service), in_group(_model_group(w, service)), serving_worker)
         if policy == w.gateway and peer["podSelector"]["matchLabels"] == router_pods(service):
             return deployment(router_name(service))  # the gateway sends to each model's router
+    if policy == w.gateway and peer["podSelector"]["matchLabels"] == head_service_pods():
+        # Its wakes, by head Service (network.head_service_pods); each head's own policy admits it or not.
+        return node_type("head")
     if policy == "batch-worker":
         # The batch workers' egress: the serving port of any RayService's workers (network.serving_pods).
         return serving_worker

@@ -44,7 +44,6 @@ def test_the_layout_defaults_keep_existing_catalogues_on_serve_ingress() -> None
     ("overrides", "message"),
     [
         ({"models": [catalog()["models"][0], {**catalog()["models"][0], "model_id": "n"}]}, "exactly one model"),
-        ({"model": {"autoscaling": {"min_replicas": 0, "max_replicas": 2}}}, "min_replicas >= 1"),
         ({"model": {"pipeline_parallel_size": 2}}, "pipeline_parallel_size must be 1"),
         ({"vllm_server": {"port": 9000, "metrics_port": 9000}}, "must differ"),
     ],
@@ -54,10 +53,13 @@ def test_what_the_layout_can_not_serve_is_refused(overrides: dict[str, Any], mes
         Catalog.model_validate(catalog(**overrides))
 
 
-def test_serve_ingress_still_takes_what_vllm_server_refuses() -> None:
-    doc = catalog(model={"autoscaling": {"min_replicas": 0, "max_replicas": 2}})
-    doc["layout"] = "serve-ingress"
-    assert Catalog.model_validate(doc).models[0].autoscaling.min_replicas == 0
+def test_a_model_at_zero_is_served_by_either_layout() -> None:
+    """The server wakes a vllm-server model at zero through Serve's proxy (VllmServer.__call__); the stack's
+    rules require the gateway that sends that request (serving.vllm_server_problem)."""
+    for layout in ("vllm-server", "serve-ingress"):
+        doc = catalog(model={"autoscaling": {"min_replicas": 0, "max_replicas": 2}})
+        doc["layout"] = layout
+        assert Catalog.model_validate(doc).models[0].autoscaling.min_replicas == 0
 
 
 # ---------------------------------------------------------------- guard in vLLM's server

@@ -34,10 +34,15 @@ READY_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 120.0
 
 
-def local_settings(rendered: GatewaySettings, routes: Mapping[str, str], keys_file: str) -> GatewaySettings:
-    """The rendered settings on loopback, with the twin's routes and keys; the limits unchanged."""
+def local_settings(
+    rendered: GatewaySettings, routes: Mapping[str, str], keys_file: str, wakes: Mapping[str, str] | None = None
+) -> GatewaySettings:
+    """The rendered settings on loopback, with the twin's routes, keys and wake URLs; the limits unchanged."""
     if set(routes) != set(rendered.routes):
         raise ValueError(f"routes for {sorted(routes)}, but the render routes {sorted(rendered.routes)}")
+    wakes = wakes or {}
+    if set(wakes) != set(rendered.wake):
+        raise ValueError(f"wake URLs for {sorted(wakes)}, but the render wakes {sorted(rendered.wake)}")
     return rendered.model_copy(
         update={
             "host": HOST,
@@ -45,6 +50,7 @@ def local_settings(rendered: GatewaySettings, routes: Mapping[str, str], keys_fi
             "metrics_port": free_port(),
             "routes": dict(routes),
             "api_keys_file": keys_file,
+            "wake": {m: w.model_copy(update={"url": wakes[m]}) for m, w in rendered.wake.items()},
         }
     )
 
@@ -53,6 +59,7 @@ def substitutions(rendered: GatewaySettings, local: GatewaySettings) -> list[str
     """What the twin changed, one line each."""
     lines = [f"gateway: listens on {local.host}:{local.port} (render: {rendered.host}:{rendered.port})"]
     lines += [f"gateway: route {m}: {rendered.routes[m]} -> {local.routes[m]}" for m in sorted(rendered.routes)]
+    lines += [f"gateway: wake {m}: {rendered.wake[m].url} -> {local.wake[m].url}" for m in sorted(rendered.wake)]
     lines.append(f"gateway: api_keys_file {rendered.api_keys_file} -> the twin's keys file")
     return lines
 

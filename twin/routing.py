@@ -38,6 +38,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -46,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.serving.router_front import FrontAddresses, FrontPlan
+from infra.serving.router_front import READINESS_PATH, FrontAddresses, FrontPlan
 from localserve.processes import Child, child_env, free_port
 from twin.live import status_of
 from workloads.inference_server.gateway_settings import GatewaySettings
@@ -197,9 +198,14 @@ def start_front(
 
 
 def start_router(
-    command: Sequence[str], worker_urls: Sequence[str], log_path: Path, front: FrontPlan
+    command: Sequence[str],
+    worker_urls: Sequence[str],
+    log_path: Path,
+    front: FrontPlan,
+    readiness_path: str = READINESS_PATH,
 ) -> tuple[TwinRouter, list[str]]:
-    """Starts the router before ``worker_urls``, and its front; returns them and the router's command once ready."""
+    """Starts the router before ``worker_urls``, and its front; returns them and the router's command once
+    its pod's readiness (``readiness_path``, RouterPlan.readiness_path) answers through the front."""
     router_port = free_port()
     argv = static_command(command, worker_urls, router_port, free_port())
     child = Child.start("vllm-router", argv, child_env(), log_path)
@@ -212,12 +218,60 @@ def start_router(
                 router.stop()
                 raise RuntimeError(f"{part.name} exited with {part.proc.returncode}: {part.log_tail(5)}")
         with contextlib.suppress(OSError):
-            # 503 until it has a healthy replica to send to; through the front, as the kubelet asks.
-            if status_of(f"http://{HOST}:{port}/readiness") == 200:
+            # /readiness: 503 until it has a healthy replica to send to; through the front, as the kubelet asks.
+            if status_of(f"http://{HOST}:{port}{readiness_path}") == 200:
                 return router, argv
         time.sleep(0.5)
     router.stop()
     raise RuntimeError(f"vllm-router not ready after {READY_TIMEOUT_S:.0f}s: {router.child.log_tail(5)}")
+
+
+class Discovery:
+    """The router's Kubernetes discovery, as the twin stands in for it: replicas added and removed as they come and go.
+
+    In the cluster the router watches the pods its selector names and adds a
+    pod once it is Ready (its vLLM server answers /health). Here a replica
+    writes its address once its server is healthy and deletes it when it
+    stops (vllm_server.VllmServer), and this thread hands each change to the
+    router's own worker routes (`/add_worker`, `/remove_worker`), on the
+    router's port, which in the pod only the front reaches.
+    """
+
+    def __init__(self, router: TwinRouter, address_dir: Path, interval_s: float = 0.5) -> None:
+        self.router_url = f"http://{HOST}:{router.router_port}"
+        self.address_dir = address_dir
+        self.interval_s = interval_s
+        # (seconds since start, "add" or "remove", worker URL), in order.
+        self.events: list[tuple[float, str, str]] = []
+        self._known: set[str] = set()
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="twin-discovery", daemon=True)
+
+    def start(self) -> Discovery:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _replicas(self) -> set[str]:
+        from localserve.server import replica_addresses
+
+        return {str(r["url"]).removesuffix("/v1") for r in replica_addresses(self.address_dir)}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            now = self._replicas()
+            for verb, urls in (("add", now - self._known), ("remove", self._known - now)):
+                for url in sorted(urls):
+                    query = urllib.parse.urlencode({"url": url})
+                    request = urllib.request.Request(f"{self.router_url}/{verb}_worker?{query}", method="POST")
+                    with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=30) as answer:
+                        answer.read()
+                        self.events.append((time.monotonic() - self._started, verb, url))
+                        self._known = self._known | {url} if verb == "add" else self._known - {url}
 
 
 def served(metrics_url: str) -> float:

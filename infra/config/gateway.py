@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from pydantic import Field, model_validator
 
@@ -13,6 +13,11 @@ from workloads.inference_server.catalog import Layout
 
 # Prod's gateway survives the loss of a node and a zone, as its routers do.
 PROD_MIN_GATEWAY_REPLICAS = 2
+# AWS's Network Load Balancer closes a TCP connection idle this long (its
+# default tcp.idle_timeout.seconds); a held request sends nothing, so it must
+# be answered before then, with room to spare.
+NLB_IDLE_TIMEOUT_S = 350
+WAKE_HOLD_MARGIN_S = 10
 
 
 class Gateway(Section):
@@ -24,6 +29,11 @@ class Gateway(Section):
     `/v1/models` lists every model. vllm-router's own multi-model mode can
     not take this place (docs/routing.md says why), so the gateway is ours
     (`workloads/inference_server/gateway.py`).
+
+    It is also what wakes a vllm-server model at `min_replicas: 0`: its
+    first request is held while a replica starts (`wake_hold_seconds`, at
+    most `wake_max_held` at once), then answered, or refused with a 503
+    whose Retry-After is what is left of the model's cold-start budget.
     """
 
     enabled: bool = False
@@ -35,6 +45,10 @@ class Gateway(Section):
     target_cpu_utilization: int = Field(default=70, ge=10, le=100)
     cpu: CpuQuantity = "500m"
     memory: MemoryQuantity = "512Mi"
+    # The longest a request for a model at zero replicas is held while it wakes.
+    wake_hold_seconds: int = Field(default=300, ge=1)
+    # Requests held at once per model and gateway replica; more get the 503 at once.
+    wake_max_held: int = Field(default=64, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> Gateway:
@@ -45,9 +59,15 @@ class Gateway(Section):
 
 
 def check_gateway(
-    gateway: Gateway, routing: Routing, layouts: Mapping[str, Layout], *, is_prod: bool
+    gateway: Gateway,
+    routing: Routing,
+    layouts: Mapping[str, Layout],
+    *,
+    is_prod: bool,
+    scales_to_zero: Collection[str] = (),
 ) -> Iterable[Problem]:
-    """The gateway sends to the models' routers: routing on, every service vllm-server, several of them."""
+    """The gateway sends to the models' routers: routing on, every service vllm-server, several of them
+    (or one that scales to zero, which only the gateway wakes)."""
     if not gateway.enabled:
         return
     if not routing.enabled:
@@ -61,8 +81,18 @@ def check_gateway(
             f"every service must run the vllm-server layout, and {', '.join(others)} runs serve-ingress "
             "(whose own ingress already serves its models at one address)",
         )
-    elif len(layouts) < 2:
-        yield Problem("serving.gateway.enabled", "one service has one model: its own address already serves it")
+    elif len(layouts) < 2 and not scales_to_zero:
+        yield Problem(
+            "serving.gateway.enabled",
+            "one service has one model that never scales to zero: its own address already serves it",
+        )
+    longest = NLB_IDLE_TIMEOUT_S - WAKE_HOLD_MARGIN_S
+    if gateway.wake_hold_seconds > longest:
+        yield Problem(
+            "serving.gateway.wake_hold_seconds",
+            f"{gateway.wake_hold_seconds}s is longer than {longest}s: the load balancer closes a connection idle "
+            f"for {NLB_IDLE_TIMEOUT_S}s, and a held request sends nothing",
+        )
     if gateway.name in layouts:
         yield Problem("serving.gateway.name", f"'{gateway.name}' is a service's name too; pick another")
     if is_prod and gateway.min_replicas < PROD_MIN_GATEWAY_REPLICAS:

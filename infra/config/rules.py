@@ -69,7 +69,10 @@ def check_rules(cfg: StackConfig) -> list[Problem]:
     if cfg.uses_serve_ingress():
         problems += check_ingress(cfg.serving.ingress, is_prod=cfg.is_prod)
     problems += check_routing(cfg.serving.routing, cfg.layouts(), is_prod=cfg.is_prod)
-    problems += check_gateway(cfg.serving.gateway, cfg.serving.routing, cfg.layouts(), is_prod=cfg.is_prod)
+    at_zero = {m.service_name for m in cfg.models if m.autoscaling.min_replicas == 0}
+    problems += check_gateway(
+        cfg.serving.gateway, cfg.serving.routing, cfg.layouts(), is_prod=cfg.is_prod, scales_to_zero=at_zero
+    )
     return problems
 
 

@@ -37,20 +37,30 @@ class Serving(Section):
     # One address for the models of several vllm-server services (off by default).
     gateway: Gateway = Gateway()
 
+    @property
+    def wakes_from_zero(self) -> bool:
+        """Whether something in the vllm-server path wakes a model at zero: the gateway, in front of the routers."""
+        return self.routing.enabled and self.gateway.enabled
 
-def vllm_server_problem(models: list[Model]) -> str | None:
+
+def vllm_server_problem(models: list[Model], *, woken: bool = False) -> str | None:
     """Why a RayService serving `models` can not use the vllm-server layout, or None.
 
-    The same rules the server's catalogue enforces (catalog.Catalog), stated
-    here so a config fails at preview with its key instead: the load balancer
-    can not route on a request's `model` field (one model per service),
-    nothing in the path wakes a replica at zero, and a replica is one pod.
+    The rules the server's catalogue enforces (catalog.Catalog), stated here
+    so a config fails at preview with its key instead: the load balancer can
+    not route on a request's `model` field (one model per service), and a
+    replica is one pod. And one the catalogue can not see: a model at zero
+    replicas needs something in its path that wakes it, which only the model
+    gateway does (`woken`: `serving.gateway` and `serving.routing` on).
     """
     if len(models) != 1:
         return f"it serves exactly one model per service (service '{models[0].service_name}' has {len(models)})"
     (model,) = models
-    if model.autoscaling.min_replicas < 1:
-        return f"model '{model.name}' needs autoscaling.min_replicas >= 1 (nothing in its path wakes it from zero)"
+    if model.autoscaling.min_replicas < 1 and not woken:
+        return (
+            f"model '{model.name}' needs autoscaling.min_replicas >= 1, or serving.gateway and serving.routing "
+            "enabled (only the gateway wakes a vllm-server model from zero)"
+        )
     if model.pipeline_parallel_size != 1:
         return f"model '{model.name}' needs pipeline_parallel_size 1 (a replica must fit in one pod)"
     return None
@@ -60,7 +70,7 @@ def check_layout(serving: Serving, services: Iterable[list[Model]]) -> Iterable[
     """`vllm-server` set outright holds for every RayService (`auto` falls back per service instead)."""
     if serving.layout != "vllm-server":
         return
-    problems = [p for p in map(vllm_server_problem, services) if p]
+    problems = [p for p in (vllm_server_problem(m, woken=serving.wakes_from_zero) for m in services) if p]
     if problems:
         yield Problem("serving.layout", f"vllm-server: {'; '.join(problems)}; use auto or serve-ingress")
 

@@ -66,9 +66,18 @@ class StackConfig(Section):
     def layout_for(self, models: list[Model]) -> Layout:
         """The layout of a RayService serving `models`: the configured one, or under `auto` the best it can use."""
         layout = self.serving.layout
-        if layout == "serve-ingress" or (layout == "auto" and vllm_server_problem(models)):
+        woken = self.serving.wakes_from_zero
+        if layout == "serve-ingress" or (layout == "auto" and vllm_server_problem(models, woken=woken)):
             return "serve-ingress"
         return "vllm-server"
+
+    def woken_services(self) -> list[str]:
+        """The vllm-server RayServices whose model scales to zero: the model gateway wakes them."""
+        return [
+            name
+            for name, models in self.services().items()
+            if self.layout_for(models) == "vllm-server" and models[0].autoscaling.min_replicas == 0
+        ]
 
     def uses_serve_ingress(self) -> bool:
         """Whether any RayService runs Serve LLM's OpenAI ingress (and so reads `serving.ingress`)."""

@@ -249,6 +249,7 @@ def build_serving(
             layouts=cfg.layouts(),
             otlp_port=cfg.observability.tracing.port,
             routers={name: router.pod_labels for name, router in routers.items()},
+            woken_by={name: gateway.pod_labels for name in cfg.woken_services()} if gateway is not None else {},
         ),
         _after(aws, *ns.ready, *(router.deployment for router in routers.values())),
     )

@@ -201,6 +201,8 @@ class ServingEndpointArgs:
     otlp_port: int | None = None
     # RayService name -> its router's pod labels, for those with a router (serving.routing).
     routers: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # RayService name -> the model gateway's pod labels, for those it wakes from zero.
+    woken_by: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def layout(self, service: str) -> Layout:
         """The layout of one of the RayServices."""
@@ -231,6 +233,7 @@ class ServingEndpoint(pulumi.ComponentResource):
                 layout=args.layout(service),
                 otlp_port=args.otlp_port,
                 router_labels=args.routers.get(service),
+                gateway_labels=args.woken_by.get(service),
             ):
                 k8s.networking.v1.NetworkPolicy(
                     policy["metadata"]["name"], metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts

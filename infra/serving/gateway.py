@@ -24,17 +24,19 @@ NetworkPolicy (the VPC in, its routers out) and a PodMonitor.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import Endpoint, Gateway, StackConfig
+from infra.config.cold_start import cold_start_budget
 from infra.scheduling import Placement
+from infra.serving import kuberay
 from infra.serving.endpoint import load_balancer_service, public_address
 from infra.serving.namespace import PART_OF, peer, policy_metadata
-from infra.serving.network import ClusterPeers, tcp
+from infra.serving.network import ClusterPeers, head_service_pods, tcp
 from infra.serving.pod_security import (
     RAY_GID,
     RAY_UID,
@@ -43,7 +45,7 @@ from infra.serving.pod_security import (
     container_security_context,
     pod_security_context,
 )
-from infra.serving.ports import Port
+from infra.serving.ports import RAY_PORTS, Port
 from infra.serving.replicated import (
     DeploymentSite,
     cpu_autoscaler,
@@ -55,7 +57,7 @@ from infra.serving.replicated import (
 from infra.serving.router import DEREGISTER_SECONDS, EXIT_SECONDS, ROUTER_PORT, router_plans, router_pods
 from infra.serving.serve_config import MOUNTS
 from workloads.inference_server.catalog import Catalog
-from workloads.inference_server.gateway_settings import SETTINGS_ENV, GatewaySettings
+from workloads.inference_server.gateway_settings import SETTINGS_ENV, GatewaySettings, Wake
 
 GATEWAY_LABEL = {"app.kubernetes.io/name": "llm-gateway"}
 # Clients reach it on the port name and number the routers and replicas use,
@@ -82,6 +84,25 @@ class GatewayPlan:
     max_body_bytes: int
     # The longest generation the limits allow at the SLO's pace (the routers' request timeout).
     request_timeout_s: int
+    # Model id -> its cold-start budget in seconds, for the models at min_replicas 0 (the gateway wakes them).
+    cold_starts: Mapping[str, float] = field(default_factory=dict)
+    wake_hold_s: int = Gateway.model_fields["wake_hold_seconds"].default
+    wake_max_held: int = Gateway.model_fields["wake_max_held"].default
+
+    def wake(self, model: str) -> Wake:
+        """How the gateway wakes `model`: one request to the Serve proxy on its RayService's head."""
+        head = kuberay.head_service(self.models[model])
+        return Wake(
+            url=f"http://{head}.{self.namespace}.svc:{RAY_PORTS.wake.number}/",
+            hold_s=float(self.wake_hold_s),
+            max_held=self.wake_max_held,
+            cold_start_s=round(self.cold_starts[model]),
+        )
+
+    @property
+    def woken(self) -> list[str]:
+        """The RayServices whose model the gateway wakes."""
+        return sorted({self.models[m] for m in self.cold_starts})
 
     def settings(self) -> GatewaySettings:
         """The gateway process's settings: its routes, where the keys are mounted, its limits (never keys)."""
@@ -101,6 +122,7 @@ class GatewayPlan:
             request_timeout_s=float(self.request_timeout_s),
             # The pod's preStop sleep already waits for the load balancer (below).
             drain_s=0.0,
+            wake={model: self.wake(model) for model in self.cold_starts},
         )
 
     @property
@@ -118,7 +140,17 @@ def gateway_plan(cfg: StackConfig) -> GatewayPlan:
         raise ValueError("no service runs the vllm-server layout: the gateway has no router to send to")
     # Every router holds the same limits (the stack's): the first one's are the gateway's.
     first = next(iter(plans.values()))
-    return GatewayPlan(models, cfg.serving.namespace, first.front.max_body_bytes, first.request_timeout_s)
+    woken = set(cfg.woken_services())
+    gw = cfg.serving.gateway
+    return GatewayPlan(
+        models,
+        cfg.serving.namespace,
+        first.front.max_body_bytes,
+        first.request_timeout_s,
+        cold_starts={m.model_id: cold_start_budget(cfg, m).total for m in cfg.models if m.service_name in woken},
+        wake_hold_s=gw.wake_hold_seconds,
+        wake_max_held=gw.wake_max_held,
+    )
 
 
 def _container(gateway: Gateway, image: pulumi.Input[str], plan: GatewayPlan) -> dict[str, Any]:
@@ -216,8 +248,21 @@ def public_service(gateway: Gateway, namespace: str, endpoint: Endpoint, vpc_cid
     return manifest
 
 
-def network_policy(gateway: Gateway, namespace: str, peers: ClusterPeers, services: list[str]) -> dict[str, Any]:
-    """The load balancer in, Prometheus to the metrics; out only to the models' routers."""
+def network_policy(
+    gateway: Gateway, namespace: str, peers: ClusterPeers, services: list[str], woken: list[str]
+) -> dict[str, Any]:
+    """The load balancer in, Prometheus to the metrics; out only to the models' routers (and, for the models
+    it wakes, to Serve's proxy on the heads, whose own policy admits the gateway only on a woken model's head)."""
+    egress: list[dict[str, Any]] = [
+        {
+            "to": [{"podSelector": {"matchLabels": router_pods(s)}} for s in services],
+            "ports": tcp(ROUTER_PORT.number),
+        }
+    ]
+    if woken:
+        egress.append(
+            {"to": [{"podSelector": {"matchLabels": head_service_pods()}}], "ports": tcp(RAY_PORTS.wake.number)}
+        )
     return {
         "metadata": policy_metadata(gateway.name, namespace),
         "spec": {
@@ -227,12 +272,7 @@ def network_policy(gateway: Gateway, namespace: str, peers: ClusterPeers, servic
                 {"from": [{"ipBlock": {"cidr": peers.vpc_cidr}}], "ports": tcp(GATEWAY_PORT.number)},
                 {"from": [peer(peers.prometheus)], "ports": tcp(GATEWAY_METRICS.number)},
             ],
-            "egress": [
-                {
-                    "to": [{"podSelector": {"matchLabels": router_pods(s)}} for s in services],
-                    "ports": tcp(ROUTER_PORT.number),
-                }
-            ],
+            "egress": egress,
         },
     }
 
@@ -272,7 +312,7 @@ class ModelGateway(pulumi.ComponentResource):
             k8s.core.v1.Service(
                 f"{name}-{service}-upstream", metadata=upstream["metadata"], spec=upstream["spec"], opts=k8s_opts
             )
-        policy = network_policy(gw, namespace, site.peers, services)
+        policy = network_policy(gw, namespace, site.peers, services, args.plan.woken)
         k8s.networking.v1.NetworkPolicy(
             f"{name}-policy", metadata=policy["metadata"], spec=policy["spec"], opts=k8s_opts
         )

@@ -147,8 +147,25 @@ def _ray_pods_policy(
     }
 
 
-def _head_policy(namespace: str, service: str, peers: ClusterPeers, gcs_redis: bool) -> dict[str, Any]:
-    """A RayService's heads: the operator in; Prometheus, Grafana and the GCS Redis out."""
+def _head_policy(
+    namespace: str,
+    service: str,
+    peers: ClusterPeers,
+    gcs_redis: bool,
+    gateway_labels: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """A RayService's heads: the operator in (and the gateway that wakes its model); Prometheus, Grafana and
+    the GCS Redis out."""
+    ingress: list[dict[str, Any]] = [
+        # Serve deploys and status (dashboard) and the head's Serve
+        # health, which sets its `ray.io/serve` label.
+        {"from": [peer(peers.operator)], "ports": tcp(*OPERATOR_PORTS)},
+    ]
+    if gateway_labels:
+        # The gateway's wake: one request to Serve's proxy for a model at zero.
+        ingress.append(
+            {"from": [{"podSelector": {"matchLabels": dict(gateway_labels)}}], "ports": tcp(RAY_PORTS.wake.number)}
+        )
     egress: list[dict[str, Any]] = [
         {"to": [peer(peers.prometheus)], "ports": tcp(*peers.prometheus.ports)},
         {"to": [peer(peers.grafana)], "ports": tcp(*peers.grafana.ports)},
@@ -160,11 +177,7 @@ def _head_policy(namespace: str, service: str, peers: ClusterPeers, gcs_redis: b
         "spec": {
             "podSelector": {"matchLabels": head_pods(service)},
             "policyTypes": ["Ingress", "Egress"],
-            "ingress": [
-                # Serve deploys and status (dashboard) and the head's Serve
-                # health, which sets its `ray.io/serve` label; nothing else.
-                {"from": [peer(peers.operator)], "ports": tcp(*OPERATOR_PORTS)},
-            ],
+            "ingress": ingress,
             "egress": egress,
         },
     }
@@ -224,17 +237,20 @@ def ray_service_policies(
     layout: Layout = "serve-ingress",
     otlp_port: int | None = None,
     router_labels: Mapping[str, str] | None = None,
+    gateway_labels: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """The policies of one RayService (all pods, heads, workers; the Redis cleanup Job's pod with a GCS Redis).
 
     `batch_labels`: the batch workers' pod labels when they send their
     requests to this RayService. `otlp_port`: the trace collector's port,
     when the stack names one. `router_labels`: its router's pods, when
-    `serving.routing` puts one in front of it (router.py).
+    `serving.routing` puts one in front of it (router.py). `gateway_labels`:
+    the model gateway's pods, when it wakes this RayService's model from zero
+    (gateway.py).
     """
     policies = [
         _ray_pods_policy(namespace, service, peers, layout, otlp_port),
-        _head_policy(namespace, service, peers, gcs_redis),
+        _head_policy(namespace, service, peers, gcs_redis, gateway_labels),
         _serve_policy(namespace, service, peers, batch_labels, layout, router_labels),
     ]
     if gcs_redis:
@@ -255,6 +271,20 @@ def serving_pods() -> dict[str, str]:
     load balancer exposes anyway.
     """
     return {kuberay.SERVE: "true"}
+
+
+def head_service_pods() -> dict[str, str]:
+    """Every RayService's heads, as an egress rule must name them to reach a head Service's cluster IP.
+
+    The same rule of the VPC CNI's policy controller as `serving_pods`: a
+    Service's cluster IP joins an egress rule only when the rule's pod
+    selector matches the Service's own selector. KubeRay's head Service
+    selects on the active cluster's name (which every NewCluster upgrade
+    changes) and the node type, so the rule names the node type alone. What
+    a client may reach on a given head is its head's own ingress rule
+    (`_head_policy`).
+    """
+    return {kuberay.NODE_TYPE: "head"}
 
 
 def batch_worker_policy(

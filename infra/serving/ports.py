@@ -44,7 +44,17 @@ class RayPorts:
     openai: Port = Port("openai", 8100)
     vllm_metrics: Port = Port("vllm-metrics", 8101)
 
-    def head(self, layout: Layout = "serve-ingress") -> list[Port]:
+    @property
+    def wake(self) -> Port:
+        """The head's Serve proxy under vllm-server, named so KubeRay keeps it out of the serve Service.
+
+        The model gateway wakes a model at zero through it
+        (vllm_server.VllmServer.__call__). It is Serve's own proxy port, so
+        the same number as `serve`.
+        """
+        return Port("wake", self.serve.number)
+
+    def head(self, layout: Layout = "serve-ingress", *, woken: bool = False) -> list[Port]:
         """Ports of the head container.
 
         Under vllm-server the head declares no `serve` port: KubeRay 1.7
@@ -52,11 +62,15 @@ class RayPorts:
         `serve`/`serve-*` when it finds any (common/service.go
         BuildServeService), which would point the load balancer at Serve's
         proxy instead of the replicas' `openai` port. The head's proxy still
-        listens; nothing routes to it.
+        listens; for a model the gateway wakes (`woken`) it is declared as
+        `wake`, which KubeRay's head Service carries and its serve Service
+        does not.
         """
         ports = [self.gcs, self.dashboard, self.client, self.serve, self.metrics]
         if layout == "vllm-server":
             ports.remove(self.serve)
+            if woken:
+                ports.append(self.wake)
         return [*ports, self.autoscaler_metrics, self.dashboard_metrics]
 
     def worker(self) -> list[Port]:

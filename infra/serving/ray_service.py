@@ -270,6 +270,11 @@ class VllmRayServiceArgs:
         """How requests reach this RayService's engines (from its models, as the config resolves it)."""
         return self.cfg.layout_for(self.models)
 
+    @property
+    def woken(self) -> bool:
+        """Whether the model gateway wakes this RayService's model from zero (through its head)."""
+        return self.name in self.cfg.woken_services()
+
 
 def _ports(ports: list[Port]) -> list[dict[str, object]]:
     return [p.container_port() for p in ports]
@@ -352,7 +357,7 @@ def _head(args: VllmRayServiceArgs) -> dict[str, Any]:
                         "name": RAY_CONTAINER,
                         "image": args.image,
                         "securityContext": ray_container_security(),
-                        "ports": _ports(RAY_PORTS.head(args.layout)),
+                        "ports": _ports(RAY_PORTS.head(args.layout, woken=args.woken)),
                         "env": head_env(args),
                         "resources": {"requests": resources, "limits": resources},
                     }

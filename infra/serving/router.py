@@ -132,6 +132,19 @@ class RouterPlan:
     request_timeout_s: int
     # The nginx in front of it, which alone the load balancer reaches.
     front: FrontPlan
+    # The model scales to zero and the gateway wakes it (StackConfig.woken_services).
+    woken: bool = False
+
+    @property
+    def readiness_path(self) -> str:
+        """What the pod's readiness asks the router: a replica to send to, or for a woken model only that it runs.
+
+        At zero a woken model has no replica, and the gateway must still reach
+        its router to hear "no worker" (and so hold the request while it wakes
+        the model): a router Ready only with a replica would leave the
+        gateway's Service with no endpoint.
+        """
+        return LIVENESS_PATH if self.woken else READINESS_PATH
 
     @property
     def grace_seconds(self) -> int:
@@ -142,6 +155,7 @@ class RouterPlan:
 def router_plans(cfg: StackConfig) -> dict[str, RouterPlan]:
     """Each vllm-server service's router, as the render declares it (the twin runs the same command)."""
     timeout = math.ceil(longest_generation_seconds(cfg))
+    woken = set(cfg.woken_services())
     plans = {}
     for service, models in cfg.services().items():
         if cfg.layout_of(service) != "vllm-server":
@@ -153,6 +167,7 @@ def router_plans(cfg: StackConfig) -> dict[str, RouterPlan]:
             router_args(cfg.serving.routing, cfg.serving.namespace, selector, timeout),
             timeout,
             FrontPlan.of(cfg.serving.limits, timeout),
+            woken=service in woken,
         )
     return plans
 
@@ -242,7 +257,7 @@ FRONT_MEMORY = "128Mi"
 FRONT_SCRATCH = "1Gi"
 
 
-def _front_container() -> dict[str, Any]:
+def _front_container(readiness_path: str) -> dict[str, Any]:
     return {
         "name": FRONT_CONTAINER,
         "image": versions.ROUTER_FRONT_IMAGE,
@@ -250,9 +265,10 @@ def _front_container() -> dict[str, Any]:
         "ports": [ROUTER_PORT.container_port()],
         # The router's readiness, through the front: Ready once the router has
         # a healthy replica to send to and the front passes to it, so a pod
-        # that has found none takes no connection from the load balancer.
+        # that has found none takes no connection from the load balancer
+        # (for a model the gateway wakes, once it runs: RouterPlan.readiness_path).
         "readinessProbe": {
-            "httpGet": {"path": READINESS_PATH, "port": ROUTER_PORT.name},
+            "httpGet": {"path": readiness_path, "port": ROUTER_PORT.name},
             "periodSeconds": 5,
             "failureThreshold": 2,
         },
@@ -312,7 +328,10 @@ def deployment(
                     "securityContext": pod_security_context(RAY_UID, RAY_GID),
                     "topologySpreadConstraints": spread(router_pods(service)),
                     "terminationGracePeriodSeconds": plan.grace_seconds,
-                    "containers": [_front_container(), _router_container(routing, image, plan.command)],
+                    "containers": [
+                        _front_container(plan.readiness_path),
+                        _router_container(routing, image, plan.command),
+                    ],
                     "volumes": [
                         {"name": "front-config", "configMap": {"name": f"{router_name(service)}-front"}},
                         # On the node's disk, not memory: large request bodies wait here.

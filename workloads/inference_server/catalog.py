@@ -518,12 +518,10 @@ class Catalog(_Strict):
                 f"layout vllm-server serves exactly one model (the load balancer can not route by the request's "
                 f"`model` field); the catalogue has {len(self.models)}: use serve-ingress"
             )
+        # min_replicas 0 is allowed: a request to the head's Serve proxy wakes
+        # the model (vllm_server.VllmServer.__call__), and the model gateway
+        # sends it (the stack's rules require one for such a model).
         entry = self.models[0]
-        if entry.autoscaling.min_replicas < 1:
-            raise ValueError(
-                f"layout vllm-server needs {entry.model_id}'s autoscaling.min_replicas >= 1: nothing in its request "
-                "path can wake a model at zero (serve-ingress can)"
-            )
         if entry.pipeline_parallel_size != 1:
             raise ValueError(
                 f"layout vllm-server runs a replica in one pod: {entry.model_id}'s pipeline_parallel_size must be 1"

@@ -19,21 +19,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDictProxy
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from pydantic import ValidationError
 from yarl import URL
 
 # The settings live apart, so the Pulumi program can build and check them without aiohttp.
-from .gateway_settings import SETTINGS_ENV, GatewaySettings
+from .gateway_settings import SETTINGS_ENV, GatewaySettings, Wake
 from .guard import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -65,6 +67,11 @@ HOP_BY_HOP = frozenset(
 )
 # Headers the client library would otherwise add: the upstream must see the caller's request only.
 NO_AUTO_HEADERS = ("Accept-Encoding", "User-Agent", "Content-Type")
+# How vllm-router (the release the image pins) begins its 503 when it has no worker to send
+# to: the one 503 that means "no replica", as opposed to a replica's own 503 it passes on.
+NO_WORKERS = b"No available workers"
+# The shortest Retry-After the gateway gives for a model that is starting.
+MIN_RETRY_AFTER_S = 5
 
 
 class SettingsError(Exception):
@@ -115,6 +122,16 @@ def _forwarded(headers: CIMultiDictProxy[str]) -> list[tuple[str, str]]:
     ]
 
 
+@dataclass
+class Waking:
+    """One model's wake, as one gateway process sees it: the requests it holds and its wake in flight."""
+
+    held: int = 0
+    task: asyncio.Task[None] | None = None
+    # When the current wake began (the event loop's clock).
+    started: float | None = None
+
+
 class Gateway:
     """The gateway's routes, its shared upstream session and its counters."""
 
@@ -131,6 +148,13 @@ class Gateway:
         self.failures = Counter(
             "llm_gateway_upstream_failures", "Upstream requests that failed, by model.", ["model"], registry=registry
         )
+        self.wakes = Counter(
+            "llm_gateway_wakes", "Wakes started for a model at zero replicas.", ["model"], registry=registry
+        )
+        self.held = Gauge(
+            "llm_gateway_held_requests", "Requests held while their model wakes.", ["model"], registry=registry
+        )
+        self.waking: dict[str, Waking] = {}
         self.timeout = aiohttp.ClientTimeout(total=settings.request_timeout_s, sock_connect=settings.connect_timeout_s)
         self.session: aiohttp.ClientSession | None = None
 
@@ -223,11 +247,39 @@ class Gateway:
         return await self._forward(request, model, raw), model
 
     async def _forward(self, request: web.Request, model: str, raw: bytes) -> web.StreamResponse:
+        upstream = await self._send(request, model, raw)
+        if isinstance(upstream, web.Response):
+            return upstream
+        wake = self.settings.wake.get(model)
+        if wake is None:
+            return await self._relay(request, model, upstream)
+        answer = await self._unless_no_worker(request, model, upstream)
+        return answer if answer is not None else await self._hold(request, model, raw, wake)
+
+    async def _unless_no_worker(
+        self, request: web.Request, model: str, upstream: aiohttp.ClientResponse
+    ) -> web.StreamResponse | None:
+        """The router's answer relayed, or None when it has no replica of the model to send to."""
+        if upstream.status != 503:
+            return await self._relay(request, model, upstream)
+        # A 503 is short (the router's text, or a replica's JSON): read it whole to see whose it is.
+        try:
+            body = await upstream.read()
+        except (aiohttp.ClientError, TimeoutError):
+            body = b""
+        finally:
+            upstream.close()
+        if body.startswith(NO_WORKERS):
+            return None
+        return web.Response(status=503, body=body, headers=_forwarded(upstream.headers))
+
+    async def _send(self, request: web.Request, model: str, raw: bytes) -> aiohttp.ClientResponse | web.Response:
+        """The request sent to the model's router: its answer, or the gateway's own when there is none."""
         assert self.session is not None
         url = URL(self.settings.routes[model] + request.raw_path, encoded=True)
         headers = _forwarded(request.headers)
         try:
-            upstream = await self.session.post(url, data=raw, headers=headers, skip_auto_headers=NO_AUTO_HEADERS)
+            return await self.session.post(url, data=raw, headers=headers, skip_auto_headers=NO_AUTO_HEADERS)
         except aiohttp.ConnectionTimeoutError:
             self.failures.labels(model=model).inc()
             return _unavailable(503, f"The model `{model}` is not reachable. Please retry your request.")
@@ -238,6 +290,9 @@ class Gateway:
             self.failures.labels(model=model).inc()
             logger.warning("upstream of %s failed before answering: %s", model, type(err).__name__)
             return _unavailable(503, f"The model `{model}` is not reachable. Please retry your request.")
+
+    async def _relay(self, request: web.Request, model: str, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        """The router's answer, streamed to the client chunk by chunk."""
         try:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in _forwarded(upstream.headers):
@@ -263,6 +318,79 @@ class Gateway:
         finally:
             # Closed, not released: a half-read answer (the client went away) must not be reused.
             upstream.close()
+
+    # ------------------------------------------------------------------ waking a model at zero
+
+    async def _hold(self, request: web.Request, model: str, raw: bytes, wake: Wake) -> web.StreamResponse:
+        """Hold the request while its model wakes, trying its router again until a replica answers it.
+
+        Bounded twice: at most ``max_held`` requests wait per model (more are
+        refused at once), and each waits at most ``hold_s``. Either way the
+        client gets a 503 whose Retry-After is what is left of the model's
+        cold start, so it comes back when a replica should be up.
+        """
+        state = self.waking.setdefault(model, Waking())
+        if state.held >= wake.max_held:
+            return self._still_waking(model, wake, state, "too many requests are waiting for it")
+        state.held += 1
+        self.held.labels(model=model).inc()
+        try:
+            self._wake(model, wake, state)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + wake.hold_s
+            while (left := deadline - loop.time()) > 0:
+                await asyncio.sleep(min(self.settings.wake_poll_s, left))
+                upstream = await self._send(request, model, raw)
+                if isinstance(upstream, web.Response):
+                    continue  # the router itself is not reachable (restarting): keep holding
+                answer = await self._unless_no_worker(request, model, upstream)
+                if answer is not None:
+                    return answer
+            return self._still_waking(model, wake, state, f"no replica answered within {wake.hold_s:.0f}s")
+        finally:
+            state.held -= 1
+            self.held.labels(model=model).dec()
+
+    def _wake(self, model: str, wake: Wake, state: Waking) -> None:
+        """Start waking ``model`` unless a wake is already under way (one per model and gateway)."""
+        if state.task is not None and not state.task.done():
+            return
+        state.started = asyncio.get_running_loop().time()
+        state.task = asyncio.create_task(self._waking(model, wake, state))
+        self.wakes.labels(model=model).inc()
+        logger.info("waking %s", model)
+
+    async def _waking(self, model: str, wake: Wake, state: Waking) -> None:
+        """One request at a time to the model's Serve proxy, until one is answered or nobody waits.
+
+        Serve holds the request until a replica is up (its answer is the
+        replica's ``__call__``), so one long request keeps the cold start
+        going; one that fails (the head restarting) is sent again.
+        """
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=wake.cold_start_s * 2, sock_connect=self.settings.connect_timeout_s)
+        while True:
+            try:
+                async with self.session.post(wake.url, data=b"", timeout=timeout) as answer:
+                    await answer.read()
+                    if answer.status == 200:
+                        logger.info("%s is awake", model)
+                        return
+                    logger.warning("waking %s: the Serve proxy answered %d", model, answer.status)
+            except (aiohttp.ClientError, TimeoutError) as err:
+                logger.warning("waking %s failed: %s", model, type(err).__name__)
+            if state.held == 0:
+                return  # nobody waits; the next request starts a new wake
+            await asyncio.sleep(self.settings.wake_poll_s)
+
+    def _still_waking(self, model: str, wake: Wake, state: Waking, why: str) -> web.Response:
+        elapsed = asyncio.get_running_loop().time() - (state.started or 0.0)
+        retry_after = max(MIN_RETRY_AFTER_S, math.ceil(wake.cold_start_s - elapsed))
+        message = f"The model `{model}` is starting from zero replicas and {why}. Retry after {retry_after}s."
+        body = error_body(message, type_=SERVER_ERROR, param=None, code="model_starting")
+        return web.Response(
+            status=503, body=body, content_type="application/json", headers={"Retry-After": str(retry_after)}
+        )
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         """Every route's model list, merged in route order; routes that fail are left out."""

@@ -9,10 +9,47 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # The environment variable the gateway reads its settings from, as JSON.
 SETTINGS_ENV = "INFERENCE_GATEWAY_SETTINGS"
+
+
+def _base_url(model: str, url: str, *, path: bool = False) -> str:
+    parts = urlsplit(url)
+    bare = (path or parts.path in ("", "/")) and not parts.query and not parts.fragment
+    if not model or parts.scheme not in ("http", "https") or not parts.hostname or not bare:
+        what = "an http(s) URL without a query" if path else "an http(s) base URL without a path"
+        raise ValueError(f"route {model!r}: {url!r} is not {what}")
+    return url if path else url.rstrip("/")
+
+
+class Wake(BaseModel):
+    """How the gateway wakes one model from zero replicas, and how long it holds that model's requests.
+
+    A model at zero has no pod for its router to send to, so the router
+    answers at once that it has no worker. The gateway then sends one request
+    to ``url``, the Serve proxy on the model's RayService head: Serve queues
+    it at a deployment with no replica, and a queued request is what makes
+    Serve's autoscaler start one (its cold-start path). Meanwhile the
+    client's request is held, and sent to the router again until a replica
+    answers it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    # The longest one request is held; then a 503 with Retry-After.
+    hold_s: float = Field(gt=0)
+    # Requests held at once for this model; more get the 503 at once.
+    max_held: int = Field(gt=0)
+    # The model's cold-start budget: a 503 asks the client to come back when it should be up.
+    cold_start_s: float = Field(gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        return _base_url("wake", url, path=True)
 
 
 class GatewaySettings(BaseModel):
@@ -34,13 +71,19 @@ class GatewaySettings(BaseModel):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     # After SIGTERM, how long new requests are still served (while a load balancer stops sending).
     drain_s: float = Field(default=0.0, ge=0)
+    # The models that scale to zero, by model id: how each is woken (a model not here is never held).
+    wake: dict[str, Wake] = Field(default_factory=dict)
+    # How often a held request is tried on its router again.
+    wake_poll_s: float = Field(default=1.0, gt=0)
 
     @field_validator("routes")
     @classmethod
     def _urls(cls, routes: dict[str, str]) -> dict[str, str]:
-        for model, url in routes.items():
-            parts = urlsplit(url)
-            bare = parts.path in ("", "/") and not parts.query and not parts.fragment
-            if not model or parts.scheme not in ("http", "https") or not parts.hostname or not bare:
-                raise ValueError(f"route {model!r}: {url!r} is not an http(s) base URL without a path")
-        return {model: url.rstrip("/") for model, url in routes.items()}
+        return {model: _base_url(model, url) for model, url in routes.items()}
+
+    @model_validator(mode="after")
+    def _woken_models_are_routed(self) -> GatewaySettings:
+        unrouted = sorted(set(self.wake) - set(self.routes))
+        if unrouted:
+            raise ValueError(f"wake names models no route serves: {', '.join(unrouted)}")
+        return self

@@ -247,6 +247,19 @@ class VllmServer:
         _, text = await asyncio.to_thread(_get, self._local_metrics, 5)
         return {ONGOING_METRIC: queue_length(text)}
 
+    async def __call__(self, request: Any) -> dict[str, str]:
+        """What a request through Serve's proxy gets: that this replica is up (the wake's answer).
+
+        No request is served here: requests go to vLLM's server on the pod.
+        A model at zero replicas is woken by sending one request to the head's
+        Serve proxy (``inference_server.gateway``): Serve queues it, its
+        autoscaler starts a replica for a queued request, and once the
+        replica is constructed (its server healthy) this answers. The body is
+        never read.
+        """
+        del request
+        return {"model": self._entry.model_id, "status": "ready"}
+
     async def address(self) -> dict[str, str]:
         """Where this replica's server answers (for operators and the local twin)."""
         return {"url": self.url, "metrics_url": self.metrics_url}
@@ -292,7 +305,7 @@ def build_vllm_server_app(catalog: Catalog) -> Application:
         autoscaling_config=scaling,
         graceful_shutdown_timeout_s=catalog.shutdown.timeout_s,
         graceful_shutdown_wait_loop_s=catalog.shutdown.wait_loop_s,
-        # Serve never routes a request here: one at a time is plenty for address().
+        # Serve routes only wakes here (__call__) and the twin's address(): a few at once is plenty.
         max_ongoing_requests=4,
     )
     return deployment.bind(catalog.model_dump(mode="json"))
