@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,17 +21,13 @@ from typing import Any
 import httpx
 import pytest
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from localserve.processes import free_port
+from tests.gateway_process import AUTH, KEY, MAX_BODY, GatewayProcess, error_of, gateway_settings, metric, post
 from workloads.inference_server.catalog import RequestLimits
 from workloads.inference_server.gateway import SETTINGS_ENV
 from workloads.inference_server.guard import ApiGuard, ApiKeys
 
-ROOT = Path(__file__).resolve().parents[1]
-KEY = "sk-test-gateway-0123456789abcdef"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-MAX_BODY = 4096
 # How long a stand-in holds its second chunk at most, and how long the test waits for the first.
 HOLD_S = 5.0
 FIRST_CHUNK_S = 2.0
@@ -105,47 +98,6 @@ class Upstream:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-class GatewayProcess:
-    """``python -m inference_server.gateway`` with the given settings, its stderr collected by a thread."""
-
-    def __init__(self, settings: dict[str, Any] | None, extra_env: dict[str, str] | None = None) -> None:
-        env = {k: v for k, v in os.environ.items() if k != SETTINGS_ENV}
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "workloads"), env.get("PYTHONPATH", "")])
-        if settings is not None:
-            env[SETTINGS_ENV] = json.dumps(settings)
-        env.update(extra_env or {})
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "inference_server.gateway"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self.listening = threading.Event()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            if "gateway listening on http://" in line:
-                self.listening.set()
-
-    def wait_listening(self) -> None:
-        assert self.listening.wait(15), "the gateway did not start:\n" + "".join(self.lines)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 @dataclass
 class Stack:
     """The module's gateway, its stand-in routers and its addresses."""
@@ -158,22 +110,6 @@ class Stack:
 
     def untouched(self) -> bool:
         return not self.alpha.seen and not self.beta.seen
-
-
-def gateway_settings(tmp: Path, routes: dict[str, str], **overrides: Any) -> dict[str, Any]:
-    keys = tmp / "keys"
-    keys.write_text(f"tester:{KEY}\n")
-    settings: dict[str, Any] = {
-        "host": "127.0.0.1",
-        "port": free_port(),
-        "routes": routes,
-        "api_keys_file": str(keys),
-        "api_keys_env": "GATEWAY_TEST_KEYS_UNSET",
-        "max_body_bytes": MAX_BODY,
-        "request_timeout_s": 10,
-        "connect_timeout_s": 2,
-    }
-    return {**settings, **overrides}
 
 
 @pytest.fixture(scope="module")
@@ -205,18 +141,6 @@ def gw(stack: Stack) -> Iterator[Stack]:
     yield stack
     stack.alpha.reset()
     stack.beta.reset()
-
-
-def post(url: str, body: bytes | Any, headers: dict[str, str] | None = None) -> httpx.Response:
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    head = {"Content-Type": "application/json", **(headers if headers is not None else AUTH)}
-    return httpx.post(url, content=raw, headers=head, timeout=10)
-
-
-def error_of(response: httpx.Response) -> dict[str, Any]:
-    payload = response.json()
-    assert set(payload) == {"error"} and set(payload["error"]) == {"message", "type", "param", "code"}
-    return dict(payload["error"])
 
 
 def guard_401() -> tuple[bytes, str]:
@@ -416,15 +340,6 @@ def test_an_unreachable_router_is_503_model_unavailable(gw: Stack) -> None:
     assert response.headers["retry-after"] == "1"
     error = error_of(response)
     assert error["code"] == "model_unavailable" and "ghost" in error["message"]
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(url).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and sample.labels == labels:
-                return float(sample.value)
-    return 0.0
 
 
 def test_metrics_count_requests_per_model_and_code(gw: Stack) -> None:

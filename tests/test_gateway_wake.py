@@ -29,7 +29,7 @@ import pytest
 from aiohttp import web
 
 from localserve.processes import Child, child_env, free_port
-from tests.test_gateway import AUTH, GatewayProcess, error_of, gateway_settings, metric, post
+from tests.gateway_process import AUTH, GatewayProcess, error_of, gateway_settings, metric, post
 from twin.routing import HOST, ROUTER_MODULE
 from workloads.inference_server.gateway import MIN_RETRY_AFTER_S, NO_WORKERS
 
@@ -267,3 +267,24 @@ def _timed_post(url: str) -> tuple[httpx.Response, float]:
     started = time.monotonic()
     answer = httpx.post(url, json=CHAT, headers=AUTH, timeout=30)
     return answer, time.monotonic() - started
+
+
+def test_a_replicas_own_503_is_passed_on_as_it_is_and_wakes_nothing(at_zero: Zero) -> None:
+    """Only the router's "no worker" means zero replicas; a replica's 503 (draining, full) is its answer."""
+    body = b'{"error": {"message": "draining", "type": "unavailable", "param": null, "code": "draining"}}'
+
+    async def busy(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(status=503, body=body, content_type="application/json", headers={"Retry-After": "3"})
+
+    runner, port = at_zero.loop.run(at_zero.loop.serve(busy))
+    proxy = ServeProxy(at_zero.loop, at_zero.router_url, at_zero.replica)
+    try:
+        with gateway_at(at_zero.tmp, f"http://{HOST}:{port}", proxy) as (url, _):
+            answer = post(url + "/v1/chat/completions", CHAT)
+    finally:
+        at_zero.loop.run(runner.cleanup())
+    assert answer.status_code == 503
+    assert answer.content == body
+    assert answer.headers["Retry-After"] == "3"
+    assert proxy.wakes == []

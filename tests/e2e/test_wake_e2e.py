@@ -88,6 +88,8 @@ def woken(tiny_model: Path, e2e_dir: Path) -> Iterator[Woken]:
     (model,) = catalog["models"]  # type: ignore[misc]
     model["model_id"] = model_id
     model["autoscaling"].update(min_replicas=0, max_replicas=1, downscale_delay_s=DOWNSCALE_DELAY_S)
+    # A replica leaving takes its drain notice first (for the load balancer): short here, nothing else sends.
+    catalog["vllm_server"]["drain_notice_s"] = 1  # type: ignore[index]
     server = start(work, catalog, api_key, layout="vllm-server", ray_dir=e2e_dir / "rayw")
     router = discovery = gateway = None
     try:

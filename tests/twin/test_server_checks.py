@@ -206,3 +206,28 @@ def test_the_dev_layout_has_no_server_port_check() -> None:
     raw = copy.deepcopy(ray_services("dev")[0])
     spec = spec_of(raw)
     assert port_lines(spec) == ""
+
+
+def test_a_model_the_gateway_wakes_passes_the_static_checks_and_is_said_not_run_live() -> None:
+    """Dev with routing and the gateway: its model at zero in the vllm-server layout (tests/test_serving_wake.py)."""
+    from types import SimpleNamespace
+
+    from tests.harness import manifests_of, render_routed
+    from twin.deploy import ModelInfo
+    from twin.run import run_live_checks
+
+    (raw,) = manifests_of(render_routed("dev"), "RayService")
+    spec = spec_of(copy.deepcopy(raw))
+    out = io.StringIO()
+    report = Report(out=out)
+    assert checks.run_static_checks(spec, report, None) is not None
+    assert report.failed == [], out.getvalue()
+    assert "server port" in out.getvalue()
+
+    model = ModelInfo(app="a", model_id="m", min_replicas=0, accelerator_type=None, layout="vllm-server")
+    session = SimpleNamespace(name=spec.name, serve=SimpleNamespace(models=[model]))
+    out = io.StringIO()
+    report = Report(out=out)
+    run_live_checks(session, report, "dev")  # type: ignore[arg-type]
+    assert report.failed == []
+    assert "live checks not run: m scales to zero" in out.getvalue()
