@@ -424,3 +424,36 @@ def test_bad_settings_stop_with_one_line_naming_the_setting(
     assert len(gateway.lines) == 1, gateway.lines
     assert named in gateway.lines[0]
     assert "Traceback" not in gateway.lines[0]
+
+
+def test_a_body_sent_too_slowly_is_408_and_never_forwarded(tmp_path: Path) -> None:
+    """A client that stops sending its body is let go after body_timeout_s, not held until it gives up."""
+    import socket
+
+    upstream = Upstream("alpha", ["alpha"])
+    settings = gateway_settings(tmp_path, {"alpha": upstream.base_url}, body_timeout_s=1)
+    gateway = GatewayProcess(settings)
+    try:
+        gateway.wait_listening()
+        with socket.create_connection(("127.0.0.1", settings["port"]), timeout=10) as sock:
+            head = (
+                "POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                f"Authorization: Bearer {KEY}\r\nContent-Length: 200\r\n\r\n"
+            )
+            sock.sendall(head.encode() + b'{"model": "alpha", ')
+            started = time.monotonic()
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                answer += chunk
+            took = time.monotonic() - started
+    finally:
+        gateway.stop()
+        upstream.stop()
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line.startswith(b"HTTP/1.1 408"), answer
+    assert b'"code": "request_timeout"' in rest or b'"code":"request_timeout"' in rest, rest
+    assert 0.9 <= took < 5, took
+    assert upstream.seen == []

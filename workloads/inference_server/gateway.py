@@ -216,21 +216,29 @@ class Gateway:
         )
 
     async def _read_body(self, request: web.Request) -> bytes | None:
-        """The body, or None once it passes the cap (never more than one chunk past it is read)."""
+        """The body, or None once it passes the cap (never more than one chunk past it is read);
+        TimeoutError when it takes longer than ``body_timeout_s``."""
         cap = self.settings.max_body_bytes
         if request.content_length is not None and request.content_length > cap:
             return None
         chunks: list[bytes] = []
         size = 0
-        while chunk := await request.content.readany():
-            size += len(chunk)
-            if size > cap:
-                return None
-            chunks.append(chunk)
+        async with asyncio.timeout(self.settings.body_timeout_s):
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > cap:
+                    return None
+                chunks.append(chunk)
         return b"".join(chunks)
 
     async def _generate(self, request: web.Request) -> tuple[web.StreamResponse, str]:
-        raw = await self._read_body(request)
+        try:
+            raw = await self._read_body(request)
+        except TimeoutError:
+            message = f"The request body was not received within {self.settings.body_timeout_s:.0f}s."
+            refusal = Refusal(408, message, None, "request_timeout")
+            # The rest of the body may still be on its way: the connection is not reused.
+            return _refuse(refusal, {"Connection": "close"}), ""
         if raw is None:
             return _refuse(too_large(self.settings.max_body_bytes)), ""
         body = parse_json_object(raw)

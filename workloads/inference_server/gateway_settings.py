@@ -69,6 +69,9 @@ class GatewaySettings(BaseModel):
     # The longest a forwarded request may take, its whole answer included.
     request_timeout_s: float = Field(gt=0)
     connect_timeout_s: float = Field(default=5.0, gt=0)
+    # The longest a client may take to send its whole body (408 after): a slow sender must not hold a
+    # connection and its handler without end. nginx's default between two reads, as a whole-body bound.
+    body_timeout_s: float = Field(default=60.0, gt=0)
     # After SIGTERM, how long new requests are still served (while a load balancer stops sending).
     drain_s: float = Field(default=0.0, ge=0)
     # The models that scale to zero, by model id: how each is woken (a model not here is never held).
