@@ -89,8 +89,11 @@ class RouterSpec:
     # Its front, the nginx the load balancer reaches.
     front: FrontPlan
     # The model gateway's settings as the render writes them (or, with `serving.gateway` off, would),
-    # when the stack has several vllm-server services for it to route between; None otherwise.
+    # when the stack has several vllm-server services for it to route between or a model it wakes;
+    # None otherwise.
     gateway: GatewaySettings | None = None
+    # What its pod's readiness asks the router (RouterPlan.readiness_path).
+    readiness_path: str = READINESS_PATH
 
 
 def router_specs(stack_config: Path) -> dict[str, RouterSpec]:
@@ -101,9 +104,11 @@ def router_specs(stack_config: Path) -> dict[str, RouterSpec]:
 
     cfg = load_stack_file(stack_config)
     plans = router_plans(cfg)
-    gateway = gateway_plan(cfg).settings() if len(plans) > 1 else None
+    gateway = gateway_plan(cfg).settings() if len(plans) > 1 or cfg.woken_services() else None
     return {
-        service: RouterSpec(service, tuple(plan.command), cfg.serving.routing.enabled, plan.front, gateway)
+        service: RouterSpec(
+            service, tuple(plan.command), cfg.serving.routing.enabled, plan.front, gateway, plan.readiness_path
+        )
         for service, plan in plans.items()
     }
 

@@ -22,6 +22,7 @@ from twin.report import Report
 from twin.routing import MAX_IMBALANCE, RouterSpec, imbalance, measure_split, with_policy
 from twin.shape import TWIN_IDLE_TIMEOUT_S, fit_shape, pod_env
 from twin.traces import chat_sender, check_traces
+from twin.wake import WakeRun, router_has_no_worker, wake_through_gateway
 from workloads.inference_server.catalog import Catalog
 
 # KubeRay's worker readiness probe: failureThreshold 10 x periodSeconds 5.
@@ -207,7 +208,13 @@ def run_service(
     try:
         start_and_deploy(session, report)
         run_live_checks(session, report, stack)
-        if objects is not None:
+        if objects is not None and woken_models(session):
+            report.note(
+                service.name,
+                "monitoring not run: its load goes straight to a replica's server, and this model is at zero "
+                "(only the gateway wakes it)",
+            )
+        elif objects is not None:
             run_observability(session, report, objects, workdir / "prometheus", faults=faults)
     except Exception as err:
         report.fail(service.name, f"local run: {type(err).__name__}: {err}")
@@ -222,14 +229,9 @@ def run_service(
 
 def run_live_checks(session: Session, report: Report, stack: str | None) -> None:
     """The live checks, one line each, with the serve Service's endpoints sampled throughout."""
-    woken = [m.model_id for m in server_models(session) if m.min_replicas == 0]
+    woken = woken_models(session)
     if woken:
-        # Said, not failed: the stack is valid, the twin just does not run this case yet.
-        report.note(
-            session.name,
-            f"live checks not run: {', '.join(woken)} scales to zero in the vllm-server layout (the model gateway "
-            "wakes it), and the twin runs no such session yet; tests/e2e/test_wake_e2e.py runs the wake on real Ray",
-        )
+        run_woken_checks(session, report, woken)
         return
     if server_models(session):
         run_server_checks(session, report)
@@ -416,6 +418,98 @@ def _check_wake(session: Session, report: Report, sampler: live.EndpointSampler,
     )
 
 
+def woken_models(session: Session) -> list[ModelInfo]:
+    """The vllm-server models at min_replicas 0: the model gateway wakes them (twin/wake.py)."""
+    return [m for m in server_models(session) if m.min_replicas == 0]
+
+
+def run_woken_checks(session: Session, report: Report, models: list[ModelInfo]) -> None:
+    """The live checks of models the gateway wakes: at zero, woken through the gateway and router, back to zero.
+
+    The rest of the vllm-server checks (replicas per node, the guard, the
+    router's spread) are the ones a model at min_replicas >= 1 gets: they need
+    replicas that stay, and a woken model's go after the twin's downscale delay.
+    """
+    if not wait_running(session, report):
+        return
+    for model in models:
+        check_woken(session, report, model)
+
+
+def _at_zero(session: Session, model: ModelInfo) -> bool:
+    group = session.model_groups.get(model.model_id)
+    return not _replicas_of(model) and not any(n.node_type == group for n in session.cluster.nodes())
+
+
+def check_woken(session: Session, report: Report, model: ModelInfo) -> None:
+    """One model at zero: a request through the gateway wakes it (a new node, a replica), then it sleeps again."""
+    spec, group, what = session.router, session.model_groups.get(model.model_id, "?"), f"wake ({model.model_id})"
+    if spec is None or spec.gateway is None or model.model_id not in spec.gateway.wake or model.address_dir is None:
+        report.fail(session.name, f"{what}: the render runs no gateway that wakes this model")
+        return
+    report.check(
+        session.name,
+        _at_zero(session, model),
+        f"at zero ({model.model_id}): no replica and no {group} node before the first request",
+    )
+
+    def then(run: WakeRun, router_root: str) -> None:
+        woke = any(n.node_type == group for n in session.cluster.nodes())
+        added = [url for _, verb, url in run.events if verb == "add"]
+        report.check(
+            session.name,
+            run.status == 200 and bool(run.content) and woke and len(added) == 1,
+            f"{what}: the request at zero, through the gateway and the model's router: {run.status} in "
+            f"{run.seconds:.0f}s, {'on a new ' + group + ' node' if woke else 'but no ' + group + ' node is up'}, "
+            f"the router given {len(added)} replica by discovery (want 200: held while Serve started a replica "
+            "for the gateway's wake)",
+        )
+        report.check(
+            session.name,
+            run.next_status == 200 and run.wakes == 1,
+            f"{what}: the next request, awake: {run.next_status} in {run.next_seconds:.1f}s, the gateway's wakes "
+            f"{run.wakes:g} (want 200 and 1: one wake for the model, none once a replica answers)",
+        )
+        started = time.monotonic()
+        gone = live.wait_for(lambda: _at_zero(session, model), SCALE_TO_ZERO_TIMEOUT_S)
+        report.check(
+            session.name,
+            gone,
+            f"scale to zero ({model.model_id}): no replica and no {group} node {time.monotonic() - started:.0f}s "
+            "after the request"
+            if gone
+            else f"scale to zero ({model.model_id}): still a replica or a {group} node after "
+            f"{SCALE_TO_ZERO_TIMEOUT_S:.0f}s",
+        )
+        if gone:
+            empty = live.wait_for(lambda: router_has_no_worker(router_root, model.model_id, session.serve.api_key), 30)
+            report.check(
+                session.name,
+                empty,
+                f"router ({model.model_id}): back to no worker at zero, so the next request wakes the model again",
+            )
+
+    report.sub(
+        session.name,
+        f"wake ({model.model_id}): the rendered router (discovery replaced by the twin's, with no worker at zero) "
+        "and gateway (its wake URL the head's Serve proxy)",
+    )
+    try:
+        wake_through_gateway(
+            spec,
+            _keys_file(session.serve),
+            model.address_dir,
+            f"http://{LOOPBACK}:{session.cluster.head_proxy_port}/",
+            session.serve.api_key,
+            model.model_id,
+            session.cluster.workdir,
+            lambda line: report.sub(session.name, line),
+            then,
+        )
+    except Exception as err:
+        report.fail(session.name, f"{what}: {type(err).__name__}: {err}")
+
+
 def server_models(session: Session) -> list[ModelInfo]:
     """The models served in the vllm-server layout (vLLM's own server in each replica, no Serve ingress)."""
     return [m for m in session.serve.models if m.layout == "vllm-server"]
@@ -425,8 +519,8 @@ def run_server_checks(session: Session, report: Report) -> None:
     """The live checks of the vllm-server layout: the replicas' servers are what the serve Service reaches.
 
     No ingress replicas and no scale to zero here: requests never pass
-    through Serve, and a model at min_replicas 0 (woken by the gateway) is
-    not run live (run_live_checks says so).
+    through Serve; a model at min_replicas 0 (woken by the gateway) gets
+    run_woken_checks instead.
     """
     models = server_models(session)
     folders = [m.address_dir for m in models if m.address_dir is not None]

@@ -106,6 +106,62 @@ def test_the_twin_of_the_stack_passes(stack: str, tiny_model: Path, tmp_path: Pa
         assert len(spread) == 2, spread
 
 
+# Dev's model woken by the gateway (routing and gateway on): about 3 min, no monitoring (twin/wake.py).
+WOKEN_TIMEOUT_S = 480.0
+
+
+def test_the_twin_of_dev_at_zero_behind_the_gateway_wakes_it_and_lets_it_sleep(tmp_path: Path) -> None:
+    """Dev with `serving.routing` and `serving.gateway` on: its model runs vllm-server at min_replicas 0.
+
+    The twin renders that stack file as `python -m infra.twin --config` does for a user's own, and runs
+    the woken session: at zero, a request through the rendered gateway and router wakes it (a new node,
+    one replica), the next goes straight through, and once idle the model and its node are gone again.
+    """
+    import copy
+
+    import yaml
+
+    from tests.harness import GATEWAY, ROUTING, stack_doc
+
+    doc = copy.deepcopy(stack_doc("dev"))
+    serving = doc["config"].get("llm-platform:serving", {})
+    doc["config"]["llm-platform:serving"] = {**serving, "routing": ROUTING, "gateway": GATEWAY}
+    config = tmp_path / "Pulumi.dev.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    log = tmp_path / "twin.log"
+    started = time.monotonic()
+    with log.open("w") as out:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "infra.twin",
+                "--stack",
+                "dev",
+                "--config",
+                str(config),
+                "--out",
+                str(tmp_path / "r"),
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=WOKEN_TIMEOUT_S + 60,
+            check=False,
+        )
+    took = time.monotonic() - started
+    output = log.read_text(errors="replace")
+    verdicts = twin_log.verdicts(output)
+    print(f"\n[twin dev, woken] {took:.0f}s\n" + "\n".join(verdicts), flush=True)
+    assert done.returncode == 0, twin_log.failure_message(output)
+    assert not twin_log.failures(output)
+    passed = [v for v in verdicts if v.startswith("PASS")]
+    for line in ("at zero (", "wake (", "the next request, awake", "scale to zero (", "back to no worker"):
+        assert any(line in v for v in passed), line
+    assert took < WOKEN_TIMEOUT_S, f"the woken twin took {took:.0f}s"
+
+
 def _announced(child: Child) -> tuple[str, str] | None:
     text = child.log_path.read_text(errors="replace")
     url = re.search(r"OpenAI base URL: (\S+)", text)

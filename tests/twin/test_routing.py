@@ -83,3 +83,27 @@ def test_discovery_becomes_the_replicas_and_the_rest_is_kept() -> None:
 def test_imbalance_is_busiest_over_idlest() -> None:
     assert imbalance([60, 50]) == 1.2
     assert imbalance([10, 0]) == float("inf")
+
+
+def test_the_twin_runs_the_rendered_gateway_and_router_readiness_for_a_model_at_zero(tmp_path: Path) -> None:
+    """Dev with routing and the gateway: its one model at zero is woken, so the twin gets the gateway's settings
+    (wake URL included) and the router's readiness on /liveness, exactly as rendered."""
+    from infra.serving.gateway import GATEWAY_LABEL
+    from tests.harness import GATEWAY
+    from workloads.inference_server.gateway_settings import SETTINGS_ENV, GatewaySettings
+
+    doc = copy.deepcopy(stack_doc("dev"))
+    serving = doc["config"].get("llm-platform:serving", {})
+    doc["config"]["llm-platform:serving"] = {**serving, "routing": ROUTING, "gateway": GATEWAY}
+    path = tmp_path / "Pulumi.dev.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    (spec,) = router_specs(path).values()
+    deployments = manifests_of(render_routed("dev"), "Deployment")
+    (gateway,) = [d for d in deployments if d["spec"]["selector"]["matchLabels"] == GATEWAY_LABEL]
+    (env,) = [e for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"] if e["name"] == SETTINGS_ENV]
+    assert spec.gateway == GatewaySettings.model_validate_json(env["value"])
+    assert spec.gateway is not None and list(spec.gateway.wake) == list(spec.gateway.routes)
+    (router,) = [d for d in deployments if d["metadata"]["name"] == router_name(spec.service)]
+    containers = router["spec"]["template"]["spec"]["containers"]
+    probes = [c["readinessProbe"]["httpGet"]["path"] for c in containers if "readinessProbe" in c]
+    assert probes == [spec.readiness_path] == ["/liveness"]

@@ -208,13 +208,13 @@ def test_the_dev_layout_has_no_server_port_check() -> None:
     assert port_lines(spec) == ""
 
 
-def test_a_model_the_gateway_wakes_passes_the_static_checks_and_is_said_not_run_live() -> None:
+def test_a_model_the_gateway_wakes_passes_the_static_checks_and_gets_the_wake_checks() -> None:
     """Dev with routing and the gateway: its model at zero in the vllm-server layout (tests/test_serving_wake.py)."""
     from types import SimpleNamespace
 
     from tests.harness import manifests_of, render_routed
     from twin.deploy import ModelInfo
-    from twin.run import run_live_checks
+    from twin.run import check_woken, woken_models
 
     (raw,) = manifests_of(render_routed("dev"), "RayService")
     spec = spec_of(copy.deepcopy(raw))
@@ -224,10 +224,16 @@ def test_a_model_the_gateway_wakes_passes_the_static_checks_and_is_said_not_run_
     assert report.failed == [], out.getvalue()
     assert "server port" in out.getvalue()
 
-    model = ModelInfo(app="a", model_id="m", min_replicas=0, accelerator_type=None, layout="vllm-server")
-    session = SimpleNamespace(name=spec.name, serve=SimpleNamespace(models=[model]))
+    woken = ModelInfo(app="a", model_id="m", min_replicas=0, accelerator_type=None, layout="vllm-server")
+    models = [
+        woken,
+        ModelInfo(app="b", model_id="n", min_replicas=1, accelerator_type=None, layout="vllm-server"),
+        ModelInfo(app="c", model_id="o", min_replicas=0, accelerator_type=None, layout="serve-ingress"),
+    ]
+    session = SimpleNamespace(name=spec.name, serve=SimpleNamespace(models=models), router=None, model_groups={})
+    assert woken_models(session) == [woken]  # type: ignore[arg-type]
+    # Without the gateway's settings in the session there is nothing to wake it with: said, as a failure.
     out = io.StringIO()
     report = Report(out=out)
-    run_live_checks(session, report, "dev")  # type: ignore[arg-type]
-    assert report.failed == []
-    assert "live checks not run: m scales to zero" in out.getvalue()
+    check_woken(session, report, woken)  # type: ignore[arg-type]
+    assert report.failed == ["[" + spec.name + "] wake (m): the render runs no gateway that wakes this model"]

@@ -236,9 +236,8 @@ class Gateway:
             raw = await self._read_body(request)
         except TimeoutError:
             message = f"The request body was not received within {self.settings.body_timeout_s:.0f}s."
-            refusal = Refusal(408, message, None, "request_timeout")
             # The rest of the body may still be on its way: the connection is not reused.
-            return _refuse(refusal, {"Connection": "close"}), ""
+            return _refuse(Refusal(408, message, None, "request_timeout"), {"Connection": "close"}), ""
         if raw is None:
             return _refuse(too_large(self.settings.max_body_bytes)), ""
         body = parse_json_object(raw)
