@@ -41,7 +41,7 @@ from localserve.server import KV_CACHE_BYTES, MAX_MODEL_LEN
 from twin import serve_app
 from twin.checks import catalog_layout, vllm_server_replica
 from twin.cluster import LOOPBACK
-from workloads.inference_server.catalog import Tracing
+from workloads.inference_server.catalog import Tracing, VllmServerSettings
 from workloads.inference_server.engine import serve_tracing_config
 
 # Eager mode: no graph capture at start-up, which costs minutes on two cores.
@@ -73,6 +73,8 @@ class ModelInfo:
 TWIN_KV_CACHE_BYTES = KV_CACHE_BYTES // 8
 # The twin's other clients: the overload comes from many keys, each within its key's in-flight cap.
 CLIENT_KEYS = 32
+# A stopping replica's notice for a model at zero (vllm_server.drain_notice_s), as the downscale delay is shortened.
+TWIN_WOKEN_DRAIN_NOTICE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -146,8 +148,12 @@ def _model(
     return placement
 
 
-def _vllm_server(app: Mapping[str, Any], catalog: dict[str, Any], address_dir: Path, subs: list[str]) -> dict[str, Any]:
-    """Puts the replicas' servers on loopback and free ports; returns the rendered replica's actor options."""
+def _vllm_server(
+    app: Mapping[str, Any], catalog: dict[str, Any], address_dir: Path, subs: list[str], *, fast_stop: bool
+) -> dict[str, Any]:
+    """Puts the replicas' servers on loopback and free ports; returns the rendered replica's actor options.
+
+    ``fast_stop``: the twin shortens the downscale delay (Fitting), so a model at zero's drain notice too."""
     name = app.get("name")
     rendered = dict(catalog.get("vllm_server") or {})
     address_dir.mkdir(parents=True, exist_ok=True)
@@ -163,6 +169,14 @@ def _vllm_server(app: Mapping[str, Any], catalog: dict[str, Any], address_dir: P
         "metrics_port": 0,
         "address_dir": str(address_dir),
     }
+    scaling = [(m.get("autoscaling") or {}) for m in catalog.get("models") or []]
+    notice = float(rendered.get("drain_notice_s", VllmServerSettings.model_fields["drain_notice_s"].default))
+    if fast_stop and any(int(s.get("min_replicas", 1)) == 0 for s in scaling) and notice > TWIN_WOKEN_DRAIN_NOTICE_S:
+        # As the downscale delay is shortened: a replica of a model at zero leaves once idle, and the
+        # twin waits for it; its notice is the load balancer's time to stop sending, which no load
+        # balancer here needs (the twin's discovery drops it when it is gone).
+        subs.append(f"app {name}: vllm_server drain_notice_s {notice:g} -> {TWIN_WOKEN_DRAIN_NOTICE_S:g}")
+        catalog["vllm_server"]["drain_notice_s"] = TWIN_WOKEN_DRAIN_NOTICE_S
     options = vllm_server_replica(app).actor_options
     subs.append(
         f"app {name}: the replica actor keeps the rendered options {options} (the node's GPUs are logical ones; "
@@ -209,7 +223,9 @@ def twin_serve_config(
         actor_options: dict[str, Any] = {}
         if layout == "vllm-server":
             address_dir = (address_root or secrets_dir.parent / "addresses") / name
-            actor_options = _vllm_server(app, catalog, address_dir, subs)
+            actor_options = _vllm_server(
+                app, catalog, address_dir, subs, fast_stop=fitting.downscale_delay_s is not None
+            )
         placements = {}
         for entry in catalog.get("models") or []:
             scaling = entry.get("autoscaling") or {}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,33 +51,12 @@ def test_the_overloads_chat_and_answer_fit_the_tiny_models_context(tiny_model: P
 
 @pytest.mark.parametrize("stack", ["dev", "prod"])
 def test_the_twin_of_the_stack_passes(stack: str, tiny_model: Path, tmp_path: Path) -> None:
-    log = tmp_path / "twin.log"
-    started = time.monotonic()
-    with log.open("w") as out:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "infra.twin",
-                "--stack",
-                stack,
-                "--out",
-                str(tmp_path / "render"),
-                *(["--monitoring"] if stack in MONITORED else []),
-            ],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            timeout=TWIN_TIMEOUT_S[stack] + 60,
-            check=False,
-        )
-    took = time.monotonic() - started
-    output = log.read_text(errors="replace")
-    verdicts = twin_log.verdicts(output)
-    print(f"\n[twin {stack}] {took:.0f}s\n" + "\n".join(verdicts), flush=True)
-    assert done.returncode == 0, twin_log.failure_message(output)
-    assert not twin_log.failures(output)
+    argv = ["infra.twin", "--stack", stack, "--out", str(tmp_path / "render")]
+    done = twin_log.run(
+        [*argv, *(["--monitoring"] if stack in MONITORED else [])], tmp_path / "twin.log", TWIN_TIMEOUT_S[stack] + 60
+    )
+    done.assert_passed(f"twin {stack}")
+    output, verdicts, took = done.output, done.verdicts, done.seconds
     assert took < TWIN_TIMEOUT_S[stack], f"the {stack} twin took {took:.0f}s"
     assert any(v.startswith("PASS") and "traces: request" in v for v in verdicts), "no trace line"
     if stack in MONITORED:
@@ -128,34 +106,10 @@ def test_the_twin_of_dev_at_zero_behind_the_gateway_wakes_it_and_lets_it_sleep(t
     doc["config"]["llm-platform:serving"] = {**serving, "routing": ROUTING, "gateway": GATEWAY}
     config = tmp_path / "Pulumi.dev.yaml"
     config.write_text(yaml.safe_dump(doc))
-    log = tmp_path / "twin.log"
-    started = time.monotonic()
-    with log.open("w") as out:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "infra.twin",
-                "--stack",
-                "dev",
-                "--config",
-                str(config),
-                "--out",
-                str(tmp_path / "r"),
-            ],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            timeout=WOKEN_TIMEOUT_S + 60,
-            check=False,
-        )
-    took = time.monotonic() - started
-    output = log.read_text(errors="replace")
-    verdicts = twin_log.verdicts(output)
-    print(f"\n[twin dev, woken] {took:.0f}s\n" + "\n".join(verdicts), flush=True)
-    assert done.returncode == 0, twin_log.failure_message(output)
-    assert not twin_log.failures(output)
+    argv = ["infra.twin", "--stack", "dev", "--config", str(config), "--out", str(tmp_path / "r")]
+    done = twin_log.run(argv, tmp_path / "twin.log", WOKEN_TIMEOUT_S + 60)
+    done.assert_passed("twin dev, woken")
+    verdicts, took = done.verdicts, done.seconds
     passed = [v for v in verdicts if v.startswith("PASS")]
     for line in ("at zero (", "wake (", "the next request, awake", "scale to zero (", "back to no worker"):
         assert any(line in v for v in passed), line

@@ -232,3 +232,29 @@ def test_the_twin_builder_puts_back_the_rendered_actor_options(monkeypatch: pyte
     assert deployment.name == "S" and deployment._replica_config.init_args == ({"models": ["a"]},)
     resources = {k: v for k, v in deployment._replica_config.resource_dict.items() if v}
     assert resources == {"CPU": 1, "GPU": 4, "accelerator_type:L40S": 0.001}
+
+
+def test_a_model_at_zero_stops_as_quickly_as_the_twin_scales_it_down(tmp_path: Path) -> None:
+    """Dev with routing and the gateway (its model vllm-server at min_replicas 0): the drain notice is
+    shortened with the downscale delay, and kept where the delays are (the local run) or the model never
+    reaches zero (prod)."""
+    from tests.harness import manifests_of, render_routed
+
+    (rs,) = manifests_of(render_routed("dev"), "RayService")
+    woken = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    rendered_notice = woken["applications"][0]["args"]["vllm_server"].get("drain_notice_s", 40)
+    twin = twin_serve_config(woken, model_dir=tmp_path / "m", secrets_dir=tmp_path / "s", http_port=1)
+    assert twin.config["applications"][0]["args"]["args"]["vllm_server"]["drain_notice_s"] == 5 < rendered_notice
+    assert any("drain_notice_s" in line for line in twin.substitutions)
+    local = twin_serve_config(
+        woken,
+        model_dir=tmp_path / "m",
+        secrets_dir=tmp_path / "t",
+        http_port=1,
+        fitting=Fitting(downscale_delay_s=None),
+    )
+    assert local.config["applications"][0]["args"]["args"]["vllm_server"].get("drain_notice_s") == rendered_notice
+    rendered_prod = prod_serve_config(0)
+    prod_notice = rendered_prod["applications"][0]["args"]["vllm_server"].get("drain_notice_s")
+    prod = twin_serve_config(rendered_prod, model_dir=tmp_path / "m", secrets_dir=tmp_path / "u", http_port=1)
+    assert prod.config["applications"][0]["args"]["args"]["vllm_server"].get("drain_notice_s") == prod_notice
