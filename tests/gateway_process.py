@@ -6,6 +6,7 @@ and the requests and metrics they read from it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from localserve.processes import free_port
@@ -103,3 +105,26 @@ def metric(url: str, name: str, **labels: str) -> float:
             if sample.name == name and sample.labels == labels:
                 return float(sample.value)
     return 0.0
+
+
+class Loop:
+    """An event loop in a thread, serving the tests' aiohttp stand-ins (routers, proxies, replicas) on loopback."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    async def serve(self, handler: Any) -> tuple[web.AppRunner, int]:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handler)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)

@@ -23,7 +23,7 @@ import pytest
 from aiohttp import web
 
 from localserve.processes import free_port
-from tests.gateway_process import AUTH, KEY, MAX_BODY, GatewayProcess, error_of, gateway_settings, metric, post
+from tests.gateway_process import AUTH, KEY, MAX_BODY, GatewayProcess, Loop, error_of, gateway_settings, metric, post
 from workloads.inference_server.catalog import RequestLimits
 from workloads.inference_server.gateway import SETTINGS_ENV
 from workloads.inference_server.guard import ApiGuard, ApiKeys
@@ -54,22 +54,12 @@ class Upstream:
         self.models_status = 200
         self.release = threading.Event()
         self.release.set()
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        self.loop = Loop()
+        self.runner, self.port = self.loop.run(self.loop.serve(self._handle))
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    async def _start(self) -> int:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -94,8 +84,8 @@ class Upstream:
         self.release.set()
 
     def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.loop.run(self.runner.cleanup())
+        self.loop.stop()
 
 
 @dataclass

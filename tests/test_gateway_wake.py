@@ -15,21 +15,19 @@ import concurrent.futures
 import contextlib
 import json
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from aiohttp import web
 
 from localserve.processes import Child, child_env, free_port
-from tests.gateway_process import AUTH, GatewayProcess, error_of, gateway_settings, metric, post
+from tests.gateway_process import AUTH, GatewayProcess, Loop, error_of, gateway_settings, metric, post
 from twin.routing import HOST, ROUTER_MODULE
 from workloads.inference_server.gateway import MIN_RETRY_AFTER_S, NO_WORKERS
 
@@ -38,26 +36,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 ROUTER_READY_S = 30.0
 # The stand-in cold start: how long the Serve proxy holds the wake before the replica is up.
 COLD_START_S = 2.0
-
-
-class Loop:
-    """An event loop in a thread, for the aiohttp stand-ins."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-
-    def run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
-
-    async def serve(self, handler: Any) -> tuple[web.AppRunner, int]:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handler)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, HOST, 0)
-        await site.start()
-        return runner, int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
 
 
 class Replica:

@@ -95,7 +95,13 @@ class Answer:
         return None
 
 
-def ask(base_url: str, path: str, key: str | None, body: dict[str, Any] | None = None) -> Answer:
+def ask(
+    base_url: str,
+    path: str,
+    key: str | None,
+    body: dict[str, Any] | None = None,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+) -> Answer:
     """One request (POST with `body`, else GET), whatever its status."""
     headers = {"Content-Type": "application/json"}
     if key is not None:
@@ -103,7 +109,7 @@ def ask(base_url: str, path: str, key: str | None, body: dict[str, Any] | None =
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(f"{base_url}{path}", data=data, headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
             return Answer(int(answer.status), answer.headers.get("Retry-After"), answer.read())
     except urllib.error.HTTPError as err:
         return Answer(int(err.code), err.headers.get("Retry-After"), err.read())

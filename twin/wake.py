@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from localserve.processes import free_port
-from twin.gateway import chat_body, local_settings, start_gateway, substitutions
+from twin.gateway import ask, chat_body, local_settings, start_gateway, substitutions
 from twin.routing import HOST, Discovery, RouterSpec, start_router
 from workloads.inference_server.gateway import NO_WORKERS
+from workloads.inference_server.guard import CHAT_PATH
 
 
 @dataclass(frozen=True)
@@ -53,23 +53,10 @@ def gateway_wakes(metrics_url: str) -> float:
     )
 
 
-def _post(url: str, body: dict[str, object], key: str, timeout_s: float) -> tuple[int, bytes]:
-    request = urllib.request.Request(
-        url,
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-            return int(answer.status), answer.read()
-    except urllib.error.HTTPError as err:
-        return int(err.code), err.read()
-
-
 def router_has_no_worker(router_root: str, model_id: str, key: str) -> bool:
     """Whether the router answers a chat with its own "no worker" 503 (what it does at zero)."""
-    status, body = _post(f"{router_root}/v1/chat/completions", chat_body(model_id, stream=False), key, 30)
-    return status == 503 and body.startswith(NO_WORKERS)
+    answer = ask(router_root, CHAT_PATH, key, chat_body(model_id, stream=False), timeout_s=30)
+    return answer.status == 503 and answer.body.startswith(NO_WORKERS)
 
 
 def wake_through_gateway(
@@ -100,19 +87,19 @@ def wake_through_gateway(
             report_sub(line)
         gateway = start_gateway(local, log_dir / "wake-gateway.log")
         try:
-            hold = local.wake[model_id].hold_s
-            url = f"http://{local.host}:{local.port}/v1/chat/completions"
+            timeout = local.wake[model_id].hold_s + 30
+            base = f"http://{local.host}:{local.port}"
             started = time.monotonic()
-            status, body = _post(url, chat_body(model_id, stream=False), api_key, hold + 30)
+            first = ask(base, CHAT_PATH, api_key, chat_body(model_id, stream=False), timeout_s=timeout)
             seconds = time.monotonic() - started
             content = None
-            if status == 200:
-                content = json.loads(body)["choices"][0]["message"]["content"]
+            if first.status == 200:
+                content = json.loads(first.body)["choices"][0]["message"]["content"]
             started = time.monotonic()
-            next_status, _ = _post(url, chat_body(model_id, stream=False), api_key, hold + 30)
+            following = ask(base, CHAT_PATH, api_key, chat_body(model_id, stream=False), timeout_s=timeout)
             next_seconds = time.monotonic() - started
             woken = gateway_wakes(f"http://{local.host}:{local.metrics_port}/metrics")
-            run = WakeRun(status, seconds, content, list(discovery.events), next_status, next_seconds, woken)
+            run = WakeRun(first.status, seconds, content, list(discovery.events), following.status, next_seconds, woken)
             then(run, root)
             return run
         finally:
