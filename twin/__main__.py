@@ -13,6 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from localserve.affinity_hang import AffinityHangBreaker
 from twin.cluster import REPO, prepare_driver_env
 from twin.render import TwinInputError, load_ray_services, model_names
 from twin.report import Report
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from twin.prometheus import load_objects
 
     objects = load_objects(args.render) if args.monitoring else None
+    breaker = AffinityHangBreaker(lambda killed: report.note("", killed.line())).start()
     for index, service in enumerate(services):
         if index == 0 and objects is not None and model_dir is not None and len(services) > 1:
             # Every RayService is scraped by the same monitors and read by the same rules; one proves them,
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             faults=index == 0,
             router=routers.get(service.name),
         )
+    breaker.stop()
     verdict = "PASS" if report.ok_overall else "FAIL"
     report.note(
         "",

@@ -327,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             SERVICE, f"{args.stack}: upgrade under load runs on the vllm-server layout, which no RayService uses"
         )
     elif not args.static_only:
+        from localserve.affinity_hang import AffinityHangBreaker
         from localserve.redis_tls import start_tls_redis
         from twin.model import tiny_model_dir
         from twin.upgrade import run_upgrade_under_load
@@ -336,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tempfile.mkdtemp(prefix="day2-", dir="/tmp"))
         redis = start_tls_redis(work / "redis")
         try:
-            run_upgrade_under_load(inputs, redis, model_dir, work, report)
+            with AffinityHangBreaker(lambda killed: report.note(SERVICE, killed.line())):
+                run_upgrade_under_load(inputs, redis, model_dir, work, report)
         finally:
             redis.stop()
         if report.ok_overall:

@@ -30,6 +30,7 @@ import threading
 import time
 from pathlib import Path
 
+from localserve.affinity_hang import AffinityHangBreaker
 from twin.cluster import REPO, prepare_driver_env
 from twin.render import TwinInputError, load_ray_services
 from twin.report import Report
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     except TwinInputError as err:
         print(f"local: {err}", file=sys.stderr)
         return 2
+    breaker = AffinityHangBreaker(lambda killed: report.note(SERVICE, killed.line())).start()
     try:
         try:
             run.open_door()
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         _wait_for_signal()
     finally:
         report.step(SERVICE, "stopping")
+        breaker.stop()
         run.stop()
     return 0
 

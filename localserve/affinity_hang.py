@@ -1,0 +1,130 @@
+"""Ends a local process this host's kernel leaves blocked in ``sched_setaffinity``, so its parent starts it again.
+
+Every process that imports torch pins itself to each CPU in turn: MKL counts
+the cores at import (``MKL_Read_ThreadENV_Count_Cores``, seen with
+``strace -f -k -e trace=sched_setaffinity python -c "import torch"``; no
+MKL or OpenMP variable turns the probe off). The call takes microseconds,
+but on the two-vCPU hosts the twins run on (kernel 6.18) it has stayed in
+the kernel for minutes (``/proc/<pid>/stack``: ``affine_move_task``): day 2's
+pending cluster then never started its replica and the run failed after its
+420 s wait (docs/testing.md). SIGKILL ends such a process, and each process
+it has hit has a parent that starts it again: vLLM's server process
+(``VllmServer`` starts again a server that exits while starting), its engine
+core (the server exits with it), a Ray worker (Serve starts the replica
+again). The local runs therefore watch their own processes and kill one that
+sits in that call longer than any real call takes, with a line saying so.
+A production node's kernel is not this host's, and nothing here runs there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from localserve.processes import STAT_START_TIME, process_name, stat_fields, with_descendants
+
+# The system call's number per architecture (Linux' unistd tables).
+SCHED_SETAFFINITY = {"x86_64": 203, "aarch64": 122}.get(platform.machine(), 203)
+# A real call returns in microseconds; the hangs on record lasted minutes.
+BLOCKED_AFTER_S = 20.0
+SCAN_EVERY_S = 2.0
+
+
+def blocked_syscall(pid: int) -> int | None:
+    """The system call ``pid`` is blocked in (/proc/<pid>/syscall), or None: running, gone, or not readable."""
+    try:
+        with open(f"/proc/{pid}/syscall", encoding="ascii", errors="replace") as handle:
+            first = handle.read().split(maxsplit=1)
+    except OSError:
+        return None
+    return int(first[0]) if first and first[0].lstrip("-").isdigit() else None
+
+
+@dataclass(frozen=True)
+class Killed:
+    """A process ended because it stayed blocked in the watched call."""
+
+    pid: int
+    name: str
+    blocked_s: float
+
+    def line(self) -> str:
+        return (
+            f"host kernel: pid {self.pid} ({self.name}) sat {self.blocked_s:.0f}s in sched_setaffinity, which "
+            "returns in microseconds; killed it so its parent starts it again (docs/testing.md)"
+        )
+
+
+class AffinityHangBreaker:
+    """A thread that kills this process' descendants blocked in ``syscall`` for ``after_s`` or more."""
+
+    def __init__(
+        self,
+        on_kill: Callable[[Killed], None],
+        *,
+        root: int | None = None,
+        syscall: int = SCHED_SETAFFINITY,
+        after_s: float = BLOCKED_AFTER_S,
+        every_s: float = SCAN_EVERY_S,
+    ) -> None:
+        self._on_kill = on_kill
+        self._root = os.getpid() if root is None else root
+        self._syscall = syscall
+        self._after_s = after_s
+        self._every_s = every_s
+        # (pid, start time) -> when it was first seen blocked; the start time tells a reused pid apart.
+        self._since: dict[tuple[int, str], float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="affinity-hang-breaker", daemon=True)
+        self.killed: list[Killed] = []
+
+    def scan(self, now: float | None = None) -> list[Killed]:
+        """One look at every descendant; kills those blocked long enough and returns them."""
+        now = time.monotonic() if now is None else now
+        seen: dict[tuple[int, str], float] = {}
+        killed = []
+        for pid in with_descendants({self._root}) - {self._root}:
+            if blocked_syscall(pid) != self._syscall:
+                continue
+            fields = stat_fields(pid)
+            if fields is None:
+                continue
+            key = (pid, fields[STAT_START_TIME])
+            since = seen[key] = self._since.get(key, now)
+            if now - since >= self._after_s:
+                name = process_name(pid) or "?"
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(Killed(pid, name, now - since))
+                del seen[key]
+        self._since = seen
+        for item in killed:
+            self.killed.append(item)
+            self._on_kill(item)
+        return killed
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            with contextlib.suppress(OSError, ValueError):
+                self.scan()
+
+    def start(self) -> AffinityHangBreaker:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> AffinityHangBreaker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

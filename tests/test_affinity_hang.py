@@ -1,0 +1,87 @@
+"""The local runs' guard against a process the host's kernel leaves in sched_setaffinity (localserve.affinity_hang).
+
+The hang itself can not be made on demand, so these watch real child
+processes blocked in another call (read on a pipe, nanosleep) through the
+same /proc readers, with the watched call's number swapped.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from localserve.affinity_hang import SCHED_SETAFFINITY, AffinityHangBreaker, Killed, blocked_syscall
+
+READ = 0  # x86_64's read(2); the children below block in it
+pytestmark = pytest.mark.skipif(SCHED_SETAFFINITY != 203, reason="the numbers below are x86_64's")
+
+
+@pytest.fixture
+def reader() -> Iterator[subprocess.Popen[bytes]]:
+    """A child blocked in read(2) on an empty pipe."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.buffer.read(1)"], stdin=subprocess.PIPE)
+    deadline = time.monotonic() + 20
+    while blocked_syscall(child.pid) != READ and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield child
+    child.kill()
+    child.wait()
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    child = subprocess.Popen(["sleep", "60"])
+    time.sleep(0.3)
+    yield child
+    child.kill()
+    child.wait()
+
+
+def test_blocked_syscall_reads_the_call_a_child_waits_in(reader: subprocess.Popen[bytes]) -> None:
+    assert blocked_syscall(reader.pid) == READ
+    assert blocked_syscall(2**22 + 12345) is None  # no such process
+
+
+def test_a_child_blocked_past_the_limit_is_killed_and_reported(
+    reader: subprocess.Popen[bytes], sleeper: subprocess.Popen[bytes]
+) -> None:
+    reports: list[Killed] = []
+    breaker = AffinityHangBreaker(reports.append, syscall=READ, after_s=10)
+    start = time.monotonic()
+    assert breaker.scan(start) == []
+    assert breaker.scan(start + 9) == []  # blocked 9 s: under the limit
+    assert reader.poll() is None
+    killed = breaker.scan(start + 10)
+    assert [k.pid for k in killed] == [reader.pid] and killed[0].name.startswith("python")
+    assert killed[0].blocked_s == pytest.approx(10)
+    assert reader.wait(5) == -9
+    assert sleeper.poll() is None  # blocked too, in another call
+    assert reports == killed and "sched_setaffinity" in killed[0].line()
+
+
+def test_the_clock_starts_again_when_the_call_returned(reader: subprocess.Popen[bytes]) -> None:
+    breaker = AffinityHangBreaker(lambda _: None, syscall=READ, after_s=10)
+    start = time.monotonic()
+    breaker.scan(start)
+    assert reader.stdin is not None
+    reader.stdin.write(b"x")
+    reader.stdin.close()
+    reader.wait(5)
+    assert breaker.scan(start + 5) == []
+    assert breaker._since == {}
+
+
+def test_only_descendants_are_watched(reader: subprocess.Popen[bytes]) -> None:
+    breaker = AffinityHangBreaker(lambda _: None, root=reader.pid, syscall=READ, after_s=0)
+    assert breaker.scan() == [] and reader.poll() is None  # the root itself is not its own descendant
+
+
+def test_the_thread_kills_within_its_scan_interval(reader: subprocess.Popen[bytes]) -> None:
+    reports: list[Killed] = []
+    with AffinityHangBreaker(reports.append, syscall=READ, after_s=0.5, every_s=0.2):
+        assert reader.wait(10) == -9
+    assert [k.pid for k in reports] == [reader.pid]
