@@ -26,6 +26,7 @@ from infra.serving.ports import RAY_PORTS
 from tests.harness import REFERENCE, manifests_of, reference_dir, render_config, render_stack, stack_doc
 from tests.harness import stack_config as config
 from tests.promql import metrics_in
+from workloads.inference_server.catalog import serve_llm_deployment_name
 
 RULES_DIR = Path(__file__).parent / "rules"
 # The rules the promtool cases in tests/rules/ are written against.
@@ -33,9 +34,14 @@ CASE_SLO = Slo()
 CASE_NAMESPACE = "llm"
 ALERT_NAMES = [a.name for a in alerts.ALERTS]
 # The static recording rules, and the series the capacity plan records per model.
-RECORDED = {r.record for r in alerts.RECORDING_RULES} | alerts.PLAN_RECORDS
+RECORDED = {r.record for r in alerts.RECORDING_RULES} | alerts.PLAN_RECORDS | set(alerts.PER_MODEL_RECORDS)
 # The plan's preemption-free load of the models the cases let preempt (tests/rules/serving-alerts.yaml).
 CASE_PREEMPTION_FREE = {"crowded": 12, "tolerant": 12}
+# Where the cases' serve-ingress models wait in Serve (tests/rules/serving-alerts.yaml).
+CASE_SERVE_QUEUES = {
+    name: alerts.ServeQueue(CASE_NAMESPACE, f"app-{name}", serve_llm_deployment_name(name))
+    for name in ("held", "cold", "ingress-calm")
+}
 # Names vLLM removed; they must not come back anywhere.
 REMOVED_BY_VLLM = ("gpu_cache_usage_perc", "time_per_output_token_seconds")
 
@@ -109,7 +115,12 @@ def _rules(rule: dict[str, Any]) -> list[dict[str, Any]]:
 def test_the_rule_is_rendered_from_the_lists(stack: str) -> None:
     groups = _rule(stack)["spec"]["groups"]
     assert [g["name"] for g in groups] == [alerts.RECORDING_GROUP, alerts.ALERT_GROUP]
-    assert [r["record"] for r in groups[0]["rules"]] == [r.record for r in alerts.RECORDING_RULES]
+    # Serve's queues of a serve-ingress stack's models first, read by the waiting rules after them.
+    models = config(stack).models
+    queued = [alerts.SERVE_QUEUED, alerts.SERVE_QUEUED_AVG] * sum(
+        config(stack).layout_of(m.service_name) == "serve-ingress" for m in models
+    )
+    assert [r["record"] for r in groups[0]["rules"]] == queued + [r.record for r in alerts.RECORDING_RULES]
     assert [r["alert"] for r in groups[1]["rules"]] == ALERT_NAMES
     severities = {a.name: a.severity for a in alerts.ALERTS}
     assert {r["alert"]: r["labels"]["severity"] for r in groups[1]["rules"]} == severities
@@ -117,12 +128,21 @@ def test_the_rule_is_rendered_from_the_lists(stack: str) -> None:
 
 @pytest.mark.parametrize("stack", ["dev", "prod"])
 def test_every_expression_reads_only_its_declared_known_metrics(stack: str) -> None:
-    declared = {a.name: a.metrics for a in alerts.ALERTS} | {r.record: r.metrics for r in alerts.RECORDING_RULES}
+    declared = (
+        {a.name: a.metrics for a in alerts.ALERTS}
+        | {r.record: r.metrics for r in alerts.RECORDING_RULES}
+        | dict(alerts.PER_MODEL_RECORDS)
+    )
     for rule in _rules(_rule(stack)):
         name = rule.get("alert") or rule["record"]
         used = metrics_in(rule["expr"])
         assert used == set(declared[name]), f"{name}: reads {sorted(used)}, declares {sorted(declared[name])}"
-        allowed = alerts.KNOWN_METRICS if "record" in rule else alerts.KNOWN_METRICS | RECORDED
+        # A recording rule reads exporter metrics, or a per-model series recorded before it.
+        allowed = (
+            alerts.KNOWN_METRICS | set(alerts.PER_MODEL_RECORDS)
+            if "record" in rule
+            else alerts.KNOWN_METRICS | RECORDED
+        )
         assert used <= allowed, f"{name}: not in the metric inventory: {sorted(used - allowed)}"
 
 
@@ -412,7 +432,9 @@ CASE_FILES = sorted(RULES_DIR.glob("*.yaml"))
 @pytest.mark.parametrize("case", [p.name for p in CASE_FILES])
 def test_promtool_rule_cases(case: str, tmp_path: Path) -> None:
     promtool = _promtool()
-    rule = alerts.prometheus_rule(CASE_SLO, CASE_NAMESPACE, {}, preemption_free=CASE_PREEMPTION_FREE)
+    rule = alerts.prometheus_rule(
+        CASE_SLO, CASE_NAMESPACE, {}, preemption_free=CASE_PREEMPTION_FREE, serve_queues=CASE_SERVE_QUEUES
+    )
     # promtool compares annotations exactly; their templates are checked by
     # `promtool check rules` above, the cases here test when alerts fire.
     for group in rule["spec"]["groups"]:
@@ -511,3 +533,31 @@ def test_prometheus_rule_matches_the_pinned_crd() -> None:
     crd = yaml.safe_load(path.read_text())
     for monitor in manifests_of(render_stack("prod"), "PodMonitor"):
         jsonschema.Draft7Validator(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]).validate(monitor)
+
+
+@pytest.mark.parametrize("model_id", ["llama-3.1-8b-instruct", "meta-llama/Llama-3.3-70B-Instruct", "a.b/c.d:e"])
+def test_the_serve_queue_rule_names_the_deployment_ray_serve_llm_builds(model_id: str) -> None:
+    """The per-model rule selects the handles' series by the deployment name Ray Serve LLM gives the model."""
+    from types import SimpleNamespace
+
+    from ray.llm._internal.serve.core.server.builder import _get_deployment_name
+
+    from workloads.inference_server.app import LLMServer
+
+    ray_name = f"{LLMServer.__name__}:" + _get_deployment_name(SimpleNamespace(model_id=model_id))
+    assert serve_llm_deployment_name(model_id) == ray_name
+    (total, mean) = alerts.serve_queue_rules({model_id: alerts.ServeQueue("llm", "app", ray_name)})
+    assert f'deployment="{ray_name}"' in total["expr"] and total["labels"] == {"model_name": model_id}
+    assert (total["record"], mean["record"]) == (alerts.SERVE_QUEUED, alerts.SERVE_QUEUED_AVG)
+
+
+def test_dev_waits_for_its_serve_ingress_model_in_serve_and_prod_does_not() -> None:
+    """Dev's one model (serve-ingress) gets Serve's queue rules for its own app and deployment; prod's
+    (vllm-server: the guard refuses past the cap, nothing waits in Serve) get none."""
+    dev = config("dev")
+    model = dev.models[0]
+    records = [r for r in _rules(_rule("dev")) if r.get("record") == alerts.SERVE_QUEUED]
+    assert [r["labels"]["model_name"] for r in records] == [model.model_id]
+    assert f'application="{model.service_name}"' in records[0]["expr"]
+    assert f'namespace="{dev.serving.namespace}"' in records[0]["expr"]
+    assert not [r for r in _rules(_rule("prod")) if r.get("record") == alerts.SERVE_QUEUED]

@@ -119,14 +119,19 @@ def _family(metric: str) -> alerts.MetricFamily:
 
 
 # The capacity plan's recorded figures read no exporter metric.
-_RECORDED = {r.record: r.metrics for r in alerts.RECORDING_RULES} | {name: () for name in alerts.PLAN_RECORDS}
+_RECORDED = (
+    {r.record: r.metrics for r in alerts.RECORDING_RULES}
+    | {name: () for name in alerts.PLAN_RECORDS}
+    | dict(alerts.PER_MODEL_RECORDS)
+)
 
 
 def inventory_metrics(names: Iterable[str]) -> set[str]:
-    """Exporter metrics behind ``names`` (recording rules expanded to what they read)."""
+    """Exporter metrics behind ``names`` (recording rules expanded, through each other, to what they read)."""
     out: set[str] = set()
     for name in names:
-        out |= set(_RECORDED.get(name, (name,)))
+        behind = _RECORDED.get(name)
+        out |= {name} if behind is None else inventory_metrics(behind)
     return out
 
 
@@ -134,7 +139,7 @@ def metrics_read() -> set[str]:
     """Every exporter metric a recording rule, an alert or a dashboard panel reads."""
     names: set[str] = set(dashboards.DASHBOARD_METRICS)
     for rule in alerts.RECORDING_RULES:
-        names |= set(rule.metrics)
+        names |= inventory_metrics(rule.metrics)
     for alert in alerts.ALERTS:
         names |= inventory_metrics(alert.metrics)
     return names
@@ -530,6 +535,36 @@ def check_series(name: str, prom: TwinPrometheus, report: Report, layouts: set[s
         by_reason.setdefault(why, []).append(metric)
     for why, metrics in sorted(by_reason.items()):
         report.note(name, f"series not expected here ({why}): {', '.join(sorted(metrics))}")
+
+
+def check_per_model_records(name: str, prom: TwinPrometheus, report: Report, objects: list[dict[str, Any]]) -> None:
+    """Each per-model series the render records (alerts.PER_MODEL_RECORDS) has a series for its model.
+
+    Their selectors name things the render can only spell out, not read back
+    (Serve's deployment of a serve-ingress model); a selector that matched no
+    series would leave LlmRequestsWaiting blind to Serve's queue.
+    """
+    wanted = sorted(
+        {
+            (str(rule["record"]), str(rule["labels"]["model_name"]))
+            for group in rule_groups(objects)
+            for rule in group["rules"]
+            if rule.get("record") in alerts.PER_MODEL_RECORDS
+        }
+    )
+    if not wanted:
+        return
+    missing = [
+        f"{record} of {model}" for record, model in wanted if not prom.query(f'{record}{{model_name="{model}"}}')
+    ]
+    report.check(
+        name,
+        not missing,
+        f"per-model series: {', '.join(sorted({r for r, _ in wanted}))} recorded for "
+        f"{', '.join(sorted({m for _, m in wanted}))} from Serve's handles"
+        if not missing
+        else f"per-model series: nothing recorded for {', '.join(missing)} (the rule's selector matches no series)",
+    )
 
 
 def check_steady(name: str, prom: TwinPrometheus, report: Report, load: StreamLoad, hold_s: float) -> None:
@@ -1040,6 +1075,7 @@ def run(obs: Observed, report: Report, *, faults: bool) -> None:
 
         def read_series_and_panels() -> None:
             check_series(obs.name, prom, report, obs.layouts)
+            check_per_model_records(obs.name, prom, report, obs.objects)
             check_panels(obs.name, prom, report, obs.layouts)
             read.append(True)
 

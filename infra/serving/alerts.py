@@ -111,6 +111,17 @@ METRIC_INVENTORY: tuple[MetricFamily, ...] = (
         prefix="ray_serve_",
         names=("ray_serve_deployment_replica_healthy",),
     ),
+    # Under serve-ingress a model's requests wait for a replica slot (its
+    # max_ongoing_requests) in the ingress' handle, where vLLM does not see
+    # them: Serve's router counts them per handle. Labels: application,
+    # deployment, handle. Under vllm-server the guard refuses past the cap
+    # (429) and nothing waits in Serve.
+    MetricFamily(
+        exporter="Ray Serve's deployment handles through Ray's metrics agent",
+        prefix="ray_serve_",
+        names=("ray_serve_deployment_queued_queries",),
+        layouts=("serve-ingress",),
+    ),
     MetricFamily(
         exporter="Ray Serve's HTTP proxies through Ray's metrics agent",
         prefix="ray_serve_",
@@ -200,9 +211,15 @@ TTFT_P95 = "llm:time_to_first_token_seconds:p95"
 ITL_P95 = "llm:inter_token_latency_seconds:p95"
 GENERATION_TOKENS_RATE = "llm:generation_tokens:rate5m"
 PROMPT_TOKENS_RATE = "llm:prompt_tokens:rate5m"
+# Requests waiting for a slot: in vLLM's queue and, under serve-ingress, in Serve's handles before it.
 REQUESTS_WAITING = "llm:requests_waiting:sum"
 # The queue over the last minute, every scrape of it, summed over the replicas (LlmRequestsWaiting).
 REQUESTS_WAITING_AVG = "llm:requests_waiting:avg_over_time1m"
+# A serve-ingress model's requests queued in Serve's handles (`serve_queue_rules`, one per model: the
+# handles' series name the deployment, not the model).
+SERVE_QUEUED = "llm:serve_queued_requests:sum"
+SERVE_QUEUED_AVG = "llm:serve_queued_requests:avg_over_time1m"
+SERVE_QUEUE_METRIC = "ray_serve_deployment_queued_queries"
 REQUESTS_RUNNING = "llm:requests_running:sum"
 REQUESTS_RUNNING_MAX = "llm:requests_running:max"
 KV_CACHE_USAGE = "llm:kv_cache_usage:max"
@@ -219,6 +236,17 @@ GPU_UTIL_ALLOCATED = "llm:gpu_util_allocated:percent"
 PREEMPTION_FREE = "llm:preemption_free_sequences:plan"
 # Recorded series the capacity plan writes, with no exporter metric behind them.
 PLAN_RECORDS = frozenset({PREEMPTION_FREE})
+# Recorded series written per model by the render, each from the one exporter metric named.
+PER_MODEL_RECORDS: Mapping[str, tuple[str, ...]] = {
+    SERVE_QUEUED: (SERVE_QUEUE_METRIC,),
+    SERVE_QUEUED_AVG: (SERVE_QUEUE_METRIC,),
+}
+
+
+def _with_serve_queue(vllm: str, serve: str) -> str:
+    """vLLM's queue plus Serve's, per model; either alone where the other has no series (vllm-server
+    models have no Serve queue; a serve-ingress model at zero has no engine while its first requests wait)."""
+    return f"{vllm} + on (model_name) {serve}\nor {vllm}\nor {serve}"
 
 
 def _ratio(part: str, whole: str) -> str:
@@ -253,13 +281,15 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
     ),
     RecordingRule(
         record=REQUESTS_WAITING,
-        expr="sum by (model_name) (ray_vllm_num_requests_waiting)",
-        metrics=("ray_vllm_num_requests_waiting",),
+        expr=_with_serve_queue("sum by (model_name) (ray_vllm_num_requests_waiting)", SERVE_QUEUED),
+        metrics=("ray_vllm_num_requests_waiting", SERVE_QUEUED),
     ),
     RecordingRule(
         record=REQUESTS_WAITING_AVG,
-        expr="sum by (model_name) (avg_over_time(ray_vllm_num_requests_waiting[1m]))",
-        metrics=("ray_vllm_num_requests_waiting",),
+        expr=_with_serve_queue(
+            "sum by (model_name) (avg_over_time(ray_vllm_num_requests_waiting[1m]))", SERVE_QUEUED_AVG
+        ),
+        metrics=("ray_vllm_num_requests_waiting", SERVE_QUEUED_AVG),
     ),
     RecordingRule(
         record=REQUESTS_RUNNING,
@@ -431,7 +461,10 @@ ALERTS: tuple[AlertSpec, ...] = (
     # late, which leaves the series stale. In a prod twin run 64 streams held the replica for 255 s
     # (5,469 answers) and this alert never fired, while the alerts on windows fired within 30 s.
     # The mean rides over both, and unlike the peak does not fire on a queue that forms for a
-    # moment once a minute.
+    # moment once a minute. Under serve-ingress it counts Serve's queue too: the model's
+    # max_ongoing_requests holds the rest back in the ingress' handle, and vLLM's own queue
+    # never grew past that cap less what it runs (in a dev twin run it rose above 20 in 5 of 25
+    # scrapes of a 255 s overload while Serve held 30-90 more, and the alert did not fire).
     AlertSpec(
         name="LlmRequestsWaiting",
         expr=lambda c: f"{REQUESTS_WAITING_AVG} > {c.slo.requests_waiting}",
@@ -440,7 +473,8 @@ ALERTS: tuple[AlertSpec, ...] = (
         summary="Requests are queueing for {{ $labels.model_name }}",
         description=lambda c: (
             f"{{{{ $value }}}} requests waited for a slot on average (threshold {c.slo.requests_waiting}) in "
-            "every minute for 10 minutes: replicas are at their maximum or GPU nodes are not coming up."
+            "every minute for 10 minutes, in vLLM's queue or in Serve's before it: replicas are at their "
+            "maximum or GPU nodes are not coming up."
         ),
         metrics=(REQUESTS_WAITING_AVG,),
     ),
@@ -608,9 +642,41 @@ def plan_rules(preemption_free: Mapping[str, int]) -> list[dict[str, Any]]:
     ]
 
 
-def recording_rules(preemption_free: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
-    """Per-model and per-application series for the dashboards and alerts, then the plan's figures."""
-    return [r.rule() for r in RECORDING_RULES] + plan_rules(preemption_free or {})
+@dataclass(frozen=True)
+class ServeQueue:
+    """Where a serve-ingress model's requests wait in Serve: its application and deployment."""
+
+    namespace: str
+    application: str
+    deployment: str
+
+
+def serve_queue_rules(queues: Mapping[str, ServeQueue]) -> list[dict[str, Any]]:
+    """Serve's queue of each serve-ingress model (model id -> where it waits), labelled with the model.
+
+    First in the group: Prometheus evaluates a group's rules in order, so the
+    waiting rules after them read this evaluation's values, not the last one's.
+    """
+    rules = []
+    for model, queue in sorted(queues.items()):
+        selector = (
+            f'{SERVE_QUEUE_METRIC}{{namespace="{queue.namespace}", application="{queue.application}", '
+            f'deployment="{queue.deployment}"}}'
+        )
+        labels = {"model_name": model}
+        rules.append({"record": SERVE_QUEUED, "expr": f"sum({selector})", "labels": labels})
+        rules.append({"record": SERVE_QUEUED_AVG, "expr": f"sum(avg_over_time({selector}[1m]))", "labels": labels})
+    return rules
+
+
+def recording_rules(
+    preemption_free: Mapping[str, int] | None = None, serve_queues: Mapping[str, ServeQueue] | None = None
+) -> list[dict[str, Any]]:
+    """Serve's per-model queues, the per-model and per-application series for the dashboards and alerts,
+    then the plan's figures."""
+    return (
+        serve_queue_rules(serve_queues or {}) + [r.rule() for r in RECORDING_RULES] + plan_rules(preemption_free or {})
+    )
 
 
 def alert_rules(slo: Slo, namespace: str, runbook_base_url: str | None = None) -> list[dict[str, Any]]:
@@ -625,15 +691,21 @@ def prometheus_rule(
     labels: dict[str, str],
     runbook_base_url: str | None = None,
     preemption_free: Mapping[str, int] | None = None,
+    serve_queues: Mapping[str, ServeQueue] | None = None,
 ) -> dict[str, Any]:
-    """The PrometheusRule object; `preemption_free`: the plan's figure of each model that allows preemption."""
+    """The PrometheusRule object; `preemption_free`: the plan's figure of each model that allows preemption;
+    `serve_queues`: where each serve-ingress model's requests wait in Serve."""
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
         "metadata": {"name": RULE_NAME, "namespace": namespace, "labels": {**PART_OF, **labels}},
         "spec": {
             "groups": [
-                {"name": RECORDING_GROUP, "interval": RECORDING_INTERVAL, "rules": recording_rules(preemption_free)},
+                {
+                    "name": RECORDING_GROUP,
+                    "interval": RECORDING_INTERVAL,
+                    "rules": recording_rules(preemption_free, serve_queues),
+                },
                 {"name": ALERT_GROUP, "rules": alert_rules(slo, namespace, runbook_base_url)},
             ]
         },
@@ -743,6 +815,8 @@ class ServingAlertsArgs:
     runbook_base_url: str | None = None
     # Model id -> the capacity plan's preemption-free sequences, for each model whose workload allows preemption.
     preemption_free: dict[str, int] = field(default_factory=dict)
+    # Model id -> where its requests wait in Serve, for each serve-ingress model.
+    serve_queues: dict[str, ServeQueue] = field(default_factory=dict)
 
 
 class ServingAlerts(pulumi.ComponentResource):
@@ -753,7 +827,12 @@ class ServingAlerts(pulumi.ComponentResource):
         k8s_opts = pulumi.ResourceOptions(parent=self)
         objects = [
             prometheus_rule(
-                args.slo, args.namespace, args.prometheus_selector_labels, args.runbook_base_url, args.preemption_free
+                args.slo,
+                args.namespace,
+                args.prometheus_selector_labels,
+                args.runbook_base_url,
+                args.preemption_free,
+                args.serve_queues,
             )
         ]
         objects += pod_monitors(args.namespace, args.prometheus_selector_labels, args.vllm_servers)

@@ -8,7 +8,7 @@ from infra.aws.layer import AwsLayer
 from infra.cluster_services.layer import PlatformLayer
 from infra.config import StackConfig, preemption_free_sequences
 from infra.serving import kuberay
-from infra.serving.alerts import ServingAlerts, ServingAlertsArgs
+from infra.serving.alerts import ServeQueue, ServingAlerts, ServingAlertsArgs
 from infra.serving.autoscaler_scope import AutoscalerScopeArgs, RayAutoscalerScope
 from infra.serving.autoscaling import ServingAutoscaling, ServingAutoscalingArgs
 from infra.serving.batch import BatchWorkers, BatchWorkersArgs
@@ -22,6 +22,7 @@ from infra.serving.ports import RAY_PORTS
 from infra.serving.ray_service import VllmRayService, VllmRayServiceArgs
 from infra.serving.replicated import DeploymentSite
 from infra.serving.router import RequestRouter, RequestRouterArgs, router_plans
+from workloads.inference_server.catalog import serve_llm_deployment_name
 
 
 def dashboard_access(namespace: str, ray_service: str) -> str:
@@ -121,6 +122,17 @@ def _batch_workers(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer, ns:
     )
 
 
+def serve_queues(cfg: StackConfig) -> dict[str, ServeQueue]:
+    """Where each serve-ingress model's requests wait in Serve: the RayService's one application (its name,
+    serve_config) and the model's deployment in it, as Ray Serve LLM names it."""
+    return {
+        model.model_id: ServeQueue(cfg.serving.namespace, service, serve_llm_deployment_name(model.model_id))
+        for service, models in cfg.services().items()
+        if cfg.layout_of(service) == "serve-ingress"
+        for model in models
+    }
+
+
 def _observability(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer, ns: ServingNamespace) -> None:
     """Alert rules (after the monitoring CRDs) and dashboards."""
     ServingAlerts(
@@ -132,6 +144,7 @@ def _observability(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer, ns:
             vllm_servers=[name for name, layout in cfg.layouts().items() if layout == "vllm-server"],
             runbook_base_url=cfg.observability.runbook_base_url,
             preemption_free=preemption_free_sequences(cfg),
+            serve_queues=serve_queues(cfg),
         ),
         _after(aws, *ns.ready, platform.monitoring_crds),
     )

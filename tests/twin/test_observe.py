@@ -343,3 +343,32 @@ def test_the_engine_is_left_alone_while_the_5xx_alert_stays_active(monkeypatch: 
     kills, (engine, active) = _engine_fault(monkeypatch, _Serving(["LlmHttp5xxRatioHigh"]))
     assert (engine, active) == (None, ["LlmHttp5xxRatioHigh"])
     assert kills == []
+
+
+class _Series:
+    """A Prometheus stand-in that answers an instant query with a series only for the queries given."""
+
+    def __init__(self, answered: set[str]) -> None:
+        self.answered = answered
+        self.asked: list[str] = []
+
+    def query(self, expr: str) -> list[dict[str, object]]:
+        self.asked.append(expr)
+        return [{"metric": {}, "value": [0, "3"]}] if expr in self.answered else []
+
+
+def test_a_per_model_record_whose_selector_matches_nothing_fails() -> None:
+    objects = manifests_of(render_stack("dev"), "PrometheusRule")
+    model = "llama-3.1-8b-instruct"
+    both = {f'{alerts.SERVE_QUEUED}{{model_name="{model}"}}', f'{alerts.SERVE_QUEUED_AVG}{{model_name="{model}"}}'}
+    out = io.StringIO()
+    observe.check_per_model_records("svc", cast(TwinPrometheus, _Series(both)), Report(out=out), objects)
+    assert out.getvalue().startswith("PASS") and model in out.getvalue()
+    out = io.StringIO()
+    one = {f'{alerts.SERVE_QUEUED}{{model_name="{model}"}}'}
+    observe.check_per_model_records("svc", cast(TwinPrometheus, _Series(one)), Report(out=out), objects)
+    assert out.getvalue().startswith("FAIL") and f"{alerts.SERVE_QUEUED_AVG} of {model}" in out.getvalue()
+    prod = manifests_of(render_stack("prod"), "PrometheusRule")
+    silent = _Series(set())
+    observe.check_per_model_records("svc", cast(TwinPrometheus, silent), Report(out=io.StringIO()), prod)
+    assert silent.asked == []  # prod records none

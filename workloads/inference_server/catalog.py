@@ -49,6 +49,18 @@ _S3_URI = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")
 _MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
+def serve_llm_deployment_name(model_id: str) -> str:
+    """Serve's name of a model's deployment in the serve-ingress layout, as Ray Serve LLM builds it.
+
+    ray/llm/_internal/serve/core/server/builder.py (Ray 2.60): the prefix is
+    the server class' name (``f"{deployment_cls.__name__}:"``, our
+    ``app.LLMServer`` keeps Ray's name), the rest ``_get_deployment_name``:
+    ``llm_config.model_id.replace("/", "--").replace(".", "_")``. Written out
+    here because the render runs without Ray; a test holds it to Ray's code.
+    """
+    return "LLMServer:" + model_id.replace("/", "--").replace(".", "_")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
