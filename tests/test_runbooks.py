@@ -49,7 +49,7 @@ LABELS: dict[str, set[str] | None] = {
     "app.kubernetes.io/name": {BATCH_WORKER},
 }
 # The recording rules' series, and those the capacity plan records per model.
-RECORDED = {r.record for r in alerts.RECORDING_RULES} | alerts.PLAN_RECORDS
+RECORDED = {r.record for r in alerts.RECORDING_RULES} | alerts.PLAN_RECORDS | set(alerts.PER_MODEL_RECORDS)
 
 
 def _page(alert: str) -> Path:
