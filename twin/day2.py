@@ -271,6 +271,17 @@ def _layout(ray_service: Mapping[str, Any]) -> str:
     return str(args.get("layout", "serve-ingress"))
 
 
+def _stays_up(ray_service: Mapping[str, Any]) -> bool:
+    """Whether every model of the RayService keeps a replica (min_replicas >= 1): a woken model at zero has no
+    serving pod for the load balancer to send the upgrade's traffic to."""
+    import yaml
+
+    from workloads.inference_server.catalog import Catalog
+
+    args = yaml.safe_load(ray_service["spec"]["serveConfigV2"])["applications"][0]["args"]
+    return all(m.autoscaling.min_replicas >= 1 for m in Catalog.model_validate(args).models)
+
+
 def upgrade_inputs(stack: str, before: Rendered) -> Any:
     """Render A's RayService with GCS fault tolerance (else the first), and render B's.
 
@@ -278,7 +289,9 @@ def upgrade_inputs(stack: str, before: Rendered) -> Any:
     """
     from twin.upgrade import UpgradeInputs, changed_engine
 
-    services = [m for m in before.manifests if m.get("kind") == "RayService" and _layout(m) == "vllm-server"]
+    services = [
+        m for m in before.manifests if m.get("kind") == "RayService" and _layout(m) == "vllm-server" and _stays_up(m)
+    ]
     rs = next((s for s in services if s["spec"]["rayClusterConfig"].get("gcsFaultToleranceOptions")), services[0])
     name = rs["metadata"]["name"]
     import yaml
@@ -319,12 +332,17 @@ def main(argv: list[str] | None = None) -> int:
     check_load_balancer_change(args.stack, before, report)
     check_upgrade_at_peak(args.stack, report)
     check_switches(args.stack, before, report)
-    live = [m for m in before.manifests if m.get("kind") == "RayService" and _layout(m) == "vllm-server"]
+    live = [
+        m for m in before.manifests if m.get("kind") == "RayService" and _layout(m) == "vllm-server" and _stays_up(m)
+    ]
     if not args.static_only and not live:
-        # Its load balancer targets are the replicas' own servers; serve-ingress stacks (dev) wait for a model
-        # to wake anyway, and their switch is checked on the mirror above.
+        # Its load balancer targets are the replicas' own servers, which must be up when its traffic starts; a
+        # serve-ingress model or one at zero (dev's) waits for a wake anyway, and its switch is checked on the
+        # mirror above.
         report.note(
-            SERVICE, f"{args.stack}: upgrade under load runs on the vllm-server layout, which no RayService uses"
+            SERVICE,
+            f"{args.stack}: upgrade under load runs on a vllm-server RayService whose models keep a replica "
+            "(min_replicas >= 1), which none is",
         )
     elif not args.static_only:
         from localserve.affinity_hang import AffinityHangBreaker

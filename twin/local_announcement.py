@@ -65,7 +65,9 @@ def notes(models: Sequence[ServedModel], left_out: Sequence[str]) -> list[str]:
     """The notes that hold for this run's models, one line each; Ctrl-C's last."""
     lines = [
         f"{m.model_id} is at min_replicas 0: it goes to zero after {m.downscale_delay_s:g}s without requests "
-        "(its downscale_delay_s), and the next request wakes it (a worker node and its engine start: about a minute)."
+        "(its downscale_delay_s), and the next request wakes it"
+        + (" through the model gateway, which holds it" if m.layout == "vllm-server" else "")
+        + " (a worker node and its engine start: about a minute)."
         for m in models
         if m.min_replicas == 0
     ]

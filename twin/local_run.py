@@ -20,7 +20,9 @@ from twin.front_door import FrontDoor, Routes, Target
 from twin.local_announcement import Metrics, ServedModel, announcement, served_models
 from twin.render import RayServiceSpec, model_names
 from twin.report import Report
-from twin.run import Session, prepare, start_and_deploy, wait_running
+from twin.routing import RouterSpec, router_specs
+from twin.run import Session, prepare, start_and_deploy, wait_running, woken_front, woken_models
+from twin.wake import WokenFront
 
 # A model directory other than the tiny model: a longer context and a KV cache to hold it.
 MODEL_DIR_MAX_LEN = 2048
@@ -108,6 +110,8 @@ class LocalRun:
         # Short: Ray's unix sockets live under it and must stay below 108 bytes.
         self.workdir = Path(tempfile.mkdtemp(prefix="twin-local-", dir="/tmp"))
         self.sessions: list[Session] = []
+        # A model at zero replicas in the vllm-server layout: the rendered gateway and router in front of it.
+        self.woken: dict[str, WokenFront] = {}
         self.front_door = FrontDoor(port=port) if needs_front_door(self.models) else None
 
     @property
@@ -131,18 +135,26 @@ class LocalRun:
     def start(self, *, max_model_len: int | None, tiny: bool) -> bool:
         """Each RayService's checks, cluster and deploy in turn, then the first request to each model."""
         names = model_names(REPO / f"Pulumi.{self.stack}.yaml")
+        routers = router_specs(REPO / f"Pulumi.{self.stack}.yaml")
         self.report.note("local", f"cluster files: {self.workdir}")
         fitting = fitting_for(self.model_dir, tiny, max_model_len)
         for index, service in enumerate(self.services):
             if index:
                 _disconnect_driver()
-            if not self._start_service(service, self.workdir / str(index), names, fitting):
+            if not self._start_service(service, self.workdir / str(index), names, fitting, routers.get(service.name)):
                 return False
         if self.front_door is not None:
             self.front_door.follow(self._routes)
         return self._load_models()
 
-    def _start_service(self, service: RayServiceSpec, workdir: Path, names: dict[str, str], fitting: Fitting) -> bool:
+    def _start_service(
+        self,
+        service: RayServiceSpec,
+        workdir: Path,
+        names: dict[str, str],
+        fitting: Fitting,
+        router: RouterSpec | None,
+    ) -> bool:
         static = run_static_checks(service, self.report, names)
         if static is None:
             self.report.fail(service.name, "Ray can not start this RayService as rendered: see the lines above")
@@ -161,21 +173,31 @@ class LocalRun:
             fitting=fitting,
             idle_timeout_s=None,
             api_key=self.api_key,
+            router=router,
         )
         self.sessions.append(session)
         start_and_deploy(session, self.report)
-        return wait_running(session, self.report)
+        if not wait_running(session, self.report):
+            return False
+        for model in woken_models(session):
+            # As in the cluster, only the gateway wakes it: its first request is held while a replica starts.
+            self.woken[model.model_id] = woken_front(session, self.report, model)
+        return True
 
     def _routes(self) -> Routes:
         """Each model's Ready targets: its replicas' servers that answer /health, or its Serve proxy."""
         routes: Routes = {}
         for session in self.sessions:
             for model in session.serve.models:
-                routes[model.model_id] = (
-                    ready_servers(model)
-                    if model.layout == "vllm-server"
-                    else [(f"{session.name} serve proxy", LOOPBACK, session.cluster.head_proxy_port)]
-                )
+                front = self.woken.get(model.model_id)
+                if front is not None:
+                    host, _, port = front.base.removeprefix("http://").rpartition(":")
+                    routes[model.model_id] = [(f"{model.model_id} gateway", host, int(port))]
+                elif model.layout == "vllm-server":
+                    routes[model.model_id] = ready_servers(model)
+                else:
+                    proxy = (f"{session.name} serve proxy", LOOPBACK, session.cluster.head_proxy_port)
+                    routes[model.model_id] = [proxy]
         return routes
 
     def _load_models(self) -> bool:
@@ -222,6 +244,8 @@ class LocalRun:
         """Stops the front door and every cluster, and removes their files."""
         if self.front_door is not None:
             self.front_door.stop()
+        for front in self.woken.values():
+            front.stop()
         for session in self.sessions:
             session.cluster.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)

@@ -22,7 +22,7 @@ from twin.report import Report
 from twin.routing import MAX_IMBALANCE, RouterSpec, imbalance, measure_split, with_policy
 from twin.shape import TWIN_IDLE_TIMEOUT_S, fit_shape, pod_env
 from twin.traces import chat_sender, check_traces
-from twin.wake import WakeRun, router_has_no_worker, wake_through_gateway
+from twin.wake import WakeRun, WokenFront, router_has_no_worker, wake_through_gateway
 from workloads.inference_server.catalog import Catalog
 
 # KubeRay's worker readiness probe: failureThreshold 10 x periodSeconds 5.
@@ -211,8 +211,9 @@ def run_service(
         if objects is not None and woken_models(session):
             report.note(
                 service.name,
-                "monitoring not run: its load goes straight to a replica's server, and this model is at zero "
-                "(only the gateway wakes it)",
+                "monitoring not run: its faults go straight to a replica's server, and this model is at zero "
+                "between them (only the gateway wakes it); the same rules and monitors run on any stack whose "
+                "vllm-server models keep a replica",
             )
         elif objects is not None:
             run_observability(session, report, objects, workdir / "prometheus", faults=faults)
@@ -495,19 +496,28 @@ def check_woken(session: Session, report: Report, model: ModelInfo) -> None:
         "and gateway (its wake URL the head's Serve proxy)",
     )
     try:
-        wake_through_gateway(
-            spec,
-            _keys_file(session.serve),
-            model.address_dir,
-            f"http://{LOOPBACK}:{session.cluster.head_proxy_port}/",
-            session.serve.api_key,
-            model.model_id,
-            session.cluster.workdir,
-            lambda line: report.sub(session.name, line),
-            then,
-        )
+        front = woken_front(session, report, model)
+        try:
+            wake_through_gateway(front, session.serve.api_key, then)
+        finally:
+            front.stop()
     except Exception as err:
         report.fail(session.name, f"{what}: {type(err).__name__}: {err}")
+
+
+def woken_front(session: Session, report: Report, model: ModelInfo) -> WokenFront:
+    """The rendered router and gateway in front of a woken model of the session, its wake URL the head's
+    Serve proxy (twin/wake.py); the caller stops it."""
+    assert session.router is not None and model.address_dir is not None
+    return WokenFront(
+        session.router,
+        _keys_file(session.serve),
+        model.address_dir,
+        f"http://{LOOPBACK}:{session.cluster.head_proxy_port}/",
+        model.model_id,
+        session.cluster.workdir,
+        lambda line: report.sub(session.name, line),
+    )
 
 
 def server_models(session: Session) -> list[ModelInfo]:

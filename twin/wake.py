@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from localserve.processes import free_port
+from localserve.processes import Child, free_port
 from twin.gateway import ask, chat_body, local_settings, start_gateway, substitutions
 from twin.routing import HOST, Discovery, RouterSpec, start_router
 from workloads.inference_server.gateway import NO_WORKERS
@@ -59,51 +59,77 @@ def router_has_no_worker(router_root: str, model_id: str, key: str) -> bool:
     return answer.status == 503 and answer.body.startswith(NO_WORKERS)
 
 
-def wake_through_gateway(
-    spec: RouterSpec,
-    keys_file: str,
-    address_dir: Path,
-    serve_proxy: str,
-    api_key: str,
-    model_id: str,
-    log_dir: Path,
-    report_sub: Callable[[str], None],
-    then: Callable[[WakeRun, str], None],
-) -> WakeRun:
-    """One request at zero through the gateway and the model's router; ``then`` gets the run and the router's
-    root while both still run (the twin checks the way back to zero there)."""
-    assert spec.gateway is not None
-    router, _ = start_router(spec.command, [], log_dir / "wake-router.log", spec.front, spec.readiness_path)
-    discovery = Discovery(router, address_dir).start()
-    try:
-        root = router.base_url.removesuffix("/v1")
-        if not router_has_no_worker(root, model_id, api_key):
-            raise RuntimeError("the router has a worker before the first request: the model is not at zero")
-        dead = f"http://{HOST}:{free_port()}"
-        routes = {m: (root if m == model_id else dead) for m in spec.gateway.routes}
-        wakes = {m: (serve_proxy if m == model_id else dead + "/") for m in spec.gateway.wake}
-        local = local_settings(spec.gateway, routes, keys_file, wakes)
-        for line in substitutions(spec.gateway, local):
-            report_sub(line)
-        gateway = start_gateway(local, log_dir / "wake-gateway.log")
+class WokenFront:
+    """What the render runs in front of a woken model, on loopback, until stopped: the model's router (the
+    rendered command with no worker, as discovery finds no pod at zero) behind its front, the twin's stand-in
+    for its discovery, and the gateway with the rendered settings, its wake URL ``serve_proxy``.
+
+    The gateway routes every other model the render names to a closed port: one front per model.
+    """
+
+    def __init__(
+        self,
+        spec: RouterSpec,
+        keys_file: str,
+        address_dir: Path,
+        serve_proxy: str,
+        model_id: str,
+        log_dir: Path,
+        report_sub: Callable[[str], None],
+    ) -> None:
+        if spec.gateway is None or model_id not in spec.gateway.wake:
+            raise ValueError(f"the render runs no gateway that wakes {model_id}")
+        self.model_id = model_id
+        router, _ = start_router(spec.command, [], log_dir / "wake-router.log", spec.front, spec.readiness_path)
+        self.router = router
+        self.discovery = Discovery(router, address_dir).start()
+        self.gateway: Child | None = None
         try:
-            timeout = local.wake[model_id].hold_s + 30
-            base = f"http://{local.host}:{local.port}"
-            started = time.monotonic()
-            first = ask(base, CHAT_PATH, api_key, chat_body(model_id, stream=False), timeout_s=timeout)
-            seconds = time.monotonic() - started
-            content = None
-            if first.status == 200:
-                content = json.loads(first.body)["choices"][0]["message"]["content"]
-            started = time.monotonic()
-            following = ask(base, CHAT_PATH, api_key, chat_body(model_id, stream=False), timeout_s=timeout)
-            next_seconds = time.monotonic() - started
-            woken = gateway_wakes(f"http://{local.host}:{local.metrics_port}/metrics")
-            run = WakeRun(first.status, seconds, content, list(discovery.events), following.status, next_seconds, woken)
-            then(run, root)
-            return run
-        finally:
-            gateway.stop(grace_s=10)
-    finally:
-        discovery.stop()
-        router.stop()
+            self.router_root = router.base_url.removesuffix("/v1")
+            dead = f"http://{HOST}:{free_port()}"
+            routes = {m: (self.router_root if m == model_id else dead) for m in spec.gateway.routes}
+            wakes = {m: (serve_proxy if m == model_id else dead + "/") for m in spec.gateway.wake}
+            self.settings = local_settings(spec.gateway, routes, keys_file, wakes)
+            for line in substitutions(spec.gateway, self.settings):
+                report_sub(line)
+            self.gateway = start_gateway(self.settings, log_dir / "wake-gateway.log")
+        except BaseException:
+            self.stop()
+            raise
+        self.base = f"http://{self.settings.host}:{self.settings.port}"
+        self.metrics_url = f"http://{self.settings.host}:{self.settings.metrics_port}/metrics"
+
+    @property
+    def hold_s(self) -> float:
+        """How long the gateway holds a request for the model at zero."""
+        return float(self.settings.wake[self.model_id].hold_s)
+
+    def stop(self) -> None:
+        """The gateway, discovery and router, in that order."""
+        if self.gateway is not None:
+            self.gateway.stop(grace_s=10)
+        self.discovery.stop()
+        self.router.stop()
+
+
+def wake_through_gateway(front: WokenFront, api_key: str, then: Callable[[WakeRun, str], None]) -> WakeRun:
+    """One request at zero through ``front``'s gateway and router, then the next; ``then`` gets the run and the
+    router's root while both still run (the twin checks the way back to zero there)."""
+    model_id, root = front.model_id, front.router_root
+    if not router_has_no_worker(root, model_id, api_key):
+        raise RuntimeError("the router has a worker before the first request: the model is not at zero")
+    timeout = front.hold_s + 30
+    started = time.monotonic()
+    first = ask(front.base, CHAT_PATH, api_key, chat_body(model_id, stream=False), timeout_s=timeout)
+    seconds = time.monotonic() - started
+    content = None
+    if first.status == 200:
+        content = json.loads(first.body)["choices"][0]["message"]["content"]
+    started = time.monotonic()
+    following = ask(front.base, CHAT_PATH, api_key, chat_body(model_id, stream=False), timeout_s=timeout)
+    next_seconds = time.monotonic() - started
+    woken = gateway_wakes(front.metrics_url)
+    events = list(front.discovery.events)
+    run = WakeRun(first.status, seconds, content, events, following.status, next_seconds, woken)
+    then(run, root)
+    return run

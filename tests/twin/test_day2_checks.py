@@ -42,3 +42,13 @@ def test_the_cli_runs_the_static_checks_with_its_exit_code(capsys: pytest.Captur
     assert day2.main(["--stack", "dev", "--static-only"]) == 0
     out = capsys.readouterr().out
     assert "PASS day 2 of dev" in out
+
+
+def test_upgrade_under_load_takes_only_a_ray_service_whose_models_keep_a_replica() -> None:
+    """A woken model (vllm-server at min_replicas 0) has no serving pod for the upgrade's traffic: day 2 leaves
+    it out of the live upgrade, and a stack with only such services says so instead of failing."""
+    from tests.harness import manifests_of, render_routed
+
+    (woken,) = manifests_of(render_routed("dev"), "RayService")
+    assert day2._layout(woken) == "vllm-server" and not day2._stays_up(woken)
+    assert all(day2._stays_up(rs) for rs in manifests_of(render_stack("prod"), "RayService"))

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -238,3 +239,33 @@ def test_the_local_run_routes_only_replicas_whose_server_answers_health(tmp_path
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_local_run_sends_a_woken_model_to_its_gateway_and_the_rest_to_replicas_or_the_proxy(
+    tmp_path: Path,
+) -> None:
+    """A vllm-server model at zero has no replica to route to: the local run's front door sends it to the
+    rendered gateway it runs (which holds the request while the model wakes), as the deployed stack does."""
+    from types import SimpleNamespace
+
+    from twin.local_run import LocalRun
+
+    woken = ModelInfo(app="w", model_id="W", min_replicas=0, accelerator_type=None, layout="vllm-server")
+    served = ModelInfo(app="s", model_id="S", min_replicas=1, accelerator_type=None, layout="vllm-server")
+    ingress = ModelInfo(app="i", model_id="I", min_replicas=0, accelerator_type=None, layout="serve-ingress")
+    run = LocalRun.__new__(LocalRun)
+    run.sessions = [
+        cast(
+            Any,
+            SimpleNamespace(
+                name=m.app, serve=SimpleNamespace(models=[m]), cluster=SimpleNamespace(head_proxy_port=7001)
+            ),
+        )
+        for m in (woken, replace(served, address_dir=tmp_path), ingress)
+    ]
+    run.woken = {"W": cast(Any, SimpleNamespace(base="http://127.0.0.1:4242"))}
+    assert run._routes() == {
+        "W": [("W gateway", "127.0.0.1", 4242)],
+        "S": [],  # no replica wrote its address yet
+        "I": [("i serve proxy", "127.0.0.1", 7001)],
+    }

@@ -177,3 +177,19 @@ def test_the_suggested_port_is_free_and_above_the_taken_one() -> None:
     assert suggested is not None and suggested > port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", suggested))
+
+
+def test_a_woken_vllm_server_model_is_said_to_wake_through_the_gateway() -> None:
+    """Dev with routing and the gateway on: its model at zero runs vLLM's own server, and only the gateway wakes
+    it (the local run runs the rendered gateway and router in front of it)."""
+    from tests.harness import manifests_of, render_routed
+
+    models = [
+        m
+        for rs in manifests_of(render_routed("dev"), "RayService")
+        for m in served_models(rs["metadata"]["name"], yaml.safe_load(rs["spec"]["serveConfigV2"]))
+    ]
+    assert [m.layout for m in models] == ["vllm-server"] and models[0].min_replicas == 0
+    (note, _) = notes_of(announcement(BASE, KEY, models))
+    assert "the next request wakes it through the model gateway, which holds it (a worker node" in note
+    assert needs_front_door(models)
