@@ -355,6 +355,28 @@ def test_metrics_count_requests_per_model_and_code(gw: Stack) -> None:
     assert "user-chosen-label" not in httpx.get(gw.metrics_url).text
 
 
+def test_the_gateways_alerts_read_names_and_labels_it_exports(gw: Stack) -> None:
+    """LlmGatewayUpstreamFailing and LlmModelWakeStalled group by `model` and pick `code` 200: the exposition
+    has them (the held-requests gauge, which only a wake sets, is read in tests/test_gateway_wake.py)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from infra.serving import alerts
+
+    (family,) = [f for f in alerts.METRIC_INVENTORY if f.prefix == "llm_gateway_"]
+    assert set(family.names) == {
+        "llm_gateway_requests_total",
+        "llm_gateway_upstream_failures_total",
+        "llm_gateway_held_requests",
+    }
+    assert post(f"{gw.url}/v1/completions", {"model": "alpha", "prompt": "x"}).status_code == 200
+    assert post(f"{gw.url}/v1/completions", {"model": "ghost", "prompt": "x"}).status_code == 503
+    text = httpx.get(gw.metrics_url).text
+    labels = {s.name: set(s.labels) for f in text_string_to_metric_families(text) for s in f.samples}
+    assert labels["llm_gateway_requests_total"] == {"model", "code"}
+    assert labels["llm_gateway_upstream_failures_total"] == {"model"}
+    assert metric(gw.metrics_url, "llm_gateway_requests_total", model="alpha", code="200") >= 1
+
+
 # ---------------------------------------------------------------- stopping and settings
 
 

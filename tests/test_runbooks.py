@@ -27,6 +27,8 @@ from infra.config import ConfigError, Model, Slo, StackConfig, parse, vllm_engin
 from infra.render import ROOT
 from infra.serving import alerts, kuberay
 from infra.serving.batch import WORKER_NAME as BATCH_WORKER
+from infra.serving.gateway import GATEWAY_LABEL
+from infra.serving.router import ROUTER_NAME_LABEL, ROUTER_OF
 from tests.harness import manifests_of, render_config, render_stack, stack_doc, stack_sections
 from tests.promql import metrics_in
 
@@ -46,7 +48,8 @@ LABELS: dict[str, set[str] | None] = {
     kuberay.CLUSTER: None,
     kuberay.GROUP: None,
     kuberay.NODE_TYPE: {"head", "worker"},
-    "app.kubernetes.io/name": {BATCH_WORKER},
+    "app.kubernetes.io/name": {BATCH_WORKER, GATEWAY_LABEL["app.kubernetes.io/name"], *ROUTER_NAME_LABEL.values()},
+    ROUTER_OF: None,
 }
 # The recording rules' series, and those the capacity plan records per model.
 RECORDED = {r.record for r in alerts.RECORDING_RULES} | alerts.PLAN_RECORDS | set(alerts.PER_MODEL_RECORDS)

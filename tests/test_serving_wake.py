@@ -30,6 +30,7 @@ from tests.harness import (
     manifests_of,
     ray_cluster,
     render_routed,
+    render_stack,
     stack_config,
 )
 from twin import kuberay as mirror
@@ -174,3 +175,21 @@ def test_a_gateway_for_one_model_that_never_sleeps_is_still_refused() -> None:
 
     problems = config_problems("dev", change)
     assert any("serving.gateway.enabled: one service has one model that never scales to zero" in p for p in problems)
+
+
+def test_a_stalled_wake_pages_after_the_models_cold_start_budget() -> None:
+    """LlmModelWakeStalled waits the woken model's cold-start budget (the figure preview prints), in minutes;
+    a stack that wakes no model keeps the default."""
+    import math
+
+    from infra.serving import alerts
+
+    def stalled(rendered: Rendered) -> dict[str, Any]:
+        (rule,) = manifests_of(rendered, "PrometheusRule")
+        return next(r for g in rule["spec"]["groups"] for r in g["rules"] if r.get("alert") == "LlmModelWakeStalled")
+
+    cfg = stack_config("dev").model_copy(deep=True)
+    budget = cold_start_budget(cfg, cfg.models[0]).total
+    assert stalled(woken())["for"] == f"{math.ceil(budget / 60)}m" != f"{alerts.DEFAULT_WAKE_FOR_MINUTES}m"
+    assert stalled(render_stack("prod"))["for"] == f"{alerts.DEFAULT_WAKE_FOR_MINUTES}m"
+    assert alerts.wake_for_minutes([30.0, 601.0]) == 11 and alerts.wake_for_minutes([]) == 15

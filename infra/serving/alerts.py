@@ -19,7 +19,8 @@ annotation names.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -139,6 +140,16 @@ METRIC_INVENTORY: tuple[MetricFamily, ...] = (
         names=("http_requests_total",),
         layouts=("vllm-server",),
     ),
+    # The model gateway (serving.gateway; workloads/inference_server/gateway.py), on its
+    # `gateway-metrics` port through its PodMonitor. Labels: model (the request's, "" before one
+    # is known: 401, 404), code (the HTTP status answered); the PodMonitor adds namespace and pod.
+    # Only stacks with the gateway on have these series.
+    MetricFamily(
+        exporter="the model gateway",
+        prefix="llm_gateway_",
+        names=("llm_gateway_requests_total", "llm_gateway_upstream_failures_total", "llm_gateway_held_requests"),
+        layouts=("vllm-server",),
+    ),
     # The KubeRay operator's metrics endpoint (chart `metrics.enabled`, its
     # ServiceMonitor with honorLabels): RayService conditions. Labels: name,
     # namespace (the RayService's), condition ("true"/"false"), value 1.
@@ -247,6 +258,13 @@ def _with_serve_queue(vllm: str, serve: str) -> str:
     """vLLM's queue plus Serve's, per model; either alone where the other has no series (vllm-server
     models have no Serve queue; a serve-ingress model at zero has no engine while its first requests wait)."""
     return f"{vllm} + on (model_name) {serve}\nor {vllm}\nor {serve}"
+
+
+# The share of a model's gateway requests that failed between the gateway and the model's router.
+GATEWAY_FAILURE_RATIO = (
+    "sum by (namespace, model) (rate(llm_gateway_upstream_failures_total[5m]))\n"
+    "/ sum by (namespace, model) (rate(llm_gateway_requests_total[5m]))"
+)
 
 
 def _ratio(part: str, whole: str) -> str:
@@ -360,6 +378,18 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
 )
 
 
+# How long a woken model may leave its requests held with none answered when the stack wakes no model
+# (the rule is rendered in every stack; it then reads no series).
+DEFAULT_WAKE_FOR_MINUTES = 15
+
+
+def wake_for_minutes(cold_starts_s: Iterable[float]) -> int:
+    """The `for` of LlmModelWakeStalled: the longest cold-start budget of the stack's woken models, in whole
+    minutes (the figure `pulumi preview` prints for each), or DEFAULT_WAKE_FOR_MINUTES without one."""
+    budgets = list(cold_starts_s)
+    return max(1, math.ceil(max(budgets) / 60)) if budgets else DEFAULT_WAKE_FOR_MINUTES
+
+
 @dataclass(frozen=True)
 class RuleContext:
     """What an alert's thresholds, selectors and runbook link are filled from."""
@@ -367,6 +397,7 @@ class RuleContext:
     slo: Slo
     namespace: str
     runbook_base_url: str | None = None
+    wake_for_minutes: int = DEFAULT_WAKE_FOR_MINUTES
 
 
 # A rule field: fixed text, or text made from the stack's SLOs and namespace.
@@ -620,6 +651,44 @@ ALERTS: tuple[AlertSpec, ...] = (
         "raise its memory or lower what it holds (batch size, KV cache, max_model_len).",
         metrics=("kube_pod_container_status_last_terminated_reason", "kube_pod_container_status_restarts_total"),
     ),
+    # The gateway could not get an answer from a model's router: no router pod reachable (its pods, the
+    # policies between them), a connection cut mid-answer, or no first byte within its timeout. The
+    # routers' and replicas' own 5xx are passed on and counted by LlmHttp5xxRatioHigh where they arise.
+    AlertSpec(
+        name="LlmGatewayUpstreamFailing",
+        expr=lambda c: (
+            f"{GATEWAY_FAILURE_RATIO} > {c.slo.error_ratio}\n"
+            f"and on (namespace, model) sum by (namespace, model) (rate(llm_gateway_requests_total[5m])) > 0.05"
+        ),
+        for_="5m",
+        severity="critical",
+        summary="The model gateway can not reach the router of {{ $labels.model }}",
+        description=lambda c: (
+            "{{ $value | humanizePercentage }} of the gateway's requests for the model failed between it and the "
+            f"model's router (SLO {c.slo.error_ratio}): clients of the gateway's address get 502/503/504."
+        ),
+        metrics=("llm_gateway_upstream_failures_total", "llm_gateway_requests_total"),
+    ),
+    # A woken model that does not come up: requests for it were held in the last 5 minutes and none was
+    # answered, for longer than its cold start should take. Its clients meanwhile get 503 model_starting
+    # each time their hold ends (serving.gateway.wake_hold_seconds).
+    AlertSpec(
+        name="LlmModelWakeStalled",
+        expr=(
+            "max by (namespace, model) (max_over_time(llm_gateway_held_requests[5m])) > 0\n"
+            "unless on (namespace, model) "
+            '(sum by (namespace, model) (increase(llm_gateway_requests_total{code="200"}[5m])) > 0)'
+        ),
+        for_=lambda c: f"{c.wake_for_minutes}m",
+        severity="warning",
+        summary="{{ $labels.model }} is not waking: its requests wait at the gateway and none is answered",
+        description=lambda c: (
+            "Requests for the model have waited at the gateway for a wake and none was answered for "
+            f"{c.wake_for_minutes} minutes, longer than the model's cold-start budget: its replica or its GPU "
+            "node is not coming up."
+        ),
+        metrics=("llm_gateway_held_requests", "llm_gateway_requests_total"),
+    ),
     AlertSpec(
         name="BatchDeadLetterQueueNotEmpty",
         expr=f'max by (scaledObject, metric) (keda_scaler_metrics_value{{scaledObject="{BATCH_SCALED_OBJECT}", '
@@ -679,9 +748,11 @@ def recording_rules(
     )
 
 
-def alert_rules(slo: Slo, namespace: str, runbook_base_url: str | None = None) -> list[dict[str, Any]]:
+def alert_rules(
+    slo: Slo, namespace: str, runbook_base_url: str | None = None, wake_minutes: int = DEFAULT_WAKE_FOR_MINUTES
+) -> list[dict[str, Any]]:
     """The serving alerts; thresholds from the config's SLOs, runbooks under `runbook_base_url`."""
-    ctx = RuleContext(slo=slo, namespace=namespace, runbook_base_url=runbook_base_url)
+    ctx = RuleContext(slo=slo, namespace=namespace, runbook_base_url=runbook_base_url, wake_for_minutes=wake_minutes)
     return [a.rule(ctx) for a in ALERTS]
 
 
@@ -692,6 +763,7 @@ def prometheus_rule(
     runbook_base_url: str | None = None,
     preemption_free: Mapping[str, int] | None = None,
     serve_queues: Mapping[str, ServeQueue] | None = None,
+    wake_minutes: int = DEFAULT_WAKE_FOR_MINUTES,
 ) -> dict[str, Any]:
     """The PrometheusRule object; `preemption_free`: the plan's figure of each model that allows preemption;
     `serve_queues`: where each serve-ingress model's requests wait in Serve."""
@@ -706,7 +778,7 @@ def prometheus_rule(
                     "interval": RECORDING_INTERVAL,
                     "rules": recording_rules(preemption_free, serve_queues),
                 },
-                {"name": ALERT_GROUP, "rules": alert_rules(slo, namespace, runbook_base_url)},
+                {"name": ALERT_GROUP, "rules": alert_rules(slo, namespace, runbook_base_url, wake_minutes)},
             ]
         },
     }
@@ -817,6 +889,8 @@ class ServingAlertsArgs:
     preemption_free: dict[str, int] = field(default_factory=dict)
     # Model id -> where its requests wait in Serve, for each serve-ingress model.
     serve_queues: dict[str, ServeQueue] = field(default_factory=dict)
+    # LlmModelWakeStalled's `for`: wake_for_minutes of the woken models' cold-start budgets.
+    wake_minutes: int = DEFAULT_WAKE_FOR_MINUTES
 
 
 class ServingAlerts(pulumi.ComponentResource):
@@ -833,6 +907,7 @@ class ServingAlerts(pulumi.ComponentResource):
                 args.runbook_base_url,
                 args.preemption_free,
                 args.serve_queues,
+                args.wake_minutes,
             )
         ]
         objects += pod_monitors(args.namespace, args.prometheus_selector_labels, args.vllm_servers)

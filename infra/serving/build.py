@@ -7,8 +7,9 @@ import pulumi
 from infra.aws.layer import AwsLayer
 from infra.cluster_services.layer import PlatformLayer
 from infra.config import StackConfig, preemption_free_sequences
+from infra.config.cold_start import cold_start_budget
 from infra.serving import kuberay
-from infra.serving.alerts import ServeQueue, ServingAlerts, ServingAlertsArgs
+from infra.serving.alerts import ServeQueue, ServingAlerts, ServingAlertsArgs, wake_for_minutes
 from infra.serving.autoscaler_scope import AutoscalerScopeArgs, RayAutoscalerScope
 from infra.serving.autoscaling import ServingAutoscaling, ServingAutoscalingArgs
 from infra.serving.batch import BatchWorkers, BatchWorkersArgs
@@ -145,6 +146,9 @@ def _observability(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer, ns:
             runbook_base_url=cfg.observability.runbook_base_url,
             preemption_free=preemption_free_sequences(cfg),
             serve_queues=serve_queues(cfg),
+            wake_minutes=wake_for_minutes(
+                cold_start_budget(cfg, m).total for m in cfg.models if m.service_name in cfg.woken_services()
+            ),
         ),
         _after(aws, *ns.ready, platform.monitoring_crds),
     )
