@@ -26,8 +26,9 @@ from typing import Any
 import pytest
 import yaml
 
+from infra import versions
 from infra.config import Gateway
-from infra.serving.endpoint import public_service_name
+from infra.serving.router import router_name
 from tests.harness import manifests_of, ray_service_pods, render_routed, render_stack
 
 # The gateway's name when `serving.gateway` leaves it at its default.
@@ -57,10 +58,15 @@ def _write(path: Path, objects: list[dict[str, Any]]) -> None:
     path.write_text(yaml.safe_dump_all(objects, sort_keys=False))
 
 
-def gateway_objects() -> list[dict[str, Any]]:
-    """The gateway's own objects in prod's routed render (its name, and its load balancer's Service)."""
-    names = {GATEWAY_NAME, public_service_name(GATEWAY_NAME)}
-    return [m for m in render_routed("prod").manifests if m["metadata"]["name"] in names and m["kind"] != "PodMonitor"]
+def routed_objects() -> list[dict[str, Any]]:
+    """What prod's routed render adds to prod's (tests.harness.ROUTING, GATEWAY): each model's router and its
+    front, and the gateway with its load balancer's Service. The prod objects themselves are checked above."""
+
+    def key(m: dict[str, Any]) -> tuple[str, str]:
+        return m["kind"], m["metadata"]["name"]
+
+    committed = {key(m) for m in render_stack("prod").manifests}
+    return [m for m in render_routed("prod").manifests if key(m) not in committed and m["kind"] != "PodMonitor"]
 
 
 def checkov_report(tmp: str) -> tuple[dict[str, Any], float]:
@@ -73,9 +79,9 @@ def checkov_report(tmp: str) -> tuple[dict[str, Any], float]:
         _write(root / stack / "manifests.yaml", rendered.manifests)
         pods = [pod for rs in manifests_of(rendered, "RayService") for pod in ray_service_pods(rs)]
         _write(root / stack / "ray-service-pods.yaml", pods)
-    # The model gateway, off in both stacks: prod's routed render has it (tests.harness.GATEWAY).
-    (root / "prod-gateway").mkdir(parents=True, exist_ok=True)
-    _write(root / "prod-gateway" / "manifests.yaml", gateway_objects())
+    # The routers and the model gateway, off in both stacks: prod's routed render has them.
+    (root / "prod-routed").mkdir(parents=True, exist_ok=True)
+    _write(root / "prod-routed" / "manifests.yaml", routed_objects())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BC_", "PRISMA_", "CKV_"))}
     started = time.monotonic()
     run = subprocess.run(
@@ -144,6 +150,8 @@ def test_checkov_saw_the_ray_pods_and_the_serving_workloads(report: dict[str, An
         for dep in manifests_of(rendered, "Deployment"):
             assert f"Deployment.{dep['metadata']['namespace']}.{dep['metadata']['name']}" in resources
     assert f"Deployment.llm.{GATEWAY_NAME}" in resources
+    for rs in manifests_of(render_stack("prod"), "RayService"):
+        assert f"Deployment.llm.{router_name(rs['metadata']['name'])}" in resources
     assert report["summary"]["passed"] > 500
 
 
@@ -151,6 +159,10 @@ def test_only_checks_that_can_not_apply_are_skipped(report: dict[str, Any]) -> N
     """Probes KubeRay injects, the image's own uid, a writable root for Ray, and the GCS Redis password KubeRay
     hands a head as an environment variable (configureRedisFT); nothing about privileges."""
     skipped = {r["check_id"] for r in _results(report, "skipped_checks")}
-    assert skipped <= {"CKV_K8S_8", "CKV_K8S_9", "CKV_K8S_22", "CKV_K8S_40", "CKV_K8S_35"}
+    router_only = {"CKV_K8S_38"} | ({"CKV_K8S_43", "CKV_K8S_15"} if not versions.ROUTER_FRONT_PINNED else set())
+    assert skipped <= {"CKV_K8S_8", "CKV_K8S_9", "CKV_K8S_22", "CKV_K8S_40", "CKV_K8S_35", *router_only}
     redis_skips = {r["resource"] for r in _results(report, "skipped_checks") if r["check_id"] == "CKV_K8S_35"}
     assert redis_skips and all("head" in r for r in redis_skips), redis_skips
+    # The routers' token (their discovery lists pods) and, while its tag is unresolved, their front's image.
+    routers = {r["resource"] for r in _results(report, "skipped_checks") if r["check_id"] in router_only}
+    assert routers and all(r.startswith("Deployment.llm.") and r.endswith("-router") for r in routers), routers

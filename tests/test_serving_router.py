@@ -242,3 +242,34 @@ def test_a_whatif_report_that_does_not_read_is_one_line_naming_the_key(
         report.write_text(content)
     problems = config_problems("prod", lambda raw: _with_report(raw, str(report)))
     assert problems == [f"config error: serving.routing.whatif_report: {report} {expect}"], problems
+
+
+@pytest.mark.parametrize(
+    ("request_cpu", "floor", "limit"),
+    [("1", "2", "2"), ("500m", "2", "2"), ("3", "2", "6000m"), ("1500m", "2", "3000m")],
+)
+def test_a_cpu_limit_is_never_below_twice_the_request(request_cpu: str, floor: str, limit: str) -> None:
+    """Kubernetes refuses a limit below the request: a router or gateway given more CPU than the floor gets twice
+    its request."""
+    from infra.config import quantity_value
+    from infra.serving.replicated import cpu_limit
+
+    assert cpu_limit(request_cpu, floor) == limit
+    got, asked = quantity_value(limit), quantity_value(request_cpu)
+    assert got is not None and asked is not None and got >= 2 * asked
+
+
+def test_a_router_given_more_cpu_than_its_limits_floor_keeps_a_valid_limit() -> None:
+    doc = copy.deepcopy(stack_doc("prod"))
+    doc["config"]["llm-platform:serving"] = {
+        **doc["config"].get("llm-platform:serving", {}),
+        "routing": {**ROUTING, "cpu": "3"},
+    }
+    for dep in manifests_of(render_config(doc, "prod-router-cpu"), "Deployment"):
+        if dep["metadata"]["name"].endswith("-router"):
+            containers = {c["name"]: c["resources"] for c in dep["spec"]["template"]["spec"]["containers"]}
+            assert containers["router"] == {
+                "requests": {"cpu": "3", "memory": "1Gi"},
+                "limits": {"cpu": "6000m", "memory": "1Gi"},
+            }
+            assert containers["front"]["limits"]["cpu"] == "500m"

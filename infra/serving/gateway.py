@@ -49,6 +49,7 @@ from infra.serving.ports import RAY_PORTS, Port
 from infra.serving.replicated import (
     DeploymentSite,
     cpu_autoscaler,
+    cpu_limit,
     declare_scaling_and_monitoring,
     disruption_budget,
     pod_monitor,
@@ -65,6 +66,7 @@ GATEWAY_LABEL = {"app.kubernetes.io/name": "llm-gateway"}
 GATEWAY_PORT = ROUTER_PORT
 GATEWAY_METRICS = Port("gateway-metrics", 29001)
 CONTAINER = "gateway"
+# The gateway's CPU limit when twice its request is less (replicated.cpu_limit).
 GATEWAY_CPU_LIMIT = "2"
 
 
@@ -169,7 +171,7 @@ def _container(gateway: Gateway, image: pulumi.Input[str], plan: GatewayPlan) ->
             "requests": {"cpu": gateway.cpu, "memory": gateway.memory},
             # A ceiling for a runaway, well above what the autoscaler holds it to
             # (a quota it reached would hold back every token it streams).
-            "limits": {"cpu": GATEWAY_CPU_LIMIT, "memory": gateway.memory},
+            "limits": {"cpu": cpu_limit(gateway.cpu, GATEWAY_CPU_LIMIT), "memory": gateway.memory},
         },
         "securityContext": container_security_context(read_only_root=True),
         "volumeMounts": [{"name": "api-keys", "mountPath": MOUNTS.api_keys_dir, "readOnly": True}],

@@ -15,6 +15,7 @@ from typing import Any
 import pulumi
 import pulumi_kubernetes as k8s
 
+from infra.config.fields import quantity_value
 from infra.scheduling import Placement
 from infra.serving.namespace import PART_OF
 from infra.serving.network import ClusterPeers
@@ -60,6 +61,14 @@ def disruption_budget(name: str, namespace: str, pods: Mapping[str, str]) -> dic
         "metadata": {"name": name, "namespace": namespace, "labels": dict(PART_OF)},
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": dict(pods)}},
     }
+
+
+def cpu_limit(request: str, at_least: str) -> str:
+    """A container's CPU limit: ``at_least``, or twice its request when that is more (room for a burst above
+    the utilisation its HorizontalPodAutoscaler holds, never below the request Kubernetes requires it to meet)."""
+    asked, floor = quantity_value(request), quantity_value(at_least)
+    assert asked is not None and floor is not None, (request, at_least)
+    return at_least if floor >= 2 * asked else f"{int(2 * asked * 1000)}m"
 
 
 def cpu_autoscaler(name: str, namespace: str, min_replicas: int, max_replicas: int, target: int) -> dict[str, Any]:

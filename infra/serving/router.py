@@ -46,12 +46,20 @@ from infra.serving.drain import PROXY_DRAIN_SECONDS
 from infra.serving.endpoint import serving_workers
 from infra.serving.namespace import PART_OF, peer, policy_metadata
 from infra.serving.network import ANYWHERE, HTTPS, ClusterPeers, tcp
-from infra.serving.pod_security import RAY_GID, RAY_UID, container_security_context, pod_security_context
+from infra.serving.pod_security import (
+    RAY_GID,
+    RAY_UID,
+    SERVING_IMAGE_UID_SKIP,
+    checkov_skips,
+    container_security_context,
+    pod_security_context,
+)
 from infra.serving.ports import RAY_PORTS, Port
 from infra.serving.ray_service import worker_group_name
 from infra.serving.replicated import (
     DeploymentSite,
     cpu_autoscaler,
+    cpu_limit,
     declare_scaling_and_monitoring,
     disruption_budget,
     pod_monitor,
@@ -242,7 +250,7 @@ def _router_container(routing: Routing, image: pulumi.Input[str], command: list[
         },
         "resources": {
             "requests": {"cpu": routing.cpu, "memory": routing.memory},
-            "limits": {"memory": routing.memory},
+            "limits": {"cpu": cpu_limit(routing.cpu, ROUTER_CPU_LIMIT), "memory": routing.memory},
         },
         "securityContext": container_security_context(read_only_root=True),
         # Kubernetes' own sleep (no binary in the image needed): the load balancer stops sending first.
@@ -252,6 +260,7 @@ def _router_container(routing: Routing, image: pulumi.Input[str], command: list[
 
 # The front's share of the pod: nginx proxying on loopback needs little.
 FRONT_CPU = "100m"
+FRONT_CPU_LIMIT = "500m"
 FRONT_MEMORY = "128Mi"
 # Room for the request bodies it holds while they arrive (each under the guard's cap).
 FRONT_SCRATCH = "1Gi"
@@ -275,7 +284,7 @@ def _front_container(readiness_path: str) -> dict[str, Any]:
         "livenessProbe": {"tcpSocket": {"port": ROUTER_PORT.name}, "periodSeconds": 10, "failureThreshold": 3},
         "resources": {
             "requests": {"cpu": FRONT_CPU, "memory": FRONT_MEMORY},
-            "limits": {"memory": FRONT_MEMORY},
+            "limits": {"cpu": FRONT_CPU_LIMIT, "memory": FRONT_MEMORY},
         },
         "securityContext": container_security_context(read_only_root=True),
         "volumeMounts": [
@@ -287,6 +296,31 @@ def _front_container(readiness_path: str) -> dict[str, Any]:
         # it holds before it exits.
         "lifecycle": {"preStop": {"sleep": {"seconds": DEREGISTER_SECONDS}}},
     }
+
+
+# The router's CPU limit when twice its request is less (replicated.cpu_limit).
+ROUTER_CPU_LIMIT = "2"
+# checkov's checks the router pod can not meet, and why.
+ROUTER_CHECKOV_SKIPS = {
+    **SERVING_IMAGE_UID_SKIP,
+    "CKV_K8S_9": "the router listens on the pod's loopback only; the front container's readiness probe asks the "
+    "router's own readiness through it, so the pod is Ready only when the router is",
+    "CKV_K8S_38": "the router discovers its replicas by listing and watching pods in its namespace (its Role), "
+    "which needs the service account's token",
+}
+# While the front's tag is not yet resolved to a digest (versions.ROUTER_FRONT_PINNED; `make pin-base`).
+UNPINNED_FRONT_SKIPS = {
+    "CKV_K8S_43": "the front's tag is not resolved to a digest yet: make pin-base resolves it where ECR Public is "
+    "reachable, and pulumi preview says so until then",
+    "CKV_K8S_15": "the front is named by its tag until make pin-base resolves its digest; Always would pull "
+    "whatever the tag names at each start instead of one image",
+}
+
+
+def router_checkov_skips() -> dict[str, str]:
+    """The checks skipped on a router Deployment: those that can not apply, and the digest checks while the
+    front is named by tag."""
+    return {**ROUTER_CHECKOV_SKIPS, **({} if versions.ROUTER_FRONT_PINNED else UNPINNED_FRONT_SKIPS)}
 
 
 def front_config_map(service: str, namespace: str, plan: RouterPlan) -> dict[str, Any]:
@@ -308,7 +342,12 @@ def deployment(
     """The router Deployment: non-root, read-only root, spread over zones and nodes."""
     labels = {**PART_OF, **router_pods(service)}
     return {
-        "metadata": {"name": router_name(service), "namespace": namespace, "labels": labels},
+        "metadata": {
+            "name": router_name(service),
+            "namespace": namespace,
+            "labels": labels,
+            "annotations": checkov_skips(router_checkov_skips()),
+        },
         "spec": {
             # The HorizontalPodAutoscaler owns the count once it exists; this is the start.
             "replicas": routing.min_replicas,
