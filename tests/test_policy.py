@@ -565,3 +565,24 @@ def test_aws_load_balancer_with_security_groups_passes_where_allowed() -> None:
     lb = Resource(type="aws:lb/loadBalancer:LoadBalancer", name="api", props=props)
     assert rules.check_load_balancers(lb, settings(rules.LB_RULE, allowInternetFacing=True)) == []
     assert rules.check_load_balancers(lb, settings(rules.LB_RULE)) != []
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_a_routed_stack_is_refused_only_for_its_fronts_tag_until_make_pin_base(stack: str) -> None:
+    """With serving.routing on, the one violation is the routers' front named by tag (versions.ROUTER_FRONT_TAG),
+    which `make pin-base` resolves where ECR Public is reachable; once pinned, nothing."""
+    from infra import versions
+    from tests.harness import render_routed
+
+    resources = [_resource(r) for r in render_routed(stack).resources]
+    found = rules.evaluate(resources, stack_config(stack))
+    routers = [r for r in resources if r.type.endswith("apps/v1:Deployment") and r.name.endswith("-router-deployment")]
+    assert routers
+    if versions.ROUTER_FRONT_PINNED:
+        assert found == []
+    else:
+        assert len(found) == len(routers)
+        assert all(
+            v.startswith("images-pinned-by-digest: ") and f"image '{versions.ROUTER_FRONT_TAG}'" in v
+            for v in map(str, found)
+        ), found
