@@ -217,13 +217,32 @@ class LocalRun:
             door = self.front_door
             if door is not None and not live.wait_for(lambda: door.has_target(model.model_id), ROUTE_TIMEOUT_S, 1.0):
                 raise RuntimeError(f"no replica's server answered /health within {ROUTE_TIMEOUT_S:.0f}s")
-            live.chat_at(self.base_url, self.api_key, model.model_id, timeout_s=LOAD_TIMEOUT_S)
+            self._ask_until_awake(model.model_id, began + LOAD_TIMEOUT_S)
         except Exception as err:
             self.report.fail(session.name, f"model load: {model.model_id} did not answer at {self.base_url}: {err}")
             return False
         took = time.monotonic() - began
         self.report.step(session.name, f"model load: {model.model_id} answered at {self.base_url} after {took:.0f}s")
         return True
+
+    def _ask_until_awake(self, model_id: str, deadline: float) -> None:
+        """One chat, asked again as a client would while the gateway says the model is still starting (a 503
+        `model_starting` after its hold, with the seconds to wait in Retry-After)."""
+        import openai
+
+        while True:
+            try:
+                live.chat_at(self.base_url, self.api_key, model_id, timeout_s=max(1.0, deadline - time.monotonic()))
+                return
+            except openai.APIStatusError as err:
+                body = err.body if isinstance(err.body, dict) else {}
+                if err.status_code != 503 or body.get("code") != "model_starting":
+                    raise
+                wait = float(err.response.headers.get("retry-after", "5"))
+                if time.monotonic() + wait >= deadline:
+                    raise
+                self.report.step("local", f"model load: {model_id} still starting; asking again in {wait:.0f}s")
+                time.sleep(wait)
 
     def metrics(self) -> list[Metrics]:
         """The metrics endpoints the running replicas published (vllm-server: each replica's own server)."""

@@ -9,6 +9,7 @@ door sends to the wrong replica fails.
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import threading
@@ -269,3 +270,39 @@ def test_the_local_run_sends_a_woken_model_to_its_gateway_and_the_rest_to_replic
         "S": [],  # no replica wrote its address yet
         "I": [("i serve proxy", "127.0.0.1", 7001)],
     }
+
+
+def test_the_local_runs_first_request_asks_again_while_the_gateway_says_starting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A woken model whose start outlasts the gateway's hold answers 503 `model_starting` with Retry-After:
+    the first request is asked again after it, as a client would; any other error ends the load at once."""
+    import openai
+
+    from twin import live
+    from twin.local_run import LocalRun
+    from twin.report import Report
+    from workloads.inference_server.guard import error_body
+
+    def refusal(status: int, code: str) -> openai.APIStatusError:
+        body = error_body("not yet", type_="unavailable", param=None, code=code)
+        request = httpx.Request("POST", "http://127.0.0.1:1/v1/chat/completions")
+        response = httpx.Response(status, content=body, headers={"retry-after": "0"}, request=request)
+        return openai.OpenAI(base_url="http://127.0.0.1:1/v1", api_key="k")._make_status_error_from_response(response)
+
+    answers: list[Any] = [refusal(503, "model_starting"), refusal(503, "model_starting"), "hello"]
+
+    def chat_at(*_: Any, **__: Any) -> str:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return str(answer)
+
+    monkeypatch.setattr(live, "chat_at", chat_at)
+    run = LocalRun.__new__(LocalRun)
+    run.front_door, run.port, run.api_key, run.report = None, 1, "k", Report(out=io.StringIO())
+    run._ask_until_awake("W", time.monotonic() + 60)
+    assert answers == []
+    answers[:] = [refusal(503, "model_unavailable")]
+    with pytest.raises(openai.APIStatusError):
+        run._ask_until_awake("W", time.monotonic() + 60)
