@@ -288,7 +288,8 @@ def test_the_local_runs_first_request_asks_again_while_the_gateway_says_starting
         body = error_body("not yet", type_="unavailable", param=None, code=code)
         request = httpx.Request("POST", "http://127.0.0.1:1/v1/chat/completions")
         response = httpx.Response(status, content=body, headers={"retry-after": "0"}, request=request)
-        return openai.OpenAI(base_url="http://127.0.0.1:1/v1", api_key="k")._make_status_error_from_response(response)
+        client = openai.OpenAI(base_url="http://127.0.0.1:1/v1", api_key="k")
+        return client._make_status_error_from_response(cast(Any, response))
 
     answers: list[Any] = [refusal(503, "model_starting"), refusal(503, "model_starting"), "hello"]
 
