@@ -33,17 +33,57 @@ from localserve.processes import STAT_START_TIME, process_name, stat_fields, wit
 SCHED_SETAFFINITY = {"x86_64": 203, "aarch64": 122}.get(platform.machine(), 203)
 # A real call returns in microseconds; the hangs on record lasted minutes.
 BLOCKED_AFTER_S = 20.0
+# Any thread this long in uninterruptible sleep is said once (a read of a slow disk returns well within it).
+STUCK_AFTER_S = 60.0
 SCAN_EVERY_S = 2.0
 
 
-def blocked_syscall(pid: int) -> int | None:
-    """The system call ``pid`` is blocked in (/proc/<pid>/syscall), or None: running, gone, or not readable."""
+def blocked_syscall(pid: int, tid: int | None = None) -> int | None:
+    """The system call a thread of ``pid`` (its main thread by default) is blocked in
+    (/proc/<pid>/task/<tid>/syscall), or None: running, gone, or not readable."""
     try:
-        with open(f"/proc/{pid}/syscall", encoding="ascii", errors="replace") as handle:
+        with open(f"/proc/{pid}/task/{tid or pid}/syscall", encoding="ascii", errors="replace") as handle:
             first = handle.read().split(maxsplit=1)
     except OSError:
         return None
     return int(first[0]) if first and first[0].lstrip("-").isdigit() else None
+
+
+def threads(pid: int) -> list[int]:
+    """The thread ids of ``pid`` (none once it is gone): a process may import torch from any of its threads."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task") if t.isdigit()]
+    except OSError:
+        return []
+
+
+def thread_state(pid: int, tid: int) -> tuple[str, str] | None:
+    """A thread's scheduler state (``D``: uninterruptible, in the kernel) and the kernel function it waits in."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", encoding="utf-8", errors="replace") as handle:
+            state = handle.read().rsplit(")", 1)[-1].split()[0]
+        with open(f"/proc/{pid}/task/{tid}/wchan", encoding="ascii", errors="replace") as handle:
+            return state, handle.read().strip() or "?"
+    except (OSError, IndexError):
+        return None
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """A thread that stayed in uninterruptible sleep long enough to say so (it is not killed for that)."""
+
+    pid: int
+    tid: int
+    name: str
+    syscall: int | None
+    wchan: str
+    seconds: float
+
+    def line(self) -> str:
+        return (
+            f"host kernel: pid {self.pid} ({self.name}) thread {self.tid} has been in uninterruptible sleep "
+            f"{self.seconds:.0f}s, in system call {self.syscall} at {self.wchan}"
+        )
 
 
 @dataclass(frozen=True)
@@ -62,18 +102,27 @@ class Killed:
 
 
 class AffinityHangBreaker:
-    """A thread that kills this process' descendants blocked in ``syscall`` for ``after_s`` or more."""
+    """A thread that kills this process' descendants with a thread blocked in ``syscall`` for ``after_s`` or
+    more; ``on_stuck`` hears once of any other thread in uninterruptible sleep for ``stuck_s`` (what to look
+    at when a local run waits for something that never comes)."""
 
     def __init__(
         self,
         on_kill: Callable[[Killed], None],
         *,
+        on_stuck: Callable[[Stuck], None] | None = None,
         root: int | None = None,
         syscall: int = SCHED_SETAFFINITY,
         after_s: float = BLOCKED_AFTER_S,
+        stuck_s: float = STUCK_AFTER_S,
         every_s: float = SCAN_EVERY_S,
     ) -> None:
         self._on_kill = on_kill
+        self._on_stuck = on_stuck
+        self._stuck_s = stuck_s
+        # (pid, tid) -> when first seen in uninterruptible sleep; and those already reported.
+        self._asleep: dict[tuple[int, int], float] = {}
+        self._told: set[tuple[int, int]] = set()
         self._root = os.getpid() if root is None else root
         self._syscall = syscall
         self._after_s = after_s
@@ -89,8 +138,12 @@ class AffinityHangBreaker:
         now = time.monotonic() if now is None else now
         seen: dict[tuple[int, str], float] = {}
         killed = []
+        asleep: dict[tuple[int, int], float] = {}
         for pid in with_descendants({self._root}) - {self._root}:
-            if blocked_syscall(pid) != self._syscall:
+            tids = threads(pid)
+            if self._on_stuck is not None:
+                self._watch_sleep(pid, tids, now, asleep)
+            if self._syscall not in {blocked_syscall(pid, tid) for tid in tids}:
                 continue
             fields = stat_fields(pid)
             if fields is None:
@@ -104,10 +157,24 @@ class AffinityHangBreaker:
                     killed.append(Killed(pid, name, now - since))
                 del seen[key]
         self._since = seen
+        self._asleep = asleep
         for item in killed:
             self.killed.append(item)
             self._on_kill(item)
         return killed
+
+    def _watch_sleep(self, pid: int, tids: list[int], now: float, asleep: dict[tuple[int, int], float]) -> None:
+        assert self._on_stuck is not None
+        for tid in tids:
+            state = thread_state(pid, tid)
+            if state is None or state[0] != "D":
+                continue
+            key = (pid, tid)
+            since = asleep[key] = self._asleep.get(key, now)
+            if now - since >= self._stuck_s and key not in self._told:
+                self._told.add(key)
+                name = process_name(pid) or "?"
+                self._on_stuck(Stuck(pid, tid, name, blocked_syscall(pid, tid), state[1], now - since))
 
     def _run(self) -> None:
         while not self._stop.wait(self._every_s):

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from localserve.affinity_hang import SCHED_SETAFFINITY, AffinityHangBreaker, Killed, blocked_syscall
+from localserve import affinity_hang
+from localserve.affinity_hang import SCHED_SETAFFINITY, AffinityHangBreaker, Killed, Stuck, blocked_syscall, threads
 
 READ = 0  # x86_64's read(2); the children below block in it
 pytestmark = pytest.mark.skipif(SCHED_SETAFFINITY != 203, reason="the numbers below are x86_64's")
@@ -85,3 +86,42 @@ def test_the_thread_kills_within_its_scan_interval(reader: subprocess.Popen[byte
     with AffinityHangBreaker(reports.append, syscall=READ, after_s=0.5, every_s=0.2):
         assert reader.wait(10) == -9
     assert [k.pid for k in reports] == [reader.pid]
+
+
+def test_a_thread_other_than_the_main_one_blocked_past_the_limit_kills_its_process() -> None:
+    """A Ray actor runs its constructor (and its imports) off the main thread: the call can hang there."""
+    code = (
+        "import sys, threading, time; threading.Thread(target=lambda: sys.stdin.buffer.read(1)).start(); time.sleep(60)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while not any(blocked_syscall(child.pid, t) == READ for t in threads(child.pid)):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert blocked_syscall(child.pid) != READ  # the main thread sleeps
+        breaker = AffinityHangBreaker(lambda _: None, syscall=READ, after_s=5)
+        start = time.monotonic()
+        breaker.scan(start)
+        assert [k.pid for k in breaker.scan(start + 5)] == [child.pid]
+        assert child.wait(5) == -9
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_thread_in_uninterruptible_sleep_is_told_once_and_not_killed(
+    reader: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Uninterruptible sleep can not be made on demand here: the reader's threads are read as in it."""
+    monkeypatch.setattr(affinity_hang, "thread_state", lambda pid, tid: ("D", "affine_move_task"))
+    told: list[Stuck] = []
+    breaker = AffinityHangBreaker(lambda _: None, on_stuck=told.append, stuck_s=60)
+    start = time.monotonic()
+    breaker.scan(start)
+    breaker.scan(start + 59)
+    assert told == []
+    breaker.scan(start + 60)
+    breaker.scan(start + 90)
+    assert [(t.pid, t.wchan, t.syscall) for t in told] == [(reader.pid, "affine_move_task", READ)]
+    assert "uninterruptible sleep 60s" in told[0].line() and reader.poll() is None

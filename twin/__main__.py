@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     from twin.prometheus import load_objects
 
     objects = load_objects(args.render) if args.monitoring else None
-    breaker = AffinityHangBreaker(lambda killed: report.note("", killed.line())).start()
+    breaker = AffinityHangBreaker(
+        lambda killed: report.note("", killed.line()), on_stuck=lambda stuck: report.note("", stuck.line())
+    ).start()
     for index, service in enumerate(services):
         if index == 0 and objects is not None and model_dir is not None and len(services) > 1:
             # Every RayService is scraped by the same monitors and read by the same rules; one proves them,

@@ -355,7 +355,10 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tempfile.mkdtemp(prefix="day2-", dir="/tmp"))
         redis = start_tls_redis(work / "redis")
         try:
-            with AffinityHangBreaker(lambda killed: report.note(SERVICE, killed.line())):
+            with AffinityHangBreaker(
+                lambda killed: report.note(SERVICE, killed.line()),
+                on_stuck=lambda stuck: report.note(SERVICE, stuck.line()),
+            ):
                 run_upgrade_under_load(inputs, redis, model_dir, work, report)
         finally:
             redis.stop()

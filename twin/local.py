@@ -110,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     except TwinInputError as err:
         print(f"local: {err}", file=sys.stderr)
         return 2
-    breaker = AffinityHangBreaker(lambda killed: report.note(SERVICE, killed.line())).start()
+    breaker = AffinityHangBreaker(
+        lambda killed: report.note(SERVICE, killed.line()), on_stuck=lambda stuck: report.note(SERVICE, stuck.line())
+    ).start()
     try:
         try:
             run.open_door()
