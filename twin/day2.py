@@ -282,6 +282,12 @@ def _stays_up(ray_service: Mapping[str, Any]) -> bool:
     return all(m.autoscaling.min_replicas >= 1 for m in Catalog.model_validate(args).models)
 
 
+def upgradeable(before: Rendered) -> list[dict[str, Any]]:
+    """The RayServices the upgrade under load can run on: vllm-server ones whose models keep a replica."""
+    services = [m for m in before.manifests if m.get("kind") == "RayService"]
+    return [m for m in services if _layout(m) == "vllm-server" and _stays_up(m)]
+
+
 def upgrade_inputs(stack: str, before: Rendered) -> Any:
     """Render A's RayService with GCS fault tolerance (else the first), and render B's.
 
@@ -289,9 +295,7 @@ def upgrade_inputs(stack: str, before: Rendered) -> Any:
     """
     from twin.upgrade import UpgradeInputs, changed_engine
 
-    services = [
-        m for m in before.manifests if m.get("kind") == "RayService" and _layout(m) == "vllm-server" and _stays_up(m)
-    ]
+    services = upgradeable(before)
     rs = next((s for s in services if s["spec"]["rayClusterConfig"].get("gcsFaultToleranceOptions")), services[0])
     name = rs["metadata"]["name"]
     import yaml
@@ -332,9 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     check_load_balancer_change(args.stack, before, report)
     check_upgrade_at_peak(args.stack, report)
     check_switches(args.stack, before, report)
-    live = [
-        m for m in before.manifests if m.get("kind") == "RayService" and _layout(m) == "vllm-server" and _stays_up(m)
-    ]
+    live = upgradeable(before)
     if not args.static_only and not live:
         # Its load balancer targets are the replicas' own servers, which must be up when its traffic starts; a
         # serve-ingress model or one at zero (dev's) waits for a wake anyway, and its switch is checked on the

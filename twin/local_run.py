@@ -191,8 +191,7 @@ class LocalRun:
             for model in session.serve.models:
                 front = self.woken.get(model.model_id)
                 if front is not None:
-                    host, _, port = front.base.removeprefix("http://").rpartition(":")
-                    routes[model.model_id] = [(f"{model.model_id} gateway", host, int(port))]
+                    routes[model.model_id] = [(f"{model.model_id} gateway", front.settings.host, front.settings.port)]
                 elif model.layout == "vllm-server":
                     routes[model.model_id] = ready_servers(model)
                 else:

@@ -7,7 +7,6 @@ import pulumi
 from infra.aws.layer import AwsLayer
 from infra.cluster_services.layer import PlatformLayer
 from infra.config import StackConfig, preemption_free_sequences
-from infra.config.cold_start import cold_start_budget
 from infra.serving import kuberay
 from infra.serving.alerts import ServeQueue, ServingAlerts, ServingAlertsArgs, wake_for_minutes
 from infra.serving.autoscaler_scope import AutoscalerScopeArgs, RayAutoscalerScope
@@ -15,7 +14,7 @@ from infra.serving.autoscaling import ServingAutoscaling, ServingAutoscalingArgs
 from infra.serving.batch import BatchWorkers, BatchWorkersArgs
 from infra.serving.dashboards import ServingDashboards, ServingDashboardsArgs
 from infra.serving.endpoint import ServingEndpoint, ServingEndpointArgs, serve_service_spec
-from infra.serving.gateway import GATEWAY_LABEL, ModelGateway, ModelGatewayArgs, gateway_plan
+from infra.serving.gateway import GATEWAY_LABEL, ModelGateway, ModelGatewayArgs, gateway_plan, woken_cold_starts
 from infra.serving.layer import ServingLayer
 from infra.serving.namespace import ServingNamespace, ServingNamespaceArgs
 from infra.serving.network import ClusterPeers
@@ -146,9 +145,7 @@ def _observability(cfg: StackConfig, aws: AwsLayer, platform: PlatformLayer, ns:
             runbook_base_url=cfg.observability.runbook_base_url,
             preemption_free=preemption_free_sequences(cfg),
             serve_queues=serve_queues(cfg),
-            wake_minutes=wake_for_minutes(
-                cold_start_budget(cfg, m).total for m in cfg.models if m.service_name in cfg.woken_services()
-            ),
+            wake_minutes=wake_for_minutes(woken_cold_starts(cfg).values()),
         ),
         _after(aws, *ns.ready, platform.monitoring_crds),
     )

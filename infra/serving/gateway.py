@@ -133,6 +133,12 @@ class GatewayPlan:
         return DEREGISTER_SECONDS + self.request_timeout_s + EXIT_SECONDS
 
 
+def woken_cold_starts(cfg: StackConfig) -> dict[str, float]:
+    """Model id -> its cold-start budget in seconds, for each model the gateway wakes (vllm-server at zero)."""
+    woken = set(cfg.woken_services())
+    return {m.model_id: cold_start_budget(cfg, m).total for m in cfg.models if m.service_name in woken}
+
+
 def gateway_plan(cfg: StackConfig) -> GatewayPlan:
     """The gateway in front of the stack's routers, as the render declares it (the twin runs the same)."""
     plans = router_plans(cfg)
@@ -142,14 +148,13 @@ def gateway_plan(cfg: StackConfig) -> GatewayPlan:
         raise ValueError("no service runs the vllm-server layout: the gateway has no router to send to")
     # Every router holds the same limits (the stack's): the first one's are the gateway's.
     first = next(iter(plans.values()))
-    woken = set(cfg.woken_services())
     gw = cfg.serving.gateway
     return GatewayPlan(
         models,
         cfg.serving.namespace,
         first.front.max_body_bytes,
         first.request_timeout_s,
-        cold_starts={m.model_id: cold_start_budget(cfg, m).total for m in cfg.models if m.service_name in woken},
+        cold_starts=woken_cold_starts(cfg),
         wake_hold_s=gw.wake_hold_seconds,
         wake_max_held=gw.wake_max_held,
     )

@@ -264,7 +264,7 @@ def test_the_local_run_sends_a_woken_model_to_its_gateway_and_the_rest_to_replic
         )
         for m in (woken, replace(served, address_dir=tmp_path), ingress)
     ]
-    run.woken = {"W": cast(Any, SimpleNamespace(base="http://127.0.0.1:4242"))}
+    run.woken = {"W": cast(Any, SimpleNamespace(settings=SimpleNamespace(host="127.0.0.1", port=4242)))}
     assert run._routes() == {
         "W": [("W gateway", "127.0.0.1", 4242)],
         "S": [],  # no replica wrote its address yet
