@@ -89,7 +89,7 @@ lint: $(VENV)/.dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/hadolint workloads/Dockerfile
+	$(BIN)/hadolint workloads/Dockerfile infra/aws/router_front/Dockerfile
 	$(BIN)/shellcheck scripts/*.sh
 	$(BIN)/actionlint
 

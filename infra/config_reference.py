@@ -198,6 +198,11 @@ NOTES: Mapping[str, str] = {
     "image.reference": (
         "A prebuilt image pinned by digest; unset, the image is built from `workloads/` and pushed to ECR."
     ),
+    "image.router_front_reference": (
+        "The routers' front (nginx) pinned by digest, with `serving.routing` on; unset, the stack copies "
+        "`ROUTER_FRONT_TAG` into `<repository_name>-router-front` in ECR and runs that digest "
+        "(see [Supply chain](security.md#supply-chain))."
+    ),
 }
 
 # Checked across fields when the config is read, each failing with the key path and the rule.

@@ -3,7 +3,9 @@
 # each digest into infra/versions.py:
 #   - the serving image's base (RAY_LLM_BASE_TAG -> RAY_LLM_BASE_DIGEST, and
 #     the Dockerfile's BASE_IMAGE default, which a test keeps equal);
-#   - the request router's front (ROUTER_FRONT_TAG -> ROUTER_FRONT_DIGEST).
+#   - the request router's front (ROUTER_FRONT_TAG -> ROUTER_FRONT_DIGEST, and
+#     the BASE_IMAGE default of infra/aws/router_front/Dockerfile, which the
+#     stack copies into its own registry).
 # Run where the registries are reachable (`make pin-base`), then review and
 # commit the diff it prints: nothing else moves them.
 #
@@ -77,4 +79,5 @@ pin() {
 pin RAY_LLM_BASE_TAG RAY_LLM_BASE_DIGEST RAY_LLM_BASE_IMAGE
 sed -i -E "s|^ARG BASE_IMAGE=.*$|ARG BASE_IMAGE=$(version_of RAY_LLM_BASE_IMAGE)|" workloads/Dockerfile
 pin ROUTER_FRONT_TAG ROUTER_FRONT_DIGEST ROUTER_FRONT_IMAGE
-git --no-pager diff -- infra/versions.py workloads/Dockerfile
+sed -i -E "s|^ARG BASE_IMAGE=.*$|ARG BASE_IMAGE=$(version_of ROUTER_FRONT_IMAGE)|" infra/aws/router_front/Dockerfile
+git --no-pager diff -- infra/versions.py workloads/Dockerfile infra/aws/router_front/Dockerfile

@@ -24,10 +24,10 @@ from typing_extensions import override
 
 from infra.config import load_stack_file
 from infra.config.routing import ROUTING_KEY_HEADER
+from infra.mocks import fake_digest
 from infra.serving import router_front
 from infra.serving.router import FRONT_CONFIG_DIGEST, router_name
 from infra.serving.router_front import LIVENESS_PATH, READINESS_PATH, ROUTES, FrontPlan, config_digest
-from infra.versions import ROUTER_FRONT_IMAGE
 from tests.e2e.loopback_http import CHUNK_S, CHUNKS, LoopbackHttp, SlowReplica
 from tests.harness import manifests_of, render_routed, stack_config
 from twin.routing import RouterSpec, TwinRouter, nginx_binary, remove_worker_status, router_specs, start_router
@@ -255,7 +255,8 @@ def test_the_pod_mounts_the_config_the_tests_run_and_rolls_when_it_changes(tmp_p
         dep = deployments[router_name(service)]
         template = dep["spec"]["template"]
         front = next(c for c in template["spec"]["containers"] if c["name"] == "front")
-        assert front["image"] == ROUTER_FRONT_IMAGE
+        # The stack's own copy, by digest (tests/test_supply_chain.py holds where it comes from).
+        assert front["image"].endswith(f"/llm-serving-router-front@{fake_digest('router-front-image')}")
         mounts = {m["name"]: m for m in front["volumeMounts"]}
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
         config_map = volumes[mounts["front-config"]["name"]]["configMap"]["name"]

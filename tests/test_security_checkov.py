@@ -26,7 +26,6 @@ from typing import Any
 import pytest
 import yaml
 
-from infra import versions
 from infra.config import Gateway
 from infra.serving.router import router_name
 from tests.harness import manifests_of, ray_service_pods, render_routed, render_stack
@@ -159,10 +158,10 @@ def test_only_checks_that_can_not_apply_are_skipped(report: dict[str, Any]) -> N
     """Probes KubeRay injects, the image's own uid, a writable root for Ray, and the GCS Redis password KubeRay
     hands a head as an environment variable (configureRedisFT); nothing about privileges."""
     skipped = {r["check_id"] for r in _results(report, "skipped_checks")}
-    router_only = {"CKV_K8S_38"} | ({"CKV_K8S_43", "CKV_K8S_15"} if not versions.ROUTER_FRONT_PINNED else set())
+    router_only = {"CKV_K8S_38"}
     assert skipped <= {"CKV_K8S_8", "CKV_K8S_9", "CKV_K8S_22", "CKV_K8S_40", "CKV_K8S_35", *router_only}
     redis_skips = {r["resource"] for r in _results(report, "skipped_checks") if r["check_id"] == "CKV_K8S_35"}
     assert redis_skips and all("head" in r for r in redis_skips), redis_skips
-    # The routers' token (their discovery lists pods) and, while its tag is unresolved, their front's image.
+    # The routers' token (their discovery lists pods).
     routers = {r["resource"] for r in _results(report, "skipped_checks") if r["check_id"] in router_only}
     assert routers and all(r.startswith("Deployment.llm.") and r.endswith("-router") for r in routers), routers

@@ -14,16 +14,29 @@ from typing import Any
 import pytest
 
 from infra import versions
-from infra.aws import registry
+from infra.aws import front_image, registry
 from infra.cluster_services import monitoring
+from infra.mocks import ACCOUNT_ID, fake_digest
 from infra.serving import autoscaler_scope
 from infra.serving.ray_service import RAY_AUTH_MODE, ray_auth_secret_name
-from infra.serving.router import UNPINNED_FRONT_WARNING
-from tests.harness import STACKS, by_type, manifests_of, render_routed, render_stack
+from infra.serving.router import FRONT_CONTAINER
+from tests.harness import (
+    ROUTING,
+    STACKS,
+    by_type,
+    config_problems,
+    manifests_of,
+    render_config,
+    render_routed,
+    render_stack,
+    stack_doc,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ROOT / "workloads"
 BY_DIGEST = re.compile(r"^[^\s@]+@sha256:[0-9a-f]{64}$")
+# The routers' front, copied into the stack's own registry (infra/aws/build.py).
+FRONT_IMAGE = "router-front-image"
 
 # Charts whose images the program does not name: each runs the images its
 # pinned chart version names by tag, and none of these can be given a digest
@@ -75,20 +88,61 @@ def test_every_image_the_program_builds_or_deploys_is_named_by_digest(stack: str
         assert release["name"] in CHART_IMAGE_EXCEPTIONS, f"chart {release['name']}: say how its images are pinned"
 
 
-def test_a_routed_stack_names_every_image_by_digest_but_an_unresolved_front_which_the_preview_names() -> None:
+def test_a_routed_stack_runs_its_own_copy_of_the_front_by_digest() -> None:
+    """The routers' front is the digest the stack's own push returned, copied from versions.ROUTER_FRONT_IMAGE."""
     rendered = render_routed("prod")
     images = {str(image) for m in rendered.manifests for image in _images(m)}
-    assert versions.ROUTER_FRONT_IMAGE in images
-    by_tag = {image for image in images if not BY_DIGEST.match(image)}
-    if versions.ROUTER_FRONT_PINNED:
-        assert by_tag == set()
-        assert UNPINNED_FRONT_WARNING not in rendered.log
-    else:
-        # Not resolved yet (ECR Public is not reachable here): the tag, and one line per router saying so.
-        assert by_tag == {versions.ROUTER_FRONT_TAG}
-        routers = [m for m in manifests_of(rendered, "Deployment") if m["metadata"]["name"].endswith("-router")]
-        assert rendered.log.count(UNPINNED_FRONT_WARNING) == len(routers) > 0
-        assert "make pin-base" in UNPINNED_FRONT_WARNING
+    assert all(BY_DIGEST.match(image) for image in images), images
+    (repository,) = [r for r in by_type(rendered, "aws:ecr/repository:Repository") if r["name"] == FRONT_IMAGE]
+    assert repository["inputs"]["imageTagMutability"] == "IMMUTABLE"
+    assert repository["inputs"]["imageScanningConfiguration"] == {"scanOnPush": True}
+    (build,) = [r for r in by_type(rendered, "docker-build:index:Image") if r["name"] == FRONT_IMAGE]
+    assert build["inputs"]["buildArgs"] == {"BASE_IMAGE": versions.ROUTER_FRONT_IMAGE}
+    assert build["inputs"]["context"]["location"] == str(front_image.CONTEXT)
+    assert build["inputs"]["push"] is True and build["inputs"]["buildOnPreview"] is False
+    # The repository is named after the serving image's, in the stack's account and region.
+    url = f"{ACCOUNT_ID}.dkr.ecr.us-east-1.amazonaws.com/llm-serving-router-front"
+    assert repository["inputs"]["name"] == url.rsplit("/", 1)[1]
+    assert repository["protect"] and repository["retain_on_delete"]
+    (tag,) = build["inputs"]["tags"]
+    assert tag == f"{url}:{front_image.front_tag()}"
+    copy = f"{url}@{fake_digest(FRONT_IMAGE)}"
+    routers = [m for m in manifests_of(rendered, "Deployment") if m["metadata"]["name"].endswith("-router")]
+    assert len(routers) == 2
+    for router in routers:
+        fronts = [c for c in router["spec"]["template"]["spec"]["containers"] if c["name"] == FRONT_CONTAINER]
+        assert [c["image"] for c in fronts] == [copy]
+    # The source's tag is said once per preview until `make pin-base` resolves it.
+    assert rendered.log.count(front_image.UNPINNED_SOURCE_WARNING) == (0 if versions.ROUTER_FRONT_PINNED else 1)
+    assert "make pin-base" in front_image.UNPINNED_SOURCE_WARNING
+
+
+def test_a_front_given_by_digest_is_run_and_nothing_is_copied() -> None:
+    given = "registry.example.com/mirror/nginx-unprivileged@sha256:" + "7" * 64
+    doc = stack_doc("prod")
+    config = doc["config"]
+    config["llm-platform:serving"] = {**config["llm-platform:serving"], "routing": ROUTING}
+    config["llm-platform:image"] = {"router_front_reference": given}
+    rendered = render_config(doc, "prod-front-given")
+    made = {r["type"] for r in rendered.resources if r["name"] == FRONT_IMAGE}
+    assert made == {"llm-platform:aws:RouterFrontImage"}, made
+    routers = [m for m in manifests_of(rendered, "Deployment") if m["metadata"]["name"].endswith("-router")]
+    assert routers
+    for router in routers:
+        containers = router["spec"]["template"]["spec"]["containers"]
+        assert [c["image"] for c in containers if c["name"] == FRONT_CONTAINER] == [given]
+    assert front_image.UNPINNED_SOURCE_WARNING not in rendered.log
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_a_stack_without_routers_copies_no_front(stack: str) -> None:
+    assert [r for r in render_stack(stack).resources if r["name"] == FRONT_IMAGE] == []
+
+
+def test_a_front_reference_by_tag_is_refused_in_one_line() -> None:
+    problems = config_problems("prod", lambda c: c.setdefault("image", {}).update(router_front_reference="nginx:1"))
+    assert len(problems) == 1 and "image.router_front_reference: " in problems[0], problems
+    assert "sha256" in problems[0] and '"nginx:1"' in problems[0]
 
 
 def test_the_karpenter_chart_names_its_controller_by_digest() -> None:
@@ -110,6 +164,16 @@ def test_the_base_image_is_pinned_by_digest_in_versions_and_the_dockerfile() -> 
     (default,) = re.findall(r"^ARG BASE_IMAGE=(\S+)$", dockerfile, re.MULTILINE)
     assert default == versions.RAY_LLM_BASE_IMAGE
     assert re.findall(r"^FROM (.+)$", dockerfile, re.MULTILINE) == ["${BASE_IMAGE}"]
+
+
+def test_the_router_front_is_copied_from_the_pinned_source() -> None:
+    """The front's Dockerfile builds FROM what versions.py names, and adds nothing to run."""
+    dockerfile = (ROOT / "infra" / "aws" / "router_front" / "Dockerfile").read_text()
+    (default,) = re.findall(r"^ARG BASE_IMAGE=(\S+)$", dockerfile, re.MULTILINE)
+    assert default == versions.ROUTER_FRONT_IMAGE
+    assert re.findall(r"^FROM (.+)$", dockerfile, re.MULTILINE) == ["${BASE_IMAGE}"]
+    instructions = {line.split()[0] for line in dockerfile.splitlines() if line and line[0].isupper()}
+    assert instructions == {"ARG", "FROM", "LABEL"}
 
 
 def _lock_entries(text: str) -> dict[str, tuple[str, list[str]]]:
@@ -212,6 +276,8 @@ def test_pin_base_rewrites_the_digests_in_versions_and_the_dockerfile(tmp_path: 
     assert f"-> {digest}" in done.stdout
     assert f'ROUTER_FRONT_DIGEST = "{front}"' in (work / "infra" / "versions.py").read_text()
     assert f"{versions.ROUTER_FRONT_TAG} -> {front}" in done.stdout
+    front_dockerfile = (work / "infra" / "aws" / "router_front" / "Dockerfile").read_text()
+    assert f"ARG BASE_IMAGE={versions.ROUTER_FRONT_TAG}@{front}\n" in front_dockerfile
 
 
 @pytest.mark.parametrize("stack", STACKS)

@@ -8,6 +8,7 @@ import pulumi
 
 from infra.aws.addons import AddonsArgs, EksAddons
 from infra.aws.cluster import WORKLOAD_ADDONS, ClusterArgs, EksCluster
+from infra.aws.front_image import RouterFrontImage, RouterFrontImageArgs
 from infra.aws.identities import (
     IdentitiesArgs,
     PodIdentities,
@@ -55,6 +56,8 @@ class _Shared:
     bucket: ModelBucket
     image: ServingImage
     batch: BatchQueue | None
+    # The routers' front image, when `serving.routing` renders routers.
+    router_front: RouterFrontImage | None
 
 
 def build_aws(cfg: StackConfig) -> AwsLayer:
@@ -85,13 +88,23 @@ def _shared(cfg: StackConfig, tags: dict[str, str]) -> _Shared:
         "serving-image",
         RegistryArgs(repository_name=cfg.image.repository_name, reference=cfg.image.reference, tags=tags),
     )
+    router_front = None
+    if cfg.serving.routing.enabled:
+        router_front = RouterFrontImage(
+            "router-front-image",
+            RouterFrontImageArgs(
+                repository_name=f"{cfg.image.repository_name}-router-front",
+                reference=cfg.image.router_front_reference,
+                tags=tags,
+            ),
+        )
     batch = None
     if cfg.batch.enabled:
         batch = BatchQueues(
             "batch-queue",
             BatchQueueArgs(settings=cfg.batch, cluster_name=cfg.cluster.name, region=cfg.region, tags=tags),
         ).queue
-    return _Shared(bucket=bucket, image=image, batch=batch)
+    return _Shared(bucket=bucket, image=image, batch=batch, router_front=router_front)
 
 
 def _existing_cluster(cfg: StackConfig, nodes: NodeProvisioner, shared: _Shared) -> AwsLayer:
@@ -108,6 +121,7 @@ def _existing_cluster(cfg: StackConfig, nodes: NodeProvisioner, shared: _Shared)
         node_provisioner=nodes.name,
         model_bucket=shared.bucket.bucket_name,
         image=shared.image.reference,
+        router_front_image=shared.router_front.reference if shared.router_front else None,
         model_reader=model_reader_identity(cfg.serving.namespace),
         cluster_autoscaler=cluster_autoscaler_identity(),
         load_balancer_controller=load_balancer_controller_identity(),
@@ -156,6 +170,7 @@ def _new_cluster(cfg: StackConfig, nodes: NodeProvisioner, shared: _Shared, tags
         node_provisioner=nodes.name,
         model_bucket=shared.bucket.bucket_name,
         image=shared.image.reference,
+        router_front_image=shared.router_front.reference if shared.router_front else None,
         model_reader=identities.model_reader,
         cluster_autoscaler=identities.cluster_autoscaler,
         load_balancer_controller=identities.load_balancer_controller,

@@ -106,6 +106,8 @@ class AwsLayer:
     # KEDA's operator: the platform's release runs under this account; it
     # reads the batch queue's length with this identity's role.
     keda_operator: PodIdentity
+    # The routers' front image (`repository@sha256:...`); None when no router is rendered.
+    router_front_image: pulumi.Output[str] | None = None
     # The batch queue and the workers' identity; None when batch is off.
     batch_queue: BatchQueue | None = None
     batch_worker: PodIdentity | None = None

@@ -156,6 +156,40 @@ def _cache_lifecycle_policy() -> str:
     )
 
 
+def image_repository(
+    name: str, repository_name: str, tags: dict[str, str], parent: pulumi.Resource
+) -> aws.ecr.Repository:
+    """A repository pods pull from by digest: immutable tags, scanned on push, KMS-encrypted, kept.
+
+    Running pods pull by digest from here: the repository must survive a
+    destroy or a rename of the stack.
+    """
+    repository = aws.ecr.Repository(
+        name,
+        name=repository_name,
+        image_tag_mutability="IMMUTABLE",
+        image_scanning_configuration=aws.ecr.RepositoryImageScanningConfigurationArgs(scan_on_push=True),
+        encryption_configurations=[aws.ecr.RepositoryEncryptionConfigurationArgs(encryption_type="KMS")],
+        force_delete=False,
+        tags=tags,
+        opts=pulumi.ResourceOptions(parent=parent, protect=True, retain_on_delete=True),
+    )
+    aws.ecr.LifecyclePolicy(
+        name, repository=repository.name, policy=lifecycle_policy(), opts=pulumi.ResourceOptions(parent=parent)
+    )
+    return repository
+
+
+def push_credentials(repository: aws.ecr.Repository) -> docker_build.RegistryArgs:
+    """What a build pushes to `repository` with: the registry's address and a short-lived token (secret)."""
+    token = aws.ecr.get_authorization_token_output(registry_id=repository.registry_id)
+    return docker_build.RegistryArgs(
+        address=repository.repository_url.apply(lambda url: url.split("/", 1)[0]),
+        username=token.user_name,
+        password=pulumi.Output.secret(token.password),
+    )
+
+
 @dataclass(frozen=True)
 class RegistryArgs:
     """Where the image goes and whether to build it."""
@@ -196,22 +230,7 @@ class ServingImage(pulumi.ComponentResource):
 
     def _repository(self, name: str, args: RegistryArgs) -> aws.ecr.Repository:
         """The image repository: immutable tags, scanned on push, KMS-encrypted, kept."""
-        # Running RayServices pull by digest from here: the repository must
-        # survive a destroy or a rename of the stack.
-        repository = aws.ecr.Repository(
-            name,
-            name=args.repository_name,
-            image_tag_mutability="IMMUTABLE",
-            image_scanning_configuration=aws.ecr.RepositoryImageScanningConfigurationArgs(scan_on_push=True),
-            encryption_configurations=[aws.ecr.RepositoryEncryptionConfigurationArgs(encryption_type="KMS")],
-            force_delete=False,
-            tags=args.tags,
-            opts=pulumi.ResourceOptions(parent=self, protect=True, retain_on_delete=True),
-        )
-        aws.ecr.LifecyclePolicy(
-            name, repository=repository.name, policy=lifecycle_policy(), opts=pulumi.ResourceOptions(parent=self)
-        )
-        return repository
+        return image_repository(name, args.repository_name, args.tags, self)
 
     def _cache_repository(self, name: str, args: RegistryArgs) -> aws.ecr.Repository:
         """The build cache's repository: immutable tags (`cache_tag`), the newest caches kept."""
@@ -230,8 +249,6 @@ class ServingImage(pulumi.ComponentResource):
 
     def _build(self, name: str, args: RegistryArgs, tag: str) -> docker_build.Image:
         """Builds workloads/ for linux/amd64 (never during preview) and pushes it as `<repository>:<tag>`."""
-        token = aws.ecr.get_authorization_token_output(registry_id=self.repository.registry_id)
-        registry = self.repository_url.apply(lambda url: url.split("/", 1)[0])
         cache = cache_tag(args.context)
         cache_ref = self.cache_repository.repository_url.apply(lambda url: f"{url}:{cache}")
         if not versions.RAY_LLM_BASE_PINNED:
@@ -245,13 +262,7 @@ class ServingImage(pulumi.ComponentResource):
             tags=[self.repository_url.apply(lambda url: f"{url}:{tag}")],
             push=True,
             build_on_preview=False,
-            registries=[
-                docker_build.RegistryArgs(
-                    address=registry,
-                    username=token.user_name,
-                    password=pulumi.Output.secret(token.password),
-                )
-            ],
+            registries=[push_credentials(self.repository)],
             cache_from=[docker_build.CacheFromArgs(registry=docker_build.CacheFromRegistryArgs(ref=cache_ref))],
             cache_to=[
                 docker_build.CacheToArgs(

@@ -183,6 +183,8 @@ def _routers(
     """
     if not cfg.serving.routing.enabled:
         return {}
+    # The AWS layer copies the front whenever routing is on (infra/aws/front_image.py).
+    assert aws.router_front_image is not None
     routers = {}
     for service, plan in router_plans(cfg).items():
         routers[service] = RequestRouter(
@@ -192,6 +194,7 @@ def _routers(
                 routing=cfg.serving.routing,
                 plan=plan,
                 site=_site(cfg, aws, platform),
+                front_image=aws.router_front_image,
                 gateway_pods=GATEWAY_LABEL if cfg.serving.gateway.enabled else None,
             ),
             _after(aws, *ns.ready, platform.monitoring_crds, ray_services[service].ray_service),

@@ -38,7 +38,6 @@ from typing import Any
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra import versions
 from infra.config import Routing, StackConfig, longest_generation_seconds
 from infra.scheduling import Placement
 from infra.serving import kuberay
@@ -85,11 +84,6 @@ ROUTER_OF = "llm-platform/router-of"
 # without it; its front (router_front.py) listens there, the router behind it.
 ROUTER_PORT = FRONT_PORT
 ROUTER_METRICS = Port("router-metrics", 29000)
-# Said once per router in a preview while the front's tag is not resolved to a digest.
-UNPINNED_FRONT_WARNING = (
-    f"the router's front runs {versions.ROUTER_FRONT_TAG} by its tag, which can be pushed again: "
-    "run `make pin-base` where ECR Public is reachable and commit the digest it writes"
-)
 # The pod's two containers.
 ROUTER_CONTAINER = "router"
 FRONT_CONTAINER = "front"
@@ -266,10 +260,11 @@ FRONT_MEMORY = "128Mi"
 FRONT_SCRATCH = "1Gi"
 
 
-def _front_container(readiness_path: str) -> dict[str, Any]:
+def _front_container(image: pulumi.Input[str], readiness_path: str) -> dict[str, Any]:
     return {
         "name": FRONT_CONTAINER,
-        "image": versions.ROUTER_FRONT_IMAGE,
+        # The stack's own copy of the front, by digest (infra/aws/front_image.py).
+        "image": image,
         "command": ["nginx", "-c", f"{CONFIG_DIR}/{CONFIG_FILE}", "-e", "stderr", "-g", "daemon off;"],
         "ports": [ROUTER_PORT.container_port()],
         # The router's readiness, through the front: Ready once the router has
@@ -308,19 +303,6 @@ ROUTER_CHECKOV_SKIPS = {
     "CKV_K8S_38": "the router discovers its replicas by listing and watching pods in its namespace (its Role), "
     "which needs the service account's token",
 }
-# While the front's tag is not yet resolved to a digest (versions.ROUTER_FRONT_PINNED; `make pin-base`).
-UNPINNED_FRONT_SKIPS = {
-    "CKV_K8S_43": "the front's tag is not resolved to a digest yet: make pin-base resolves it where ECR Public is "
-    "reachable, and pulumi preview says so until then",
-    "CKV_K8S_15": "the front is named by its tag until make pin-base resolves its digest; Always would pull "
-    "whatever the tag names at each start instead of one image",
-}
-
-
-def router_checkov_skips() -> dict[str, str]:
-    """The checks skipped on a router Deployment: those that can not apply, and the digest checks while the
-    front is named by tag."""
-    return {**ROUTER_CHECKOV_SKIPS, **({} if versions.ROUTER_FRONT_PINNED else UNPINNED_FRONT_SKIPS)}
 
 
 def front_config_map(service: str, namespace: str, plan: RouterPlan) -> dict[str, Any]:
@@ -336,17 +318,22 @@ def deployment(
     namespace: str,
     routing: Routing,
     image: pulumi.Input[str],
+    front_image: pulumi.Input[str],
     system: Placement,
     plan: RouterPlan,
 ) -> dict[str, Any]:
-    """The router Deployment: non-root, read-only root, spread over zones and nodes."""
+    """The router Deployment: non-root, read-only root, spread over zones and nodes.
+
+    `image` is the serving image the router runs from; `front_image` the
+    front's, both by digest.
+    """
     labels = {**PART_OF, **router_pods(service)}
     return {
         "metadata": {
             "name": router_name(service),
             "namespace": namespace,
             "labels": labels,
-            "annotations": checkov_skips(router_checkov_skips()),
+            "annotations": checkov_skips(ROUTER_CHECKOV_SKIPS),
         },
         "spec": {
             # The HorizontalPodAutoscaler owns the count once it exists; this is the start.
@@ -368,7 +355,7 @@ def deployment(
                     "topologySpreadConstraints": spread(router_pods(service)),
                     "terminationGracePeriodSeconds": plan.grace_seconds,
                     "containers": [
-                        _front_container(plan.readiness_path),
+                        _front_container(front_image, plan.readiness_path),
                         _router_container(routing, image, plan.command),
                     ],
                     "volumes": [
@@ -446,6 +433,8 @@ class RequestRouterArgs:
     # Its replicas and command line (router_plans).
     plan: RouterPlan
     site: DeploymentSite
+    # The front's image by digest (the AWS layer's copy, infra/aws/front_image.py).
+    front_image: pulumi.Input[str]
     # The model gateway's pods, when `serving.gateway` puts one in front of the routers.
     gateway_pods: Mapping[str, str] | None = None
 
@@ -455,8 +444,6 @@ class RequestRouter(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: RequestRouterArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("llm-platform:serving:RequestRouter", name, None, opts)
-        if not versions.ROUTER_FRONT_PINNED:
-            pulumi.log.warn(UNPINNED_FRONT_WARNING, resource=self)
         k8s_opts = pulumi.ResourceOptions(parent=self)
         service, site = args.service, args.site
         namespace = site.namespace
@@ -482,7 +469,7 @@ class RequestRouter(pulumi.ComponentResource):
         front_config = k8s.core.v1.ConfigMap(
             f"{name}-front", metadata=front["metadata"], data=front["data"], opts=k8s_opts
         )
-        manifest = deployment(service, namespace, args.routing, site.image, site.system, args.plan)
+        manifest = deployment(service, namespace, args.routing, site.image, args.front_image, site.system, args.plan)
         self.deployment = k8s.apps.v1.Deployment(
             f"{name}-deployment",
             metadata=manifest["metadata"],
