@@ -71,9 +71,32 @@ def upstream_dir() -> Path:
     return UPSTREAM
 
 
+# Dev's stack file on Serve's OpenAI ingress (`serving.layout: serve-ingress`, routing and the gateway
+# off: they send to vllm-server replicas only): the committed stacks' example of that layout, its
+# model still scaling to zero. The tests and the twin's monitored session use it under this name.
+SERVE_INGRESS = "dev-serve-ingress"
+
+
+def serve_ingress_doc() -> dict[str, Any]:
+    """Dev's stack file with its model on Serve's OpenAI ingress (SERVE_INGRESS)."""
+    doc = copy.deepcopy(stack_document("dev"))
+    serving = {**doc["config"]["llm-platform:serving"], "layout": "serve-ingress"}
+    for section in ("routing", "gateway"):
+        serving.pop(section, None)
+    doc["config"]["llm-platform:serving"] = serving
+    return doc
+
+
+# Stacks the tests render beside the committed ones: name -> (the stack it renders as, its document).
+VARIANTS: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {SERVE_INGRESS: ("dev", serve_ingress_doc)}
+
+
 @cache
 def render_stack(stack: str) -> Rendered:
-    """The render of a committed stack (cached: treat it as read-only)."""
+    """The render of a committed stack or of a VARIANTS one (cached: treat it as read-only)."""
+    if stack in VARIANTS:
+        name, doc = VARIANTS[stack]
+        return render_document(name, doc())
     return render(stack)
 
 
@@ -101,7 +124,9 @@ def render_routed(stack: str) -> Rendered:
 
 
 def stack_doc(stack: str) -> dict[str, Any]:
-    """A committed stack file as a dict, to copy and break in tests."""
+    """A committed (or VARIANTS) stack file as a dict, to copy and break in tests."""
+    if stack in VARIANTS:
+        return VARIANTS[stack][1]()
     return stack_document(stack)
 
 
@@ -177,7 +202,7 @@ def doc_config(doc: dict[str, Any]) -> StackConfig:
 
 def stack_config(stack: str, edit: ConfigEdit | None = None, **overrides: Any) -> StackConfig:
     """A committed stack's validated config; `edit` changes the file, `overrides` replace whole sections."""
-    if edit is None and not overrides:
+    if edit is None and not overrides and stack not in VARIANTS:
         return load_stack_file(ROOT / f"Pulumi.{stack}.yaml")
     raw = stack_sections(stack, edit)
     raw.update(overrides)

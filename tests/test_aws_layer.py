@@ -374,7 +374,11 @@ def test_redis_only_in_prod_with_tls_and_a_secret_token() -> None:
 def _existing_doc() -> dict[str, Any]:
     doc = _managed_doc("dev")
     doc["config"][f"{NS}cluster"] = {"mode": "existing", "name": "shared-gpu", "kubeconfig_context": "shared-gpu-admin"}
-    doc["config"][f"{NS}image"] = {"reference": "registry.example.com/llm-serving@sha256:" + "ab" * 32}
+    doc["config"][f"{NS}image"] = {
+        "reference": "registry.example.com/llm-serving@sha256:" + "ab" * 32,
+        # Dev routes: the routers' front too, from the same registry.
+        "router_front_reference": "registry.example.com/nginx-unprivileged@sha256:" + "cd" * 32,
+    }
     return doc
 
 
@@ -386,11 +390,19 @@ def test_existing_cluster_creates_no_cluster_and_uses_the_context() -> None:
     (provider,) = by_type(r, "pulumi:providers:kubernetes")
     assert provider["inputs"].get("context") == "shared-gpu-admin"
     assert "kubeconfig" not in provider["inputs"]
-    # The bucket and repository are still made; the given image is used as is, nothing is built.
+    # The bucket and repository are still made; the given images are used as they are, nothing is built.
     assert _one(r, "aws:s3/bucket:Bucket", "model-bucket")["protect"]
     assert _one(r, "aws:ecr/repository:Repository", "serving-image")
     assert not by_type(r, "docker-build:index:Image")
     assert r.outputs["image"] == "registry.example.com/llm-serving@sha256:" + "ab" * 32
+    fronts = {
+        c["image"]
+        for m in r.manifests
+        if m.get("kind") == "Deployment"
+        for c in m["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "front"
+    }
+    assert fronts == {"registry.example.com/nginx-unprivileged@sha256:" + "cd" * 32}
     assert "kubeconfig" not in r.outputs
     assert r.outputs["node_groups"] == {}
 

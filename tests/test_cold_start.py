@@ -30,6 +30,7 @@ from infra.serving.ray_service import (
 )
 from infra.serving.serve_config import MOUNTS, catalog
 from tests.harness import (
+    SERVE_INGRESS,
     by_type,
     group,
     ray_services,
@@ -302,7 +303,8 @@ def test_a_replica_over_two_nodes_reads_the_whole_checkpoint_on_each() -> None:
         c[f"{NS}models"][0]["pipeline_parallel_size"] = 2
         c[f"{NS}node_groups"]["gpu"][0]["max_size"] = 4
 
-    cfg, one_stage = parse(stack_sections("dev", two_stages)), stack_config("dev")
+    # Pipeline stages run on Serve's ingress (the vllm-server layout serves one node's engine).
+    cfg, one_stage = parse(stack_sections(SERVE_INGRESS, two_stages)), stack_config(SERVE_INGRESS)
     model = cfg.models[0]
     assert model.num_devices == 2 and gpu_placements(cfg)[model.gpu_group].instance.gpus == 1
     budget = cold_start_budget(cfg, model)

@@ -298,9 +298,9 @@ CASES: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
         "(more would share a node's fate)",
     ),
     (
-        "vllm-server for a model that scales to zero",
+        "vllm-server for a model that scales to zero, without the gateway",
         "dev",
-        _set("serving.layout", "vllm-server"),
+        _both(_set("serving.layout", "vllm-server"), _set("serving.gateway.enabled", False)),
         "config error: serving.layout: vllm-server: model 'llama-31-8b' needs autoscaling.min_replicas >= 1, "
         "or serving.gateway and serving.routing enabled (only the gateway wakes a vllm-server model from zero); "
         "use auto or serve-ingress",

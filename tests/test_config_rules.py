@@ -524,7 +524,14 @@ PROD_INGRESS = {"min_replicas": 2, "max_replicas": 6}
 def test_auto_picks_vllm_server_wherever_a_service_can_use_it() -> None:
     """One model, never at zero, one pod per replica: vllm-server; anything else: serve-ingress."""
     assert accepted("prod", lambda raw: None).layouts() == {"llama-31-8b": "vllm-server", "llama-33-70b": "vllm-server"}
-    assert accepted("dev", lambda raw: None).layouts() == {"llama-31-8b": "serve-ingress"}
+    # Dev's model scales to zero: vllm-server only because the gateway wakes it.
+    assert accepted("dev", lambda raw: None).layouts() == {"llama-31-8b": "vllm-server"}
+
+    def no_gateway(raw: dict[str, Any]) -> None:
+        raw["serving"].pop("gateway")
+        raw["serving"].pop("routing")
+
+    assert accepted("dev", no_gateway).layouts() == {"llama-31-8b": "serve-ingress"}
 
     def share(raw: dict[str, Any]) -> None:
         for model in raw["models"]:
@@ -537,10 +544,13 @@ def test_auto_picks_vllm_server_wherever_a_service_can_use_it() -> None:
     big = next(m for m in cfg.models if m.tensor_parallel_size == 4)
     assert cfg.layout_for([big]) == "vllm-server"
     assert cfg.layout_for([big.model_copy(update={"pipeline_parallel_size": 2})]) == "serve-ingress"
-    # Dev's model scales to zero; held at one replica it could go direct.
-    assert accepted(
-        "dev", lambda raw: raw["models"][0]["autoscaling"].update(min_replicas=1, max_replicas=1)
-    ).layouts() == {"llama-31-8b": "vllm-server"}
+
+    # Without the gateway, held at one replica it goes direct.
+    def held(raw: dict[str, Any]) -> None:
+        no_gateway(raw)
+        raw["models"][0]["autoscaling"].update(min_replicas=1, max_replicas=1)
+
+    assert accepted("dev", held).layouts() == {"llama-31-8b": "vllm-server"}
 
 
 def test_an_explicit_layout_applies_to_every_service() -> None:

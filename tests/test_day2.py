@@ -36,8 +36,9 @@ def _public_services(stack: str) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("stack", STACKS)
 def test_a_new_image_upgrade_switches_and_finishes_on_every_ray_service(stack: str) -> None:
+    routers = day2.router_discovery(render_stack(stack).manifests)
     for rs in ray_services(stack):
-        result = day2.play_switch(rs, _public_services(stack))
+        result = day2.play_switch(rs, _public_services(stack), routers.get(rs["metadata"]["name"]))
         assert result.ok, result.detail
 
 
@@ -165,22 +166,39 @@ def test_the_cleanup_pod_is_the_head_pod_with_the_redis_address_and_password() -
 
 @pytest.mark.parametrize("stack", STACKS)
 def test_every_pod_the_load_balancer_serves_gets_its_readiness_gate_in_either_cluster(stack: str) -> None:
+    """Without a router the load balancer targets the serving workers, which get its gate in either cluster;
+    behind a router it targets the router's pods, and the workers (found by the router's discovery) get none."""
     lbs = _public_services(stack)
+    routers = day2.router_discovery(render_stack(stack).manifests)
     for rs in ray_services(stack):
+        discovery = routers.get(rs["metadata"]["name"])
+        groups = {str(g["groupName"]): 1 for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
         for suffix in ("aaaaa", "bbbbb"):
-            pods = mirror.build_cluster_pods(ray_cluster(rs, suffix))
+            pods = mirror.build_cluster_pods(ray_cluster(rs, suffix), groups)
+            assert any(pod["metadata"]["labels"][kuberay.NODE_TYPE] == "worker" for pod in pods)
             for pod in pods:
                 serving = pod["metadata"]["labels"][kuberay.NODE_TYPE] == "worker"
-                assert bool(mirror.lbc_readiness_gates(pod, lbs)) == serving, pod["metadata"]["name"]
+                gated = bool(mirror.lbc_readiness_gates(pod, lbs))
+                if discovery is None:
+                    assert gated == serving, pod["metadata"]["name"]
+                else:
+                    assert not gated and mirror.selects(discovery, pod["metadata"]["labels"]) == serving
 
 
 @pytest.mark.parametrize("stack", STACKS)
 def test_during_an_upgrade_the_load_balancer_keeps_the_old_pods_until_the_new_are_ready(stack: str) -> None:
-    """Targets are the Ready pods of both clusters: at no step of the hand-over is the set empty."""
+    """Targets are the Ready pods of both clusters: at no step of the hand-over is the set empty.
+
+    Behind a request router the load balancer targets the router's pods, and the router sends to the
+    Ready pods its discovery selects: those are the targets that must never run out.
+    """
+    routers = day2.router_discovery(render_stack(stack).manifests)
     for rs in ray_services(stack):
         (lb,) = [
             s for s in _public_services(stack) if s["metadata"]["name"] == public_service_name(rs["metadata"]["name"])
         ]
+        service = rs["metadata"]["name"]
+        selector = routers[service] if service in routers else lb["spec"]["selector"]
         groups = {str(g["groupName"]): 1 for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
         old = mirror.build_cluster_pods(ray_cluster(rs, "aaaaa"), groups)
         new = mirror.build_cluster_pods(ray_cluster(rs, "bbbbb"), groups)
@@ -195,7 +213,7 @@ def test_during_an_upgrade_the_load_balancer_keeps_the_old_pods_until_the_new_ar
             targets = {
                 p["metadata"]["name"]
                 for p in pods
-                if p["metadata"]["name"] in ready and mirror.selects(lb["spec"]["selector"], p["metadata"]["labels"])
+                if p["metadata"]["name"] in ready and mirror.selects(selector, p["metadata"]["labels"])
             }
             assert targets, f"{rs['metadata']['name']}: no target at some step"
 
@@ -297,3 +315,14 @@ def test_render_b_changes_max_num_seqs_to_a_value_the_capacity_rule_accepts() ->
     assert inputs.engine_value != plan.replica.engine.max_num_seqs
     assert 1 <= inputs.engine_value <= plan.concurrency.preemption_free
     assert inputs.engine_value == day2.engine_value(stack, plan.name)
+
+
+def test_behind_a_router_the_switch_fails_when_its_discovery_misses_the_new_pods() -> None:
+    """Control: a router whose selector names the old cluster alone would lose every replica at the switch."""
+    (rs,) = ray_services("dev")
+    discovery = day2.router_discovery(render_stack("dev").manifests)[rs["metadata"]["name"]]
+    assert day2.play_switch(rs, _public_services("dev"), discovery).ok
+    old_cluster = mirror.ray_cluster_name(rs, "aaaaa")
+    narrowed = {**discovery, mirror.CLUSTER_LABEL: old_cluster}
+    result = day2.play_switch(rs, _public_services("dev"), narrowed)
+    assert not result.ok and "router's discovery does not find" in result.detail, result.detail

@@ -19,6 +19,7 @@ from infra.scheduling import GPU_TAINT
 from policy import rules
 from policy.rules import Resource
 from tests.harness import STACKS, render_stack
+from tests.harness import stack_config as load_stack_config
 
 POLICY_CONFIG = Path(__file__).resolve().parent.parent / "policy" / "config"
 DIGEST = "sha256:" + "ab" * 32
@@ -510,9 +511,13 @@ def test_unprotected_model_bucket_fails(stack: str) -> None:
 def test_unprotected_image_repository_fails(stack: str) -> None:
     repositories = [r for r in rendered(stack) if r.type == rules.ECR_REPOSITORY]
     kept = [r for r in repositories if not r.props.get("forceDelete")]
-    assert len(kept) == 1 and kept[0].protect
-    messages = rules.check_stateful_protected(with_props(kept[0], kept[0].props, protect=False), {})
-    assert messages and messages[0].startswith(f"Repository '{kept[0].name}' holds state")
+    # The serving image's, and with routing on the routers' front's copy: pods pull both by digest.
+    routed = load_stack_config(stack).serving.routing.enabled
+    names = {"serving-image", *(["router-front-image"] if routed else [])}
+    assert {r.name for r in kept} == names and all(r.protect for r in kept)
+    for repository in kept:
+        messages = rules.check_stateful_protected(with_props(repository, repository.props, protect=False), {})
+        assert messages and messages[0].startswith(f"Repository '{repository.name}' holds state")
 
 
 def test_a_disposable_cache_repository_is_exempt() -> None:

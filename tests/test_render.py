@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from infra import versions
+from infra.aws.front_image import UNPINNED_SOURCE_WARNING
 from infra.aws.registry import UNPINNED_BASE_WARNING
 from infra.capacity.report import (
     cold_start_line,
@@ -175,4 +176,7 @@ def test_the_render_prints_each_models_plan_and_cold_start_budget(stack: str, tm
     assert len(printed) == 4 * len(cfg.models) + len({m.gpu_group for m in cfg.models})
     # Until the base image's digest is resolved (make pin-base), the preview says it builds from the tag.
     unpinned = [] if versions.RAY_LLM_BASE_PINNED else [UNPINNED_BASE_WARNING]
+    # And, with routing on, that the routers' front is copied from its tag until it is resolved too.
+    if cfg.serving.routing.enabled and not versions.ROUTER_FRONT_PINNED:
+        unpinned.append(UNPINNED_SOURCE_WARNING)
     assert render_stack(stack).log == expected + unpinned

@@ -41,13 +41,24 @@ from infra.config import StackConfig
 from infra.render import Rendered
 from infra.serving.batch import WORKER_NAME, worker_labels
 from infra.serving.build import batch_service
+from infra.serving.gateway import GATEWAY_LABEL, GATEWAY_METRICS, GATEWAY_PORT
 from infra.serving.network import POD_IDENTITY_AGENT, ClusterPeers, ray_service_policies
 from infra.serving.ports import RAY_PORTS
 from infra.serving.ray_service import SERVICE_LABEL, pod_labels
-from tests.harness import manifests_of, ray_cluster, ray_service_pods, render_stack, stack_config, workload_pods
+from infra.serving.router import ROUTER_METRICS, ROUTER_OF, ROUTER_PORT
+from tests.harness import (
+    SERVE_INGRESS,
+    manifests_of,
+    ray_cluster,
+    ray_service_pods,
+    render_stack,
+    stack_config,
+    workload_pods,
+)
 from twin import kuberay as mirror
 
-STACKS = ["dev", "prod"]
+# The committed stacks (dev's model behind its router and the gateway) and dev on Serve's ingress.
+STACKS = ["dev", "prod", SERVE_INGRESS]
 NAMESPACE_LABEL = "kubernetes.io/metadata.name"
 # Ports Ray listens on that no container port names: the dashboard agent
 # (its job agent runs code too) and a worker process's port; on a head, Serve's
@@ -247,6 +258,11 @@ def _pod_endpoint(pod: dict[str, Any], ip: str) -> Endpoint:
         group = labels["ray.io/group"]
         role = "head" if node_type == "head" else ("ingress" if group == "ingress" else "gpu")
         return Endpoint(name, role, ip, pod["metadata"]["namespace"], labels, _ray_ports(pod), labels[SERVICE_LABEL])
+    declared = tuple(sorted({p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}))
+    if ROUTER_OF in labels:
+        return Endpoint(name, "router", ip, pod["metadata"]["namespace"], labels, declared, labels[ROUTER_OF])
+    if GATEWAY_LABEL.items() <= labels.items():
+        return Endpoint(name, "gateway", ip, pod["metadata"]["namespace"], labels, declared)
     role = "batch" if name == WORKER_NAME else "headroom"
     return Endpoint(name, role, ip, pod["metadata"]["namespace"], labels, (PROBE_PORT,))
 
@@ -383,7 +399,10 @@ def _to_ray_pod(cfg: StackConfig, src: Endpoint, dst: Endpoint) -> set[int]:
         return set(dst.ports) if src.service == dst.service else set()
     if dst.role == "head":
         # The operator (its namespace AND labels) on the dashboard and the
-        # Serve health; Prometheus on the metrics ports; nobody else.
+        # Serve health; Prometheus on the metrics ports; for a model the
+        # gateway wakes, the gateway on Serve's proxy; nobody else.
+        if src.role == "gateway" and cfg.serving.gateway.enabled and dst.service in cfg.woken_services():
+            return {RAY_PORTS.wake.number}
         return {"operator": OPERATOR_ON_HEAD, "prometheus": HEAD_METRICS}.get(src.role, set())
     # Workers: the public port (Serve's proxy; under vllm-server the
     # replica's own vLLM server) for the load balancer, i.e. any VPC address
@@ -392,7 +411,11 @@ def _to_ray_pod(cfg: StackConfig, src: Endpoint, dst: Endpoint) -> set[int]:
     # workers' vLLM registry (no API key guards it: nobody else).
     allowed: set[int] = set()
     public = _public_port(cfg, dst.service)
-    if src.role in IN_VPC_WITHOUT_EGRESS_POLICY:
+    if cfg.serving.routing.enabled and _layout(cfg, dst.service) == "vllm-server" and dst.service != OTHER_SERVICE:
+        # Behind its router: the replicas' port for that router's pods alone.
+        if src.role == "router" and src.service == dst.service:
+            allowed.add(public)
+    elif src.role in IN_VPC_WITHOUT_EGRESS_POLICY:
         allowed.add(public)
     # Batch workers: their model's public port, on any RayService's workers
     # that use the same one (see test_egress_rules_to_services_match_the_services_selectors).
@@ -419,6 +442,20 @@ def _from_serving_pod(cfg: StackConfig, src: Endpoint, dst: Endpoint) -> set[int
     if src.role == "batch" and cfg.batch.enabled:
         # AWS APIs outside the VPC only: not the private API endpoint.
         return {"aws-api": {443}, "pod-identity": {80}}.get(dst.role, set())
+    if src.role == "router":
+        # Its discovery lists and watches pods: HTTPS to the API server, wherever it is.
+        return {"aws-api": {443}, "kube-api": {443}}.get(dst.role, set())
+    return set()
+
+
+def _to_front(cfg: StackConfig, src: Endpoint, dst: Endpoint) -> set[int]:
+    """A router's or the gateway's pods: the load balancer's sources (the VPC) on the API port, Prometheus on
+    the metrics port, and a router's also for the gateway."""
+    api, metrics = (ROUTER_PORT, ROUTER_METRICS) if dst.role == "router" else (GATEWAY_PORT, GATEWAY_METRICS)
+    if src.role in IN_VPC_WITHOUT_EGRESS_POLICY:
+        return {api.number} | ({metrics.number} if src.role == "prometheus" else set())
+    if src.role == "gateway" and dst.role == "router":
+        return {api.number}
     return set()
 
 
@@ -428,6 +465,8 @@ def expected(cfg: StackConfig, src: Endpoint, dst: Endpoint) -> set[int]:
         return _to_ray_pod(cfg, src, dst)
     if dst.role in {"batch", "headroom"}:
         return set()  # nothing reaches them
+    if dst.role in {"router", "gateway"}:
+        return _to_front(cfg, src, dst)
     if src.namespace == cfg.serving.namespace:
         return _from_serving_pod(cfg, src, dst)
     # Outside the serving namespace no policy applies: not this program's to decide.
@@ -452,6 +491,9 @@ def test_the_matrix_covers_every_role(stack: str) -> None:
     roles = {e.role for e in m.sources}
     cfg = stack_config(stack)
     assert {"head", "gpu", "batch", "headroom", "operator", "attacker", "prometheus", "lb"} <= roles
+    # And the routers and the gateway where the stack runs them.
+    assert ("router" in roles) is cfg.serving.routing.enabled
+    assert ("gateway" in roles) is cfg.serving.gateway.enabled
     # Every RayService's traffic-taking pods: its ingress pods, or under vllm-server its GPU workers.
     serving = {"vllm-server": "gpu", "serve-ingress": "ingress"}
     for service in [*cfg.services(), OTHER_SERVICE]:
@@ -472,8 +514,12 @@ def test_vllms_own_registry_answers_prometheus_and_its_own_ray_service_only(stac
         if vllm_metrics in ports and s.service != t.service:
             assert s.role == "prometheus", (src, dst)
             seen += 1
-        if openai in t.ports and s.service != t.service and s.role == "lb":
-            assert openai in ports, (src, dst)
+        if openai in t.ports and t.role == "gpu" and s.service != t.service and s.role == "lb":
+            # The load balancer reaches the replicas' servers, unless a router stands in front of them.
+            routed = m.cfg.serving.routing.enabled and t.service in m.cfg.services()
+            assert (openai in ports) is not routed, (src, dst)
+        if s.role == "router" and t.role == "gpu":
+            assert (openai in ports) is (s.service == t.service), (src, dst)
     # Prod serves in the vllm-server layout, so its GPU workers were tried.
     assert (seen > 0) is ("vllm-server" in stack_config(stack).layouts().values())
 

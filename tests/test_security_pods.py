@@ -20,8 +20,10 @@ import pytest
 from infra.aws.identities import BATCH_WORKER_SA, MODEL_READER_SA
 from infra.render import ROOT
 from infra.serving.pod_security import AUTOSCALER_TOKEN_VOLUME, RAY_GID, RAY_UID, SERVICE_ACCOUNT_DIR
+from infra.serving.router import ROUTER_OF
 from tests.harness import (
     AUTOSCALER_CONTAINER,
+    SERVE_INGRESS,
     WAIT_GCS_CONTAINER,
     manifests_of,
     render_routed,
@@ -30,7 +32,7 @@ from tests.harness import (
     workload_pods,
 )
 
-STACKS = ["dev", "prod"]
+STACKS = ["dev", "prod", SERVE_INGRESS]
 
 # --- the standard's controls ------------------------------------------------------------------
 
@@ -290,9 +292,16 @@ def test_pods_run_as_the_images_user(stack: str) -> None:
 
 @pytest.mark.parametrize("stack", STACKS)
 def test_no_serving_pod_mounts_a_token_but_the_autoscaler(stack: str) -> None:
-    """Code run in a Ray container (the job API runs any) finds no Kubernetes credential."""
+    """Code run in a Ray container (the job API runs any) finds no Kubernetes credential.
+
+    A request router keeps its token (its discovery lists pods): it runs no Ray, and
+    test_the_request_routers_pods_pass_restricted_and_only_they_add_a_token holds it to that alone.
+    """
     for pod in _serving_pods(stack):
         spec = pod["spec"]
+        if ROUTER_OF in pod["metadata"]["labels"]:
+            assert stack_config(stack).serving.routing.enabled and spec["automountServiceAccountToken"] is True
+            continue
         assert spec["automountServiceAccountToken"] is False, pod["metadata"]["name"]
         token_volumes = [v["name"] for v in spec.get("volumes", []) if _has_token(v)]
         holders = [

@@ -29,7 +29,15 @@ from infra.serving.gateway import GATEWAY_LABEL, upstream_name
 from infra.serving.network import head_service_pods
 from infra.serving.ports import RAY_PORTS
 from infra.serving.router import ROUTER_CONTAINER, router_name, router_pods
-from tests.harness import manifests_of, ray_cluster, render_config, render_routed, render_stack, stack_doc
+from tests.harness import (
+    SERVE_INGRESS,
+    manifests_of,
+    ray_cluster,
+    render_config,
+    render_routed,
+    render_stack,
+    stack_doc,
+)
 from twin import kuberay as mirror
 
 Pod = dict[str, Any]
@@ -40,25 +48,18 @@ def _layout_variant(stack: str, layout: str) -> Rendered:
     doc = copy.deepcopy(stack_doc(stack))
     config = doc["config"]
     config["llm-platform:serving"] = {**config.get("llm-platform:serving", {}), "layout": layout}
-    if layout == "vllm-server":
-        # vllm-server needs a replica that stays up (nothing could wake one at zero).
-        for model in config["llm-platform:models"]:
-            model["autoscaling"]["min_replicas"] = max(1, model["autoscaling"]["min_replicas"])
-        # Room for the upgrade headroom rule with that replica.
-        for group in config["llm-platform:node_groups"]["gpu"]:
-            group["max_size"] += 1
     return render_config(doc, f"{stack}-{layout}")
 
 
-# The committed stacks in their own layouts (dev: serve-ingress, prod:
-# vllm-server), each in the other one, and each with its router and gateway
-# (dev's then vllm-server at min_replicas 0, woken by the gateway).
-VARIANTS = ["dev", "prod", "dev-vllm-server", "prod-serve-ingress", "prod-routed", "dev-routed"]
+# The committed stacks in their own layouts (dev: vllm-server at min_replicas 0 behind its router and
+# the gateway, prod: vllm-server), dev's file on Serve's ingress (SERVE_INGRESS) and prod's, and each
+# with the tests' router and gateway settings (harness.ROUTING, GATEWAY).
+VARIANTS = ["dev", "prod", SERVE_INGRESS, "prod-serve-ingress", "prod-routed", "dev-routed"]
 
 
 @cache
 def rendered(variant: str) -> Rendered:
-    if variant in ("dev", "prod"):
+    if variant in ("dev", "prod", SERVE_INGRESS):
         return render_stack(variant)
     stack, rest = variant.split("-", 1)
     if rest == "routed":

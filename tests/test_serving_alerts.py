@@ -23,7 +23,7 @@ from infra.config import Slo
 from infra.render import ROOT
 from infra.serving import alerts, dashboards
 from infra.serving.ports import RAY_PORTS
-from tests.harness import REFERENCE, manifests_of, reference_dir, render_config, render_stack, stack_doc
+from tests.harness import REFERENCE, SERVE_INGRESS, manifests_of, reference_dir, render_config, render_stack, stack_doc
 from tests.harness import stack_config as config
 from tests.promql import metrics_in
 from workloads.inference_server.catalog import serve_llm_deployment_name
@@ -551,13 +551,15 @@ def test_the_serve_queue_rule_names_the_deployment_ray_serve_llm_builds(model_id
     assert (total["record"], mean["record"]) == (alerts.SERVE_QUEUED, alerts.SERVE_QUEUED_AVG)
 
 
-def test_dev_waits_for_its_serve_ingress_model_in_serve_and_prod_does_not() -> None:
-    """Dev's one model (serve-ingress) gets Serve's queue rules for its own app and deployment; prod's
-    (vllm-server: the guard refuses past the cap, nothing waits in Serve) get none."""
-    dev = config("dev")
-    model = dev.models[0]
-    records = [r for r in _rules(_rule("dev")) if r.get("record") == alerts.SERVE_QUEUED]
+def test_a_serve_ingress_model_waits_in_serve_and_a_vllm_server_one_does_not() -> None:
+    """Dev's one model on Serve's ingress (SERVE_INGRESS) gets Serve's queue rules for its own app and
+    deployment; the committed stacks' models (vllm-server: the guard refuses past the cap, nothing waits
+    in Serve) get none."""
+    variant = config(SERVE_INGRESS)
+    model = variant.models[0]
+    records = [r for r in _rules(_rule(SERVE_INGRESS)) if r.get("record") == alerts.SERVE_QUEUED]
     assert [r["labels"]["model_name"] for r in records] == [model.model_id]
     assert f'application="{model.service_name}"' in records[0]["expr"]
-    assert f'namespace="{dev.serving.namespace}"' in records[0]["expr"]
+    assert f'namespace="{variant.serving.namespace}"' in records[0]["expr"]
+    assert not [r for r in _rules(_rule("dev")) if r.get("record") == alerts.SERVE_QUEUED]
     assert not [r for r in _rules(_rule("prod")) if r.get("record") == alerts.SERVE_QUEUED]

@@ -24,7 +24,8 @@ from infra.serving.endpoint import (
 )
 from infra.serving.ports import HTTPS_PORT, RAY_PORTS
 from infra.serving.ray_service import SERVICE_LABEL
-from tests.harness import manifests_of, ray_services, render_stack
+from infra.serving.router import router_pods
+from tests.harness import SERVE_INGRESS, manifests_of, ray_services, render_stack
 from tests.harness import stack_config as config
 
 STACKS = ["dev", "prod"]
@@ -104,18 +105,23 @@ def test_a_tls_listener_keeps_its_port_under_either_layout() -> None:
     assert direct == [{"name": "https", "port": HTTPS_PORT, "targetPort": "openai", "protocol": "TCP"}]
 
 
-def test_dev_endpoint_is_internal_plain_http_on_the_serve_port() -> None:
-    for rs in ray_services("dev"):
-        svc = _public("dev", rs["metadata"]["name"])
+@pytest.mark.parametrize("stack", ["dev", SERVE_INGRESS])
+def test_dev_endpoint_is_internal_plain_http_on_the_port_its_layout_serves(stack: str) -> None:
+    """Dev's router front (the vllm-server servers' port), or Serve's proxy on its variant."""
+    cfg = config(stack)
+    for rs in ray_services(stack):
+        svc = _public(stack, rs["metadata"]["name"])
         annotations = svc["metadata"]["annotations"]
         assert annotations[f"{LB_ANNOTATION}-scheme"] == "internal"
         assert f"{LB_ANNOTATION}-ssl-cert" not in annotations
         # No allow-list of its own: the VPC alone, not the controller's default of 0.0.0.0/0
         # (which an internal NLB would apply to everything routed into the VPC).
-        assert not config("dev").endpoint.allowed_cidrs
-        assert svc["spec"]["loadBalancerSourceRanges"] == [str(config("dev").network.vpc_cidr)]
+        assert not cfg.endpoint.allowed_cidrs
+        assert svc["spec"]["loadBalancerSourceRanges"] == [str(cfg.network.vpc_cidr)]
         (port,) = svc["spec"]["ports"]
-        assert (port["port"], port["targetPort"]) == (RAY_PORTS.serve.number, RAY_PORTS.serve.name)
+        public = RAY_PORTS.public(cfg.layout_of(rs["metadata"]["name"]))
+        assert public == (RAY_PORTS.openai if stack == "dev" else RAY_PORTS.serve)
+        assert (port["port"], port["targetPort"]) == (public.number, public.name)
 
 
 def test_source_ranges_are_the_allow_list_else_the_vpc() -> None:
@@ -195,13 +201,19 @@ def test_ray_policies_select_by_ray_service_and_name_peers_by_namespace_and_labe
                     assert peer["podSelector"]["matchLabels"]
             for rule in spec.get("ingress", []):
                 assert rule.get("from"), "a rule without peers would admit everyone"
-        (operator,) = head["ingress"]
+        # The operator; and for a model the gateway wakes, the gateway on Serve's port (test_serving_wake.py).
+        operator, *wake = head["ingress"]
         assert operator["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "kuberay"}
         assert {p["port"] for p in operator["ports"]} == {RAY_PORTS.dashboard.number, RAY_PORTS.serve.number}
-        # The port the serve Service targets, and only it, for the load balancer's addresses in the VPC.
+        assert len(wake) == (1 if name in cfg.woken_services() and cfg.serving.gateway.enabled else 0)
+        # The port the serve Service targets, and only it: for the load balancer's addresses in the VPC,
+        # or behind a router for its pods alone.
         public = RAY_PORTS.public(cfg.layout_of(name))
         (lb,) = serve["ingress"]
-        assert {"ipBlock": {"cidr": str(cfg.network.vpc_cidr)}} in lb["from"]
+        if cfg.serving.routing.enabled:
+            assert lb["from"] == [{"podSelector": {"matchLabels": router_pods(name)}}]
+        else:
+            assert {"ipBlock": {"cidr": str(cfg.network.vpc_cidr)}} in lb["from"]
         assert lb["ports"] == [{"protocol": "TCP", "port": public.number}]
         (svc_port,) = _serve_service(next(rs for rs in ray_services(stack) if rs["metadata"]["name"] == name))["spec"][
             "ports"

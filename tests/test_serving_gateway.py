@@ -18,7 +18,7 @@ from infra.render import Rendered
 from infra.serving.endpoint import public_service_name
 from infra.serving.gateway import GATEWAY_LABEL, GATEWAY_METRICS, GATEWAY_PORT, upstream_name
 from infra.serving.router import ROUTER_PORT, router_name, router_pods
-from tests.harness import GATEWAY, ROUTING, config_problems, manifests_of, render_routed, render_stack
+from tests.harness import GATEWAY, ROUTING, SERVE_INGRESS, config_problems, manifests_of, render_routed, render_stack
 from workloads.inference_server.gateway_settings import SETTINGS_ENV, GatewaySettings
 
 # The gateway's default name (serving.gateway.name), which the routed render keeps.
@@ -50,10 +50,14 @@ def _ray_services() -> dict[str, dict[str, Any]]:
 
 
 def test_the_gateway_is_off_unless_asked_for() -> None:
-    for stack in ("dev", "prod"):
+    for stack in (SERVE_INGRESS, "prod"):
         rendered = render_stack(stack)
         assert not [d for d in manifests_of(rendered, "Deployment") if d["metadata"]["name"] == NAME], stack
         assert "gateway_endpoint" not in rendered.outputs
+    # Dev asks for it: its model sleeps at zero, and only the gateway wakes it.
+    rendered = render_stack("dev")
+    assert [d for d in manifests_of(rendered, "Deployment") if d["metadata"]["name"] == NAME]
+    assert "gateway_endpoint" in rendered.outputs
 
 
 def test_each_model_is_routed_to_its_own_router() -> None:
@@ -169,7 +173,11 @@ def test_gateway_manifests_validate_against_the_kubernetes_schema() -> None:
     [
         ("prod", {"gateway": {"enabled": True, "min_replicas": 2}}, "serving.gateway.enabled: needs serving.routing"),
         ("prod", {"routing": ROUTING, "gateway": {"enabled": True, "min_replicas": 1}}, "serving.gateway.min_replicas"),
-        ("dev", {"gateway": {"enabled": True}}, "serving.gateway.enabled: every service must run the vllm-server"),
+        (
+            SERVE_INGRESS,
+            {"gateway": {"enabled": True}},
+            "serving.gateway.enabled: every service must run the vllm-server",
+        ),
         ("prod", {"routing": ROUTING, "gateway": {**GATEWAY, "name": "llama-31-8b"}}, "serving.gateway.name"),
         ("prod", {"routing": ROUTING, "gateway": {**GATEWAY, "name": "Bad_Name"}}, "serving.gateway"),
         ("prod", {"routing": ROUTING, "gateway": {**GATEWAY, "max_replicas": 1}}, "serving.gateway"),

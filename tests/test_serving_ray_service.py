@@ -44,12 +44,21 @@ from infra.serving.ray_service import (
     worker_group_name,
 )
 from infra.serving.serve_config import IMPORT_PATH, INGRESS_RESOURCE, MOUNTS, READINESS
-from tests.harness import group, manifests_of, ray_service_args, ray_services, reference_dir, render_stack
+from tests.harness import (
+    SERVE_INGRESS,
+    group,
+    manifests_of,
+    ray_service_args,
+    ray_services,
+    reference_dir,
+    render_stack,
+)
 from tests.harness import stack_config as config
 from twin.checks import no_local_ray_instance
 from workloads.inference_server.catalog import NODE_DRAIN_FILE, NODE_DRAIN_FILE_ENV, WORKER_NICENESS_ENV
 
-STACKS = ["dev", "prod"]
+# The committed stacks (both vllm-server; dev's model woken by the gateway) and dev on Serve's ingress.
+STACKS = ["dev", "prod", SERVE_INGRESS]
 # Prod as it would render with every RayService on Serve LLM's OpenAI ingress.
 PROD_SERVE_INGRESS = "prod-serve-ingress"
 
@@ -79,7 +88,7 @@ def serve_ingress_services(stack: str) -> list[dict[str, Any]]:
 
 
 # Every stack and layout that has an OpenAI ingress to check.
-INGRESS_STACKS = ["dev", PROD_SERVE_INGRESS]
+INGRESS_STACKS = [SERVE_INGRESS, PROD_SERVE_INGRESS]
 
 
 def _container(pod_template: dict[str, Any]) -> dict[str, Any]:
@@ -184,6 +193,9 @@ def test_head_holds_no_replicas_and_runs_on_system_nodes(stack: str) -> None:
         # serve Service's ports for it (see test_kuberay_keeps_the_serve_service_ports).
         if _layout(rs) == "serve-ingress":
             ports.add(("serve", 8000))
+        elif rs["metadata"]["name"] in cfg.woken_services() and cfg.serving.gateway.enabled:
+            # Serve's proxy on the head, which the gateway's wake request reaches (test_serving_wake.py).
+            ports.add(("wake", 8000))
         assert {(p["name"], p["containerPort"]) for p in container["ports"]} == ports
         env = {e["name"]: e["value"] for e in container["env"]}
         assert env["RAY_PROMETHEUS_HOST"].startswith("http://")
@@ -780,11 +792,12 @@ def test_only_the_ingress_group_advertises_what_an_ingress_replica_asks_for(stac
 # --- the vllm-server layout: Serve places the replicas, Kubernetes routes to them ---
 
 
-def test_prod_serves_in_the_vllm_server_layout_and_dev_stays_on_serve_ingress() -> None:
-    """`auto`: one model, never at zero, one pod per replica -> vllm-server; dev scales to zero."""
+def test_the_committed_stacks_serve_in_the_vllm_server_layout_and_serve_ingress_is_asked_for() -> None:
+    """`auto`: one model, one pod per replica, never at zero or woken by the gateway -> vllm-server."""
     assert set(config("prod").layouts().values()) == {"vllm-server"}
-    assert set(config("dev").layouts().values()) == {"serve-ingress"}
-    for rs in ray_services("prod"):
+    assert set(config("dev").layouts().values()) == {"vllm-server"}
+    assert set(config(SERVE_INGRESS).layouts().values()) == {"serve-ingress"}
+    for rs in [*ray_services("prod"), *ray_services("dev")]:
         doc = yaml.safe_load(rs["spec"]["serveConfigV2"])
         # Nothing routes through Serve's proxies: one on the head, none on the GPU workers.
         assert doc["proxy_location"] == "HeadOnly"
@@ -801,7 +814,7 @@ def test_prod_serves_in_the_vllm_server_layout_and_dev_stays_on_serve_ingress() 
         assert "ingress" not in args and "ingress_resource" not in args
         groups = [g["groupName"] for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]]
         assert INGRESS_GROUP not in groups and all(g.startswith("gpu-") for g in groups)
-    for rs in ray_services("dev"):
+    for rs in ray_services(SERVE_INGRESS):
         doc = yaml.safe_load(rs["spec"]["serveConfigV2"])
         assert doc["proxy_location"] == "EveryNode"
         # Written as before layouts existed: the server's default is serve-ingress.
@@ -903,19 +916,23 @@ def test_vllm_server_replicas_fill_one_gpu_pod_each(stack: str) -> None:
         assert need[accelerator] > 0
         config_ = deployment._deployment_config
         assert config_.graceful_shutdown_timeout_s == timings.serve_timeout_seconds
-        assert config_.autoscaling_config.min_replicas == args["models"][0]["autoscaling"]["min_replicas"] >= 1
+        # At least one, or zero for a model the gateway wakes.
+        floor = 0 if rs["metadata"]["name"] in config(stack).woken_services() else 1
+        assert config_.autoscaling_config.min_replicas == args["models"][0]["autoscaling"]["min_replicas"] >= floor
         checked += 1
-    assert checked == (2 if stack == "prod" else 0)
+    assert checked == {"prod": 2, "dev": 1, SERVE_INGRESS: 0}[stack]
 
 
 def test_vllm_server_replicas_get_the_engine_start_timeout() -> None:
     from infra.serving.ray_service import VLLM_SERVER_START_TIMEOUT_ENV
 
-    cfg = config("prod")
-    for rs in ray_services("prod"):
-        for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
-            assert _env(g["template"])[VLLM_SERVER_START_TIMEOUT_ENV] == str(cfg.ray.cold_start.engine_start_seconds)
-    for rs in ray_services("dev"):
+    for stack in ("prod", "dev"):
+        cfg = config(stack)
+        for rs in ray_services(stack):
+            for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+                start = str(cfg.ray.cold_start.engine_start_seconds)
+                assert _env(g["template"])[VLLM_SERVER_START_TIMEOUT_ENV] == start
+    for rs in ray_services(SERVE_INGRESS):
         for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
             assert VLLM_SERVER_START_TIMEOUT_ENV not in _env(g["template"])
     # The replica reads that name (workloads/inference_server/vllm_server.py).

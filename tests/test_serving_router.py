@@ -27,7 +27,16 @@ from infra.serving.router import (
     router_pods,
 )
 from infra.serving.router_front import READINESS_PATH, ROUTER_BACKEND
-from tests.harness import ROUTING, config_problems, manifests_of, render_config, render_routed, render_stack, stack_doc
+from tests.harness import (
+    ROUTING,
+    SERVE_INGRESS,
+    config_problems,
+    manifests_of,
+    render_config,
+    render_routed,
+    render_stack,
+    stack_doc,
+)
 
 
 def routed() -> Rendered:
@@ -50,9 +59,11 @@ def _container(service: str, name: str) -> dict[str, Any]:
 
 
 def test_routing_is_off_unless_asked_for() -> None:
-    for stack in ("dev", "prod"):
+    routers = {}
+    for stack in (SERVE_INGRESS, "prod", "dev"):
         deployments = {d["metadata"]["name"] for d in manifests_of(render_stack(stack), "Deployment")}
-        assert not {d for d in deployments if d.endswith("-router")}, stack
+        routers[stack] = {d for d in deployments if d.endswith("-router")}
+    assert routers == {SERVE_INGRESS: set(), "prod": set(), "dev": {router_name("llama-31-8b")}}
 
 
 def test_each_vllm_server_service_gets_its_router_and_the_load_balancer_sends_to_it() -> None:
@@ -194,7 +205,7 @@ def test_the_routers_pod_monitor_scrapes_its_metrics_port() -> None:
     ("stack", "routing", "expect"),
     [
         ("prod", {"enabled": True, "min_replicas": 1}, "serving.routing.min_replicas: prod keeps at least 2"),
-        ("dev", {"enabled": True}, "serving.routing.enabled: no service runs the vllm-server layout"),
+        (SERVE_INGRESS, {"enabled": True}, "serving.routing.enabled: no service runs the vllm-server layout"),
         ("prod", {"enabled": True, "policy": "kv_aware", "min_replicas": 2}, "serving.routing.policy"),
         ("prod", {"enabled": True, "min_replicas": 3, "max_replicas": 2}, "serving.routing"),
     ],

@@ -29,9 +29,11 @@ from tests.harness import (
     config_problems,
     manifests_of,
     ray_cluster,
+    render_config,
     render_routed,
     render_stack,
     stack_config,
+    stack_doc,
 )
 from twin import kuberay as mirror
 from workloads.inference_server.gateway_settings import SETTINGS_ENV, GatewaySettings
@@ -60,12 +62,35 @@ def _ray_service(rendered: Rendered) -> dict[str, Any]:
 
 
 def test_dev_at_zero_runs_vllm_server_only_with_the_gateway() -> None:
-    rs = _ray_service(woken())
-    assert yaml.safe_load(rs["spec"]["serveConfigV2"])["proxy_location"] == "HeadOnly"
+    for rendered in (render_stack("dev"), woken()):
+        rs = _ray_service(rendered)
+        assert yaml.safe_load(rs["spec"]["serveConfigV2"])["proxy_location"] == "HeadOnly"
     (model,) = stack_config("dev").models
     assert model.autoscaling.min_replicas == 0
-    # Without the gateway nothing in the vllm-server path would wake it: serve-ingress, as committed.
-    assert stack_config("dev").layout_of(SERVICE) == "serve-ingress"
+    assert stack_config("dev").layout_of(SERVICE) == "vllm-server"
+
+    # Without the gateway nothing in the vllm-server path would wake it: serve-ingress.
+    def no_gateway(raw: dict[str, Any]) -> None:
+        for section in ("routing", "gateway"):
+            raw["llm-platform:serving"].pop(section)
+
+    assert stack_config("dev", no_gateway).layout_of(SERVICE) == "serve-ingress"
+
+
+def test_a_woken_models_endpoint_is_the_gateways() -> None:
+    """Its own load balancer leads to a router with no replica while it sleeps: the outputs give the
+    address that wakes it, the gateway's."""
+    doc = stack_doc("dev")
+    endpoint = {"domain": "llm.example.com", "hosted_zone_id": "Z0123456789EXAMPLEZONE"}
+    doc["config"]["llm-platform:endpoint"] = {**doc["config"]["llm-platform:endpoint"], **endpoint}
+    outputs = render_config(doc, "dev").outputs
+    gateway = f"http://{NAME}.llm.example.com:{RAY_PORTS.openai.number}/v1"
+    assert outputs["gateway_endpoint"] == gateway
+    assert outputs["endpoints"] == {"llama-3.1-8b-instruct": gateway}
+    assert outputs["endpoint"] == gateway
+    # Prod's models keep a replica: each keeps its own address beside the gateway's.
+    routed = render_routed("prod").outputs
+    assert routed["gateway_endpoint"] not in routed["endpoints"].values()
 
 
 def test_the_wake_reaches_serves_proxy_through_the_head_service_kuberay_builds() -> None:
@@ -154,7 +179,7 @@ def test_a_woken_models_router_is_ready_at_zero_and_prods_only_with_a_replica() 
             "serving.gateway.wake_max_held",
         ),
         (
-            {"layout": "vllm-server", "gateway": GATEWAY},
+            {"layout": "vllm-server", "routing": {"enabled": False}},
             "serving.layout: vllm-server: model 'llama-31-8b' needs autoscaling.min_replicas >= 1, or "
             "serving.gateway and serving.routing enabled",
         ),

@@ -22,7 +22,7 @@ import yaml
 from infra.config import ConfigError, StackConfig, parse
 from infra.render import Rendered
 from localserve.otlp import OtlpReceiver
-from tests.harness import STACKS, manifests_of, render_config, render_stack, stack_doc, stack_sections
+from tests.harness import SERVE_INGRESS, STACKS, manifests_of, render_config, render_stack, stack_doc, stack_sections
 from twin import serve_app
 from twin.deploy import with_tracing
 from twin.report import Report
@@ -165,8 +165,8 @@ def test_both_layouts_give_vllm_the_endpoint_as_its_own_option(stack: str) -> No
 
 
 def test_the_serve_ingress_layout_traces_serve_too() -> None:
-    configs = {n: c for n, c in serve_configs(traced("dev")).items() if _layout(c) == "serve-ingress"}
-    assert configs, "dev serves in the serve-ingress layout"
+    configs = {n: c for n, c in serve_configs(traced(SERVE_INGRESS)).items() if _layout(c) == "serve-ingress"}
+    assert configs, "dev's serve-ingress variant serves in that layout"
     for name, config in configs.items():
         assert config["tracing_config"] == {
             "enabled": True,

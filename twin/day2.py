@@ -15,13 +15,16 @@ Three checks, each one PASS/FAIL line (the live upgrade under load is in
 * **The switch on the mirror.** KubeRay's NewCluster sequence played on the
   render's RayServices (twin/kuberay.py): the Services KubeRay updates are
   accepted by the API server, and the new cluster's pods get the load
-  balancer's readiness gate when they are created.
+  balancer's readiness gate when they are created; behind a request router
+  (`serving.routing`), whose pods the load balancer targets instead, the
+  router's discovery finds the new cluster's serving pods as it found the old.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,11 +107,34 @@ class SwitchResult:
     detail: str
 
 
-def play_switch(ray_service: Mapping[str, Any], load_balanced: list[Mapping[str, Any]]) -> SwitchResult:
-    """The NewCluster sequence for a new image: the switch is accepted and the new pods are gated by the NLB.
+def router_discovery(manifests: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, str]]:
+    """Each routed RayService's router discovery selector, read from its rendered Deployment's `--selector` words."""
+    from infra.serving.router import ROUTER_CONTAINER, ROUTER_OF
+
+    out = {}
+    for dep in manifests:
+        service = dep["metadata"].get("labels", {}).get(ROUTER_OF) if dep.get("kind") == "Deployment" else None
+        if service is None:
+            continue
+        (router,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == ROUTER_CONTAINER]
+        args = list(router["command"])
+        words = itertools.takewhile(lambda w: not w.startswith("--"), args[args.index("--selector") + 1 :])
+        out[str(service)] = dict(w.split("=", 1) for w in words)
+    return out
+
+
+def play_switch(
+    ray_service: Mapping[str, Any],
+    load_balanced: list[Mapping[str, Any]],
+    discovery: Mapping[str, str] | None = None,
+) -> SwitchResult:
+    """The NewCluster sequence for a new image: the switch is accepted and the new pods are served.
 
     ``load_balanced``: the render's Services that an NLB with IP targets
-    serves (their selectors decide the readiness gates).
+    serves (their selectors decide the readiness gates). ``discovery``: the
+    selector of the request router in front of this RayService, if any
+    (router_discovery): the NLB then targets the router's pods, and the new
+    serving pods must be ones the router finds, as the old ones were.
     """
     name = ray_service["metadata"]["name"]
     active = mirror.RayClusterRef(mirror.ray_cluster_name(ray_service, "aaaaa"), ray_service)
@@ -119,17 +145,27 @@ def play_switch(ray_service: Mapping[str, Any], load_balanced: list[Mapping[str,
     upgrade = mirror.NewClusterUpgrade(ray_service, with_image(ray_service), active, first)
     if not upgrade.needed:
         return SwitchResult(name, False, "an image change did not start a new cluster")
+    groups = {g: 1 for g in _groups(ray_service)}
+    old_pods = [p for p in mirror.build_cluster_pods(active, groups) if _serving(p)]
     pending = upgrade.start("bbbbb")
-    pods = [p for p in mirror.build_cluster_pods(pending, {g: 1 for g in _groups(ray_service)}) if _serving(p)]
-    ungated = [p["metadata"]["name"] for p in pods if not mirror.lbc_readiness_gates(p, served)]
+    pods = [p for p in mirror.build_cluster_pods(pending, groups) if _serving(p)]
+    if discovery is None:
+        unserved = [p["metadata"]["name"] for p in pods if not mirror.lbc_readiness_gates(p, served)]
+        problem = "new pods created without the load balancer's readiness gate"
+    else:
+        unserved = [p["metadata"]["name"] for p in pods if not mirror.selects(discovery, p["metadata"]["labels"])]
+        problem = "new serving pods the router's discovery does not find"
+        if not old_pods or any(not mirror.selects(discovery, p["metadata"]["labels"]) for p in old_pods):
+            return SwitchResult(name, False, f"the router's discovery {dict(discovery)} misses the old serving pods")
     try:
         upgrade.switch({"app": "RUNNING"})
     except mirror.ApiError as err:
         return SwitchResult(name, False, f"the switch is refused, the upgrade never finishes: {err}")
-    if ungated:
-        return SwitchResult(name, False, f"new pods created without the load balancer's readiness gate: {ungated}")
+    if unserved:
+        return SwitchResult(name, False, f"{problem}: {unserved}")
     old, cleanup = upgrade.finish()
-    detail = f"{old.name} -> {upgrade.active.name}; {len(pods)} new serving pods gated"
+    served_by = "gated" if discovery is None else "found by the router's discovery, as the old were"
+    detail = f"{old.name} -> {upgrade.active.name}; {len(pods)} new serving pods {served_by}"
     if cleanup is not None:
         detail += f"; Redis cleanup pod {cleanup['metadata']['name']}"
     return SwitchResult(name, True, detail)
@@ -257,9 +293,10 @@ def check_switches(stack: str, before: Rendered, report: Report) -> bool:
     lbs: list[Mapping[str, Any]] = [
         m for m in before.manifests if m.get("kind") == "Service" and m["spec"].get("type") == "LoadBalancer"
     ]
+    routers = router_discovery(before.manifests)
     ok = True
     for rs in (m for m in before.manifests if m.get("kind") == "RayService"):
-        result = play_switch(rs, lbs)
+        result = play_switch(rs, lbs, routers.get(rs["metadata"]["name"]))
         ok &= report.check(SERVICE, result.ok, f"{stack}/{result.ray_service}: NewCluster switch: {result.detail}")
     return ok
 

@@ -225,6 +225,20 @@ def _gateway(
     )
 
 
+def _service_urls(
+    cfg: StackConfig, endpoint: ServingEndpoint, gateway: ModelGateway | None
+) -> dict[str, pulumi.Output[str]]:
+    """Each RayService's base URL: its own load balancer's, or for a model the gateway wakes the gateway's.
+
+    A woken model's own load balancer leads to a router with no replica while
+    it is at zero; only the gateway holds the request that wakes it.
+    """
+    urls = dict(endpoint.urls)
+    if gateway is not None:
+        urls |= {name: gateway.url for name in cfg.woken_services()}
+    return urls
+
+
 def build_serving(
     cfg: StackConfig, api_keys: pulumi.Output[str], aws: AwsLayer, platform: PlatformLayer
 ) -> ServingLayer:
@@ -270,14 +284,14 @@ def build_serving(
         ),
         _after(aws, *ns.ready, *(router.deployment for router in routers.values())),
     )
-    # The first RayService in config order is the stack's `endpoint`; every
-    # model's own URL is in `endpoints`.
+    # The first RayService in config order is the stack's `endpoint`.
+    urls = _service_urls(cfg, endpoint, gateway)
     first = next(iter(services))
     return ServingLayer(
-        endpoint=endpoint.urls[first],
+        endpoint=urls[first],
         models=[m.model_id for m in cfg.models],
         ray_dashboards={name: dashboard_access(namespace, name) for name in services},
-        endpoints=endpoint.urls,
+        endpoints=urls,
         service_models={name: [m.model_id for m in models] for name, models in services.items()},
         load_balancers=endpoint.hostnames,
         gateway=gateway.url if gateway is not None else None,

@@ -20,16 +20,20 @@ import pytest
 from infra.render import ROOT
 from localserve.processes import Child, child_env, free_port, marked_processes, session_members
 from tests.e2e import twin_log
+from tests.harness import SERVE_INGRESS
 from twin import observe
 
 pytestmark = pytest.mark.e2e
 
-# Each stack's twin runs as `make twin` does, its monitoring included (a real Prometheus on the
+# The monitored twins run as `make twin` does, their monitoring included (a real Prometheus on the
 # render's monitors and rules, each alert fired by its own fault: twin/observe.py), and this test
-# checks its lines: dev about 10.5 min, prod about 7, on a quiet two-core machine. TWIN_MONITORING=0
-# leaves the monitoring out (about 4 min a stack) for a quicker local run.
-MONITORED = set() if os.environ.get("TWIN_MONITORING") == "0" else {"dev", "prod"}
-TWIN_TIMEOUT_S = {stack: 1200.0 if stack in MONITORED else 600.0 for stack in ("dev", "prod")}
+# checks their lines: dev's serve-ingress variant about 10 min, prod about 7, on a quiet two-core
+# machine. TWIN_MONITORING=0 leaves the monitoring out (about 4 min a stack) for a quicker local run.
+# Dev itself runs the fast layout at zero behind the gateway (the woken session, below); its file
+# with `serving.layout: serve-ingress` is the one live run of Serve's OpenAI ingress and its alerts.
+MONITORED_TWINS = (SERVE_INGRESS, "prod")
+MONITORED = set() if os.environ.get("TWIN_MONITORING") == "0" else set(MONITORED_TWINS)
+TWIN_TIMEOUT_S = {twin: 1200.0 if twin in MONITORED else 600.0 for twin in MONITORED_TWINS}
 LOCAL_READY_TIMEOUT_S = 600.0
 
 
@@ -49,17 +53,31 @@ def test_the_overloads_chat_and_answer_fit_the_tiny_models_context(tiny_model: P
     assert tokens + max(observe.OVERLOAD_MAX_TOKENS, observe.OVERLOAD_MAX_TOKENS_INGRESS) <= MAX_MODEL_LEN
 
 
-@pytest.mark.parametrize("stack", ["dev", "prod"])
-def test_the_twin_of_the_stack_passes(stack: str, tiny_model: Path, tmp_path: Path) -> None:
+def _serve_ingress_dev(directory: Path) -> Path:
+    """Dev's stack file on Serve's OpenAI ingress (tests/harness.py SERVE_INGRESS), written for `--config`."""
+    import yaml
+
+    from tests.harness import serve_ingress_doc
+
+    config = directory / "Pulumi.dev.yaml"
+    config.write_text(yaml.safe_dump(serve_ingress_doc()))
+    return config
+
+
+@pytest.mark.parametrize("twin", MONITORED_TWINS)
+def test_the_monitored_twin_passes(twin: str, tiny_model: Path, tmp_path: Path) -> None:
+    stack, _, variant = twin.partition("-")
     argv = ["infra.twin", "--stack", stack, "--out", str(tmp_path / "render")]
+    if variant:
+        argv += ["--config", str(_serve_ingress_dev(tmp_path))]
     done = twin_log.run(
-        [*argv, *(["--monitoring"] if stack in MONITORED else [])], tmp_path / "twin.log", TWIN_TIMEOUT_S[stack] + 60
+        [*argv, *(["--monitoring"] if twin in MONITORED else [])], tmp_path / "twin.log", TWIN_TIMEOUT_S[twin] + 60
     )
-    done.assert_passed(f"twin {stack}")
+    done.assert_passed(f"twin {twin}")
     output, verdicts, took = done.output, done.verdicts, done.seconds
-    assert took < TWIN_TIMEOUT_S[stack], f"the {stack} twin took {took:.0f}s"
+    assert took < TWIN_TIMEOUT_S[twin], f"the {twin} twin took {took:.0f}s"
     assert any(v.startswith("PASS") and "traces: request" in v for v in verdicts), "no trace line"
-    if stack in MONITORED:
+    if twin in MONITORED:
         # Every alert with a fault here fired on it; the rest said why not (a `--` line).
         fired = {
             a for a in observe.FAULT_OF if any(v.startswith("PASS") and f"alert {a}: fired" in v for v in verdicts)
@@ -72,7 +90,9 @@ def test_the_twin_of_the_stack_passes(stack: str, tiny_model: Path, tmp_path: Pa
         assert set(observe.FAULT_OF) <= fired | explained, sorted(set(observe.FAULT_OF) - fired - explained)
         assert any("steady state: no alert fired" in v for v in verdicts)
         assert any("series: all" in v for v in verdicts) and any("panels: all" in v for v in verdicts)
-    if stack == "dev":
+    if variant:
+        # Serve's ingress wakes the model from zero and lets it go again.
+        assert any("ingress (" in v for v in verdicts)
         assert any("wake (" in v for v in verdicts) and any("scale to zero (" in v for v in verdicts)
     else:
         # Both prod services run the vllm-server layout: each model's servers, no ingress.
@@ -84,31 +104,19 @@ def test_the_twin_of_the_stack_passes(stack: str, tiny_model: Path, tmp_path: Pa
         assert len(spread) == 2, spread
 
 
-# Dev's model woken by the gateway (routing and gateway on): about 3 min, no monitoring (twin/wake.py).
+# Dev's model woken by the gateway: about 3 min, no monitoring (twin/wake.py).
 WOKEN_TIMEOUT_S = 480.0
 
 
-def test_the_twin_of_dev_at_zero_behind_the_gateway_wakes_it_and_lets_it_sleep(tmp_path: Path) -> None:
-    """Dev with `serving.routing` and `serving.gateway` on: its model runs vllm-server at min_replicas 0.
+def test_the_twin_of_dev_wakes_its_model_through_the_gateway_and_lets_it_sleep(tmp_path: Path) -> None:
+    """Dev as committed: the fast layout with routing and the gateway on, its model at min_replicas 0.
 
-    The twin renders that stack file as `python -m infra.twin --config` does for a user's own, and runs
-    the woken session: at zero, a request through the rendered gateway and router wakes it (a new node,
+    The woken session: at zero, a request through the rendered gateway and router wakes it (a new node,
     one replica), the next goes straight through, and once idle the model and its node are gone again.
     """
-    import copy
-
-    import yaml
-
-    from tests.harness import GATEWAY, ROUTING, stack_doc
-
-    doc = copy.deepcopy(stack_doc("dev"))
-    serving = doc["config"].get("llm-platform:serving", {})
-    doc["config"]["llm-platform:serving"] = {**serving, "routing": ROUTING, "gateway": GATEWAY}
-    config = tmp_path / "Pulumi.dev.yaml"
-    config.write_text(yaml.safe_dump(doc))
-    argv = ["infra.twin", "--stack", "dev", "--config", str(config), "--out", str(tmp_path / "r")]
+    argv = ["infra.twin", "--stack", "dev", "--out", str(tmp_path / "r")]
     done = twin_log.run(argv, tmp_path / "twin.log", WOKEN_TIMEOUT_S + 60)
-    done.assert_passed("twin dev, woken")
+    done.assert_passed("twin dev")
     verdicts, took = done.verdicts, done.seconds
     passed = [v for v in verdicts if v.startswith("PASS")]
     for line in ("at zero (", "wake (", "the next request, awake", "scale to zero (", "back to no worker"):

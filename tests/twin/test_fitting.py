@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.harness import ray_services
+from tests.harness import SERVE_INGRESS, ray_services
 from twin import serve_app
 from twin.checks import ParsedStart
 from twin.cluster import FAKE_HEAD_NODE_TYPE, PROVIDER_CLASS, Shape, autoscaling_config
@@ -103,13 +103,15 @@ def test_pod_env_forwards_only_serve_settings_the_groups_share() -> None:
     assert pod_env(cluster) == {"RAY_SERVE_A": "1"}
 
 
-def dev_serve_config() -> dict[str, Any]:
-    config: dict[str, Any] = yaml.safe_load(ray_services("dev")[0]["spec"]["serveConfigV2"])
+def dev_serve_config(stack: str = "dev") -> dict[str, Any]:
+    """The serve config of dev's one RayService, or of a variant of dev's file such as SERVE_INGRESS."""
+    config: dict[str, Any] = yaml.safe_load(ray_services(stack)[0]["spec"]["serveConfigV2"])
     return config
 
 
 def test_serve_config_changes_only_what_the_cpu_needs(tmp_path: Path) -> None:
-    rendered = dev_serve_config()
+    """On Serve's OpenAI ingress (SERVE_INGRESS), the model's placement group gets the sliver of the accelerator."""
+    rendered = dev_serve_config(SERVE_INGRESS)
     twin = twin_serve_config(rendered, model_dir=tmp_path / "m", secrets_dir=tmp_path / "s", http_port=18001)
     app = twin.config["applications"][0]
     assert app["import_path"] == serve_app.IMPORT_PATH

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from infra.config import Gateway
-from tests.harness import GATEWAY, ROUTING, manifests_of, render_routed, stack_doc
+from infra.render import Rendered
+from tests.harness import GATEWAY, ROUTING, manifests_of, render_routed, render_stack, stack_doc
 from twin.gateway import local_settings, substitutions
 from twin.routing import router_specs
 from workloads.inference_server.gateway_settings import SETTINGS_ENV, GatewaySettings
@@ -17,8 +18,9 @@ from workloads.inference_server.gateway_settings import SETTINGS_ENV, GatewaySet
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _rendered_settings() -> GatewaySettings:
-    deployments = manifests_of(render_routed("prod"), "Deployment")
+def _rendered_settings(rendered: Rendered | None = None) -> GatewaySettings:
+    """The settings the render gives the gateway's Deployment (by default, prod's with routing and the gateway on)."""
+    deployments = manifests_of(rendered or render_routed("prod"), "Deployment")
     (dep,) = [d for d in deployments if d["metadata"]["name"] == Gateway().name]
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     (env,) = [e for e in container["env"] if e["name"] == SETTINGS_ENV]
@@ -35,11 +37,17 @@ def test_the_twin_runs_the_settings_the_render_gives_the_deployment(tmp_path: Pa
     assert len(gateways) == 2 and all(g == _rendered_settings() for g in gateways)
 
 
-def test_the_committed_stacks_the_twin_gateway_is_prods_two_models_and_not_devs() -> None:
+def test_the_committed_stacks_the_twin_gateway_is_prods_two_models_and_devs_one_woken_model() -> None:
     for spec in router_specs(ROOT / "Pulumi.prod.yaml").values():
         assert spec.gateway is not None and spec.gateway.routes == _rendered_settings().routes
-    # Dev serves its models in serve-ingress: no router, so no gateway to run.
-    assert router_specs(ROOT / "Pulumi.dev.yaml") == {}
+    # Dev routes its one model, at min_replicas 0: the gateway runs in front of its router to wake it,
+    # with the very settings dev's render gives the gateway's Deployment.
+    dev = router_specs(ROOT / "Pulumi.dev.yaml")
+    assert set(dev) == {"llama-31-8b"}
+    spec = dev["llama-31-8b"]
+    assert spec.enabled and spec.gateway is not None
+    assert spec.gateway == _rendered_settings(render_stack("dev"))
+    assert set(spec.gateway.routes) == set(spec.gateway.wake) == {"llama-3.1-8b-instruct"}
 
 
 def test_only_addresses_routes_and_keys_change_and_each_change_is_printed() -> None:

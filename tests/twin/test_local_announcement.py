@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from infra.render import ROOT
-from tests.harness import ray_services, stack_doc
+from tests.harness import SERVE_INGRESS, ray_services, stack_doc
 from twin.local_announcement import Metrics, ServedModel, announcement, port_taken, served_models
 from twin.local_run import free_port_after, needs_front_door
 
@@ -49,20 +49,38 @@ def notes_of(text: str) -> list[str]:
     return [line.strip() for line in lines[start + 1 :] if line.strip()]
 
 
-def test_dev_prints_one_base_url_and_names_its_model_at_zero_with_its_delay() -> None:
+def zero_notes(stack: str, how: str) -> list[str]:
+    """The note the stack's file says each of its models at zero gets, woken ``how`` (after "wakes it")."""
+    at_zero = [m for m in config_models(stack) if m["autoscaling"]["min_replicas"] == 0]
+    assert at_zero, f"the {stack} stack has a model at min_replicas 0"
+    return [
+        f"{m['model_id']} is at min_replicas 0: it goes to zero after {m['autoscaling']['downscale_delay_s']:g}s "
+        f"without requests (its downscale_delay_s), and the next request wakes it{how} (a worker node and its "
+        "engine start: about a minute)."
+        for m in at_zero
+    ]
+
+
+def test_dev_prints_one_base_url_and_says_its_model_at_zero_wakes_through_the_gateway() -> None:
     models = served("dev")
     text = announcement(BASE, KEY, models)
     assert labelled(text, "OpenAI base URL:") == [BASE]
-    at_zero = [m for m in config_models("dev") if m["autoscaling"]["min_replicas"] == 0]
-    assert at_zero, "the dev stack has a model at min_replicas 0"
-    expected = [
-        f"{m['model_id']} is at min_replicas 0: it goes to zero after {m['autoscaling']['downscale_delay_s']:g}s "
-        "without requests (its downscale_delay_s), and the next request wakes it (a worker node and its engine "
-        "start: about a minute)."
-        for m in at_zero
-    ]
+    assert labelled(text, "models:") == [", ".join(m["model_id"] for m in config_models("dev"))]
+    expected = zero_notes("dev", " through the model gateway, which holds it")
     assert notes_of(text) == [*expected, "Ctrl-C stops everything."]
+    # One RayService whose replicas run vLLM's own server: the front door gives them one address.
+    assert [m.layout for m in models] == ["vllm-server"]
+    assert needs_front_door(models)
+
+
+def test_the_serve_ingress_example_names_its_model_at_zero_with_its_delay_and_no_gateway() -> None:
+    models = served(SERVE_INGRESS)
+    text = announcement(BASE, KEY, models)
+    assert labelled(text, "OpenAI base URL:") == [BASE]
+    assert notes_of(text) == [*zero_notes(SERVE_INGRESS, ""), "Ctrl-C stops everything."]
+    assert "gateway" not in text
     # One RayService in the serve-ingress layout: its Serve proxy is the base URL, no front door.
+    assert [m.layout for m in models] == ["serve-ingress"]
     assert not needs_front_door(models)
 
 

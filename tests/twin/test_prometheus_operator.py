@@ -2,11 +2,13 @@
 
 The pure tests pin single rules of promcfg.go (selectors, ports, the order
 of relabelings). The others give the jobs generated from the committed
-stacks' PodMonitors to the real `promtool` and `prometheus` binaries, with
+stacks' PodMonitors (and those of dev's file on Serve's OpenAI ingress,
+SERVE_INGRESS) to the real `promtool` and `prometheus` binaries, with
 file-SD targets built from the pods the KubeRay mirror builds: each Ray
 PodMonitor must keep exactly the pods and ports it is meant for, with the
-labels the alerting rules read. The targets point at a port nothing listens
-on, so they are down: the test reads discovery and relabelling, not scrapes.
+labels the alerting rules read, and the others (a router's, the gateway's)
+no Ray pod. The targets point at a port nothing listens on, so they are
+down: the test reads discovery and relabelling, not scrapes.
 Without the binaries those tests skip, and fail under E2E_REQUIRED=1.
 """
 
@@ -30,11 +32,19 @@ import yaml
 from infra.serving import kuberay
 from infra.serving.ports import RAY_PORTS
 from localserve.processes import free_port
-from tests.harness import manifests_of, ray_cluster, ray_service_pods, render_stack
+from tests.harness import SERVE_INGRESS, manifests_of, ray_cluster, ray_service_pods, render_stack
 from twin import kuberay as mirror
 from twin import prometheus_operator as po
 
-STACKS = ("dev", "prod")
+STACKS = ("dev", "prod", SERVE_INGRESS)
+# The PodMonitors that scrape Ray pods, and which of them each stack renders: a vllm-server model's
+# replicas serve their own vLLM metrics (vllm-servers); a serve-ingress one's go through Ray's.
+RAY_POD_MONITORS = ("ray-heads", "ray-workers", "vllm-servers")
+STACK_RAY_POD_MONITORS = {
+    "dev": set(RAY_POD_MONITORS),
+    "prod": set(RAY_POD_MONITORS),
+    SERVE_INGRESS: {"ray-heads", "ray-workers"},
+}
 # Nothing listens on port 1: targets are discovered and relabelled, then down.
 UNREACHABLE = "127.0.0.1:1"
 # The selector of the old render's Ray PodMonitors: KubeRay's originated-from
@@ -248,13 +258,21 @@ def test_each_ray_pod_monitor_keeps_exactly_the_pods_and_ports_it_names(
     stack: str, running: dict[str, Running]
 ) -> None:
     r = running[stack]
-    names = [m["metadata"]["name"] for m in manifests_of(render_stack(stack), "PodMonitor")]
-    assert {"ray-heads", "ray-workers"} <= set(names)
-    assert ("vllm-servers" in names) == (stack == "prod")
+    monitors = manifests_of(render_stack(stack), "PodMonitor")
+    names = [m["metadata"]["name"] for m in monitors]
+    assert {n for n in names if n in RAY_POD_MONITORS} == STACK_RAY_POD_MONITORS[stack]
     pods = {p["metadata"]["name"]: p for p in _pods(stack)}
     ns = _namespace(stack)
-    for monitor in manifests_of(render_stack(stack), "PodMonitor"):
+    # The others (dev's router and gateway) select their own Deployments' pods: they keep no Ray pod.
+    for monitor in monitors:
         name = monitor["metadata"]["name"]
+        if name not in RAY_POD_MONITORS:
+            for i, _ in enumerate(monitor["spec"]["podMetricsEndpoints"]):
+                assert _pool(r, "podMonitor", name, i) == [], name
+    for monitor in monitors:
+        name = monitor["metadata"]["name"]
+        if name not in RAY_POD_MONITORS:
+            continue
         got: set[tuple[str, str]] = set()
         for i, ep in enumerate(monitor["spec"]["podMetricsEndpoints"]):
             for target in _pool(r, "podMonitor", name, i):

@@ -1,10 +1,12 @@
-"""The twin's static checks of the vllm-server layout (twin/checks.py) on the committed prod render.
+"""The twin's static checks of the vllm-server layout (twin/checks.py) on the committed renders.
 
-Prod renders vllm-server (one model per service, min_replicas >= 1): there
-the replica is one actor, whose resources come from the workload's own
-builder, and the load balancer reaches the replica's vLLM server in its
-pod. Each test breaks one thing the way a config or a code change could,
-and the check must fail naming it.
+Both committed stacks render vllm-server (prod: one model per service,
+min_replicas >= 1; dev: its one model at zero, routed and woken by the
+gateway): there the replica is one actor, whose resources come from the
+workload's own builder, and the load balancer (or the model's router)
+reaches the replica's vLLM server in its pod. Each test breaks one thing
+in prod's render the way a config or a code change could, and the check
+must fail naming it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.harness import group, ray_services
+from tests.harness import SERVE_INGRESS, group, ray_services
 from twin import checks
 from twin.render import RayServiceSpec
 from twin.report import Report
@@ -72,10 +74,11 @@ def port_lines(spec: RayServiceSpec) -> str:
     return lines(checks.check_server_ports, spec, checks.model_groups_for(spec, None))
 
 
-def test_prod_renders_the_vllm_server_layout() -> None:
-    for raw in ray_services("prod"):
-        serve = yaml.safe_load(raw["spec"]["serveConfigV2"])
-        assert [checks.catalog_layout(a["args"]) for a in serve["applications"]] == ["vllm-server"]
+def test_the_committed_stacks_render_the_vllm_server_layout() -> None:
+    for stack in ("dev", "prod"):
+        for raw in ray_services(stack):
+            serve = yaml.safe_load(raw["spec"]["serveConfigV2"])
+            assert [checks.catalog_layout(a["args"]) for a in serve["applications"]] == ["vllm-server"], stack
 
 
 def test_the_replica_options_are_the_builders() -> None:
@@ -87,9 +90,10 @@ def test_the_replica_options_are_the_builders() -> None:
 
 
 def test_the_committed_replicas_fit_only_their_group_once() -> None:
-    for index in range(len(ray_services("prod"))):
-        out = placement_lines(spec_of(raw_service(index)))
-        assert out.startswith("PASS") and "once, and no other group" in out, out
+    for stack in ("dev", "prod"):
+        for raw in ray_services(stack):
+            out = placement_lines(spec_of(copy.deepcopy(raw)))
+            assert out.startswith("PASS") and "once, and no other group" in out, out
 
 
 def with_cpu_group(raw: dict[str, Any]) -> None:
@@ -150,9 +154,10 @@ def test_actor_options_from_the_serve_config_count() -> None:
 
 
 def test_the_committed_server_ports_pass() -> None:
-    for index in range(len(ray_services("prod"))):
-        out = port_lines(spec_of(raw_service(index)))
-        assert out.startswith("PASS") and "probe GET /health on openai (8100)" in out, out
+    for stack in ("dev", "prod"):
+        for raw in ray_services(stack):
+            out = port_lines(spec_of(copy.deepcopy(raw)))
+            assert out.startswith("PASS") and "probe GET /health on openai (8100)" in out, out
 
 
 def test_a_probe_on_a_port_the_container_does_not_declare_fails() -> None:
@@ -202,8 +207,8 @@ def test_a_serve_port_on_the_head_fails() -> None:
     assert out.startswith("FAIL") and "the head declares ['serve']" in out, out
 
 
-def test_the_dev_layout_has_no_server_port_check() -> None:
-    raw = copy.deepcopy(ray_services("dev")[0])
+def test_the_serve_ingress_layout_has_no_server_port_check() -> None:
+    raw = copy.deepcopy(ray_services(SERVE_INGRESS)[0])
     spec = spec_of(raw)
     assert port_lines(spec) == ""
 
