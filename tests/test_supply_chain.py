@@ -176,6 +176,8 @@ def test_the_router_front_is_copied_from_the_pinned_source() -> None:
     assert re.findall(r"^FROM (.+)$", dockerfile, re.MULTILINE) == ["${BASE_IMAGE}"]
     instructions = {line.split()[0] for line in dockerfile.splitlines() if line and line[0].isupper()}
     assert instructions == {"ARG", "FROM", "LABEL"}
+    # Alone in its context: anything beside it would move the provider's context hash and start a build.
+    assert sorted(p.name for p in front_image.CONTEXT.iterdir()) == ["Dockerfile"]
 
 
 def _lock_entries(text: str) -> dict[str, tuple[str, list[str]]]:

@@ -6,8 +6,9 @@ where ECR Public is reachable. A pod that names a tag runs whatever the tag
 names at each start, and the policy pack's mandatory
 `images-pinned-by-digest` refuses it. So the stack copies the image into an
 ECR repository of its own, as the serving image is pushed, and the routers
-run the digest that push returned: what a preview showed is what every router
-pod runs, whichever node pulls it and whenever. The copy also keeps node
+run the digest that push returned: what the first `pulumi up` copied is what
+every router pod runs, whichever node pulls it and whenever, until the
+source changes in infra/versions.py. The copy also keeps node
 pulls in the region's private registry (no public registry on the path of a
 scale-up) and gets the same scan on push as the serving image.
 
