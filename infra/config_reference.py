@@ -201,7 +201,8 @@ NOTES: Mapping[str, str] = {
     "image.router_front_reference": (
         "The routers' front (nginx) pinned by digest, with `serving.routing` on; unset, the stack copies "
         "`ROUTER_FRONT_TAG` into `<repository_name>-router-front` in ECR and runs that digest "
-        "(see [Supply chain](security.md#supply-chain))."
+        "(see [Supply chain](security.md#supply-chain)). A stack that builds no images (`image.reference`) "
+        "gives this too."
     ),
 }
 
