@@ -14,11 +14,10 @@ selector, and one without an intent fails the test.
 from __future__ import annotations
 
 import copy
-import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
@@ -28,7 +27,7 @@ from infra.serving.endpoint import public_service_name
 from infra.serving.gateway import GATEWAY_LABEL, upstream_name
 from infra.serving.network import head_service_pods
 from infra.serving.ports import RAY_PORTS
-from infra.serving.router import ROUTER_CONTAINER, router_name, router_pods
+from infra.serving.router import router_name, router_pods
 from tests.harness import (
     SERVE_INGRESS,
     manifests_of,
@@ -38,6 +37,7 @@ from tests.harness import (
     render_stack,
     stack_doc,
 )
+from twin import day2
 from twin import kuberay as mirror
 
 Pod = dict[str, Any]
@@ -295,12 +295,10 @@ def selections(w: World, render: Rendered) -> list[Selection]:
                 out.append(
                     Selection(f"RayService {service} group {g['groupName']} spread", spread["labelSelector"], intent)
                 )
+    # The pods each router discovers by its `--selector`, read from its rendered command line.
+    discovery = day2.router_discovery(render.manifests)
     for service in w.routed:
-        # The pods the router discovers by its `--selector` (key=value words).
-        args = _router_container(render, service)["command"]
-        start = args.index("--selector") + 1
-        words = list(itertools.takewhile(lambda a: not a.startswith("--"), args[start:]))
-        selector = {"matchLabels": dict(w.split("=", 1) for w in words)}
+        selector = {"matchLabels": discovery[service]}
         intent = both(of_service(service), in_group(_model_group(w, service)), serving_worker)
         out.append(Selection(f"router {service} --selector", selector, intent))
     for dep in manifests_of(render, "Deployment"):
@@ -309,12 +307,6 @@ def selections(w: World, render: Rendered) -> list[Selection]:
         for spread in _spreads(dep["spec"]["template"]["spec"]):
             out.append(Selection(f"Deployment {name} spread", spread["labelSelector"], deployment(name)))
     return out
-
-
-def _router_container(render: Rendered, service: str) -> dict[str, Any]:
-    (dep,) = [d for d in manifests_of(render, "Deployment") if d["metadata"]["name"] == router_name(service)]
-    (container,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == ROUTER_CONTAINER]
-    return cast(dict[str, Any], container)
 
 
 def _model_group(w: World, service: str) -> str:
