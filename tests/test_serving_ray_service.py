@@ -21,6 +21,7 @@ from infra.render import ROOT
 from infra.scheduling import gpu_placements, system_placement
 from infra.serving import kuberay
 from infra.serving.drain import (
+    DRAIN_COMMAND_SECONDS,
     POLL_SECONDS,
     PROXY_DRAIN_SECONDS,
     SERVE_PROCESS_PATTERNS,
@@ -632,6 +633,21 @@ def test_a_vllm_server_pods_hook_drains_its_servers_first(tmp_path: Path) -> Non
     node_file = tmp_path / "node-draining"
     _run_hook(5, proc, bin_dir, node_file)
     assert node_file.exists()
+    assert not (tmp_path / "drain-args").exists()
+
+
+def test_each_ray_command_of_the_hook_is_bounded_when_no_gcs_answers(tmp_path: Path) -> None:
+    """A NewCluster deletion takes the head at once: the node's id and its drain then hang until their bound."""
+    bin_dir = _fake_ray_and_python(tmp_path)
+    (bin_dir / "python").write_text("#!/bin/sh\nexec sleep 30\n")  # a driver waiting for a GCS that is gone
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    script = prestop_script(1, str(proc), command_seconds=1)
+    assert script.count("timeout 1 ") == 2 and prestop_script(1).count(f"timeout {DRAIN_COMMAND_SECONDS} ") == 2
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    start = time.monotonic()
+    subprocess.run(["bash", "-c", script], env=env, timeout=60, check=True)
+    assert time.monotonic() - start < 5
     assert not (tmp_path / "drain-args").exists()
 
 

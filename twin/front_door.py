@@ -254,6 +254,7 @@ class FrontDoor(LoadBalancer):
                 task.cancel()
             loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.close()
+            self.stopped.set()  # what stop() waits for
 
         threading.Thread(target=run, daemon=True, name="front-door").start()
         ready.wait(10)

@@ -91,6 +91,9 @@ OVERLOAD_FILL_S = 180.0
 # How long the overload's clients may take to drop their streams once its alerts fired.
 ABANDON_TIMEOUT_S = 10.0
 SETTLE_S = 8.0
+# A serving replica's gauges are in Prometheus by its first scrapes (check_scrape waited for the targets
+# to be up); a model at zero takes a cold start, tens of seconds, to export them.
+WARM_WITHIN_S = 2 * duration_s(SCRAPE_INTERVAL)
 # Each fault starts from quiet: its alerts (and those that must stay quiet
 # through it) neither pending nor firing, else a "fired" could be the
 # previous fault's. The windows are scaled to 30 s (twin.prometheus), so a
@@ -983,7 +986,8 @@ def run_faults(
             report.note(obs.name, f"fault {fault}: began once its alerts were quiet, {waited:.0f}s after the previous")
         if fault in (UPGRADE_STUCK, NOT_READY):
             run_operator_fault(obs, prom, report, fault, operator)
-            time.sleep(SETTLE_S)
+            if fault != FAULTS[-1]:  # the next fault's start from quiet; after the last, nothing follows
+                time.sleep(SETTLE_S)
             continue
         fors = _fors(prom, wanted)
         timeout = fire_timeout(fault, fors)
@@ -1061,8 +1065,12 @@ def run(obs: Observed, report: Report, *, faults: bool) -> None:
         # Steady state begins once a replica serves: a model at zero (dev) first wakes under the load,
         # and its first requests wait for the cold start, which is not the steady state. They carry it
         # into a rule's rate window for a whole window (a dev CI run's p95 time to first token passed the
-        # SLO for the scaled `for` right after a wake), so it begins once every window has passed.
-        wait_serving(obs, prom, report, settle_s=max(SETTLE_S, longest_window_s(rule_groups(obs.objects))))
+        # SLO for the scaled `for` right after a wake), so then it begins once every window has passed.
+        # A replica that already served when the load began (prod's; a model the live checks woke) has
+        # no cold start in any window: Prometheus started after those requests, and a rate sees only
+        # what a counter gained between its own scrapes.
+        windows = max(SETTLE_S, longest_window_s(rule_groups(obs.objects)))
+        wait_serving(obs, prom, report, after_wake_s=windows)
         serving = [a.name for a in alerts.ALERTS if alert_absent_reason(a) is None]
         hold = max(_fors(prom, serving).values()) + STEADY_MARGIN_S
         check_steady(obs.name, prom, report, load, hold)
@@ -1107,13 +1115,26 @@ def run(obs: Observed, report: Report, *, faults: bool) -> None:
         prom.stop()
 
 
-def wait_serving(obs: Observed, prom: TwinPrometheus, report: Report, settle_s: float = SETTLE_S) -> None:
-    """Waits (under the caller's load) until a replica exports its gauges, then ``settle_s`` more."""
+def wait_serving(
+    obs: Observed,
+    prom: TwinPrometheus,
+    report: Report,
+    settle_s: float = SETTLE_S,
+    *,
+    after_wake_s: float | None = None,
+) -> None:
+    """Waits (under the caller's load) until a replica exports its gauges, then ``settle_s`` more.
+
+    ``after_wake_s``: the settle instead when a replica had to wake for the load (its gauges were not
+    there within WARM_WITHIN_S), so that the cold start's requests have left every rate window.
+    """
+    started = time.monotonic()
     woke = live.wait_for(lambda: bool(prom.query(f"count({SERVING_GAUGE}) > 0")), WAKE_TIMEOUT_S)
     if not woke:
         report.note(obs.name, f"no replica exported {SERVING_GAUGE} within {WAKE_TIMEOUT_S:.0f}s of normal load")
         return
-    time.sleep(settle_s)
+    warm = time.monotonic() - started <= WARM_WITHIN_S
+    time.sleep(settle_s if after_wake_s is None or warm else after_wake_s)
 
 
 def _operator(objects: list[dict[str, Any]], targets: LiveTargets) -> OperatorExporter | None:

@@ -45,7 +45,7 @@ from typing import Any
 
 import yaml
 
-from infra.serving.drain import prestop_script
+from infra.serving.drain import DRAIN_COMMAND_SECONDS, prestop_script
 from localserve.processes import child_env, free_port
 from localserve.ray_cluster import RayNode, application_status, deploy_serve_config, loopback_params, ray_node
 from localserve.redis_tls import TlsRedis
@@ -68,6 +68,10 @@ WORKER_CPUS = "6"
 # Twin-scale drain: the server's notice after /health turns 503, the hook's bound.
 TWIN_DRAIN_NOTICE_S = 4.0
 TWIN_PRESTOP_S = 20
+# Each Ray command of the hook (the node's id, its drain), bounded inside that: the render's bound for
+# each is longer than the whole twin hook, and a NewCluster deletion takes the head at once, so with no
+# GCS left to answer they ran to it (the hook took 43 s of its 20).
+TWIN_DRAIN_COMMAND_S = 8
 TWIN_SHUTDOWN_S = 30.0
 # The readiness probe's period here (prod: 5 s, three misses).
 PROBE_PERIOD_S = 0.5
@@ -479,11 +483,17 @@ def delete_cluster(cluster: LocalCluster, workdir: Path, report: Report) -> floa
     cluster.terminating = True
     view = ProcView(cluster.worker, workdir / cluster.name[-5:] / "proc")
     view.run()
-    script = prestop_script(TWIN_PRESTOP_S, str(view.root), node_drain_file=str(cluster.node_drain_file))
+    script = prestop_script(
+        TWIN_PRESTOP_S,
+        str(view.root),
+        node_drain_file=str(cluster.node_drain_file),
+        command_seconds=TWIN_DRAIN_COMMAND_S,
+    )
     report.sub(
         SERVICE,
-        f"{cluster.name}: the worker's preStop hook with a {TWIN_PRESTOP_S}s bound, the pod's drain file and a "
-        "/proc of the node's own processes (the render's: the longest generation, /tmp, /proc)",
+        f"{cluster.name}: the worker's preStop hook with a {TWIN_PRESTOP_S}s bound and {TWIN_DRAIN_COMMAND_S}s for "
+        "each of its Ray commands, the pod's drain file and a /proc of the node's own processes (the render's: "
+        f"the longest generation, {DRAIN_COMMAND_SECONDS}s, /tmp, /proc)",
     )
     env = {**cluster.worker.env, "RAY_ADDRESS": cluster.gcs_address, "PATH": _tool_path()}
     head_gone = threading.Thread(target=cluster.head.stop, kwargs={"grace_s": 5}, daemon=True)

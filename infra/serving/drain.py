@@ -106,7 +106,9 @@ NODE_ID_COMMAND = (
 )
 
 
-def prestop_script(seconds: int, proc: str = "/proc", node_drain_file: str | None = None) -> str:
+def prestop_script(
+    seconds: int, proc: str = "/proc", node_drain_file: str | None = None, command_seconds: int = DRAIN_COMMAND_SECONDS
+) -> str:
     """The preStop hook: drain the pod's servers and this Ray node, then wait (at most `seconds`) until Serve left.
 
     `node_drain_file` (vllm-server pods): created first, so every vLLM server
@@ -117,13 +119,15 @@ def prestop_script(seconds: int, proc: str = "/proc", node_drain_file: str | Non
     if it fails, the hook still holds the pod for the whole budget, so the
     requests on it can finish. `$SECONDS` counts from the hook's start, so
     the drain request's own time is inside the bound. `proc` is where the
-    processes are listed (a test, or the twin, passes its own).
+    processes are listed (a test, or the twin, passes its own);
+    `command_seconds` bounds each of the two Ray commands (the twin's whole
+    hook is shorter than one of them).
     """
     patterns = " ".join(f"-e '{p}'" for p in SERVE_PROCESS_PATTERNS)
     first = f'touch "{node_drain_file}"; ' if node_drain_file else ""
     return (
-        f"{first}node_id=$(timeout {DRAIN_COMMAND_SECONDS} {NODE_ID_COMMAND} 2>/dev/null | tail -n 1); "
-        f'[ -n "$node_id" ] && timeout {DRAIN_COMMAND_SECONDS} ray drain-node --node-id "$node_id" '
+        f"{first}node_id=$(timeout {command_seconds} {NODE_ID_COMMAND} 2>/dev/null | tail -n 1); "
+        f'[ -n "$node_id" ] && timeout {command_seconds} ray drain-node --node-id "$node_id" '
         f"--reason {DRAIN_REASON} --reason-message 'pod terminating' "
         f"--deadline-remaining-seconds {seconds} || true; "
         f'while [ "$SECONDS" -lt {seconds} ] && grep -qsa {patterns} {proc}/[0-9]*/cmdline; '

@@ -307,3 +307,11 @@ def test_the_local_runs_first_request_asks_again_while_the_gateway_says_starting
     answers[:] = [refusal(503, "model_unavailable")]
     with pytest.raises(openai.APIStatusError):
         run._ask_until_awake("W", time.monotonic() + 60)
+
+
+def test_the_door_stops_once_its_loop_has_closed_and_not_after_the_timeout(door: FrontDoor) -> None:
+    with client(door) as http:
+        assert http.get("/models").status_code == 200
+    started = time.monotonic()
+    door.stop(timeout_s=5.0)
+    assert door.stopped.is_set() and time.monotonic() - started < 2.0

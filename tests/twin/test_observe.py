@@ -271,6 +271,35 @@ def test_the_steady_state_waits_out_the_rules_longest_window() -> None:
     assert longest_window_s([{"rules": [{"expr": "up == 0"}]}]) == 0.0
 
 
+class _GaugeAfter:
+    """A Prometheus whose serving gauge appears ``after_s`` seconds after its first query."""
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s = after_s
+        self.first: float | None = None
+
+    def query(self, expr: str) -> list[dict[str, object]]:
+        self.first = self.first if self.first is not None else time.monotonic()
+        return [{"value": [0, "1"]}] if time.monotonic() - self.first >= self.after_s else []
+
+
+@pytest.mark.parametrize(("gauge_after_s", "settled_s"), [(0.0, observe.SETTLE_S), (0.4, 30.0)])
+def test_the_steady_state_waits_out_the_windows_only_after_a_wake_under_its_load(
+    monkeypatch: pytest.MonkeyPatch, gauge_after_s: float, settled_s: float
+) -> None:
+    # A replica already serving (prod's; one the live checks woke) has no cold start in any rate window;
+    # one that woke for the steady load has, until the longest window has passed.
+    monkeypatch.setattr(observe, "WARM_WITHIN_S", 0.2)
+    slept: list[float] = []
+    # time.sleep is the one module function: wait_for's polls land here too, and the settle last.
+    monkeypatch.setattr(observe.time, "sleep", slept.append)
+    obs = cast(observe.Observed, types.SimpleNamespace(name="svc"))
+    observe.wait_serving(
+        obs, cast(TwinPrometheus, _GaugeAfter(gauge_after_s)), Report(out=io.StringIO()), after_wake_s=30.0
+    )
+    assert slept[-1:] == [settled_s]
+
+
 class _FiringInSteadyState:
     def alerts(self) -> list[Alert]:
         labels = {"alertname": "LlmTimeToFirstTokenHigh", "model_name": "m"}
