@@ -42,9 +42,11 @@ def _suites() -> dict[str, run.Suite]:
 
 
 def _e2e_of(suite: run.Suite) -> set[str]:
-    """The tests under run.E2E_PATHS that ``suite`` runs: its own selection, collected on those paths alone."""
+    """The tests under run.E2E_PATHS that ``suite`` runs: its own selection (and paths, when it names
+    some), collected on the end-to-end paths alone."""
     args = [a for a in suite.argv[4:] if not a.startswith(("tests/", "--numprocesses"))]
-    return _collected(*args, *E2E_PATHS)
+    paths = [a for a in suite.argv[4:] if a.startswith("tests/")]
+    return _collected(*args, *(paths or E2E_PATHS))
 
 
 def test_the_suites_run_every_end_to_end_test_once() -> None:
@@ -66,8 +68,8 @@ def test_the_end_to_end_suite_collects_every_path_with_an_end_to_end_test() -> N
         and not any(path.is_relative_to(ROOT / e2e) for e2e in E2E_PATHS)
     ]
     assert marked == []
-    e2e = _suites()["e2e"].argv
-    assert all(path in e2e for path in E2E_PATHS)
+    named = [a for suite in _suites().values() for a in suite.argv]
+    assert all(path in named for path in E2E_PATHS)
 
 
 def test_only_end_to_end_tests_are_marked_timing() -> None:
@@ -90,10 +92,21 @@ def test_the_timing_tests_run_alone() -> None:
     }
     assert [[s.name for s in phase] for phase in run.phases(run.suites())] == [
         ["timing"],
-        ["unit", "lint"],
+        ["unit", "lint", "e2e-apart"],
         ["e2e"],
         ["bench-quick"],
     ]
+
+
+def test_the_end_to_end_tests_beside_the_unit_suite_share_no_server_and_measure_nothing() -> None:
+    """Beside the unit suite run only modules that start what they test themselves: no shared server
+    fixture (its queue readings did not hold under the other suites' load), no twin, no timing."""
+    apart = _e2e_of(_suites()["e2e-apart"])
+    assert {line.split("::")[0] for line in apart} == set(run.APART_PATHS)
+    for path in run.APART_PATHS:
+        text = (ROOT / path).read_text()
+        assert "server: ServerInfo" not in text and "mark.timing" not in text and "twin" not in path, path
+    assert not apart & _e2e_of(_suites()["e2e"])
 
 
 def test_lint_is_the_makefiles_and_make_test_reaches_it_only_through_the_suite() -> None:
