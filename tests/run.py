@@ -123,8 +123,8 @@ def phases(ordered: list[Suite]) -> list[list[Suite]]:
     return grouped
 
 
-def pytest(name: str, *args: str, extra: list[str] | None = None) -> Suite:
-    return Suite(name, [sys.executable, "-m", "pytest", "-q", *args, *(extra or [])])
+def pytest(name: str, *args: str, extra: list[str] | None = None, beside_previous: bool = False) -> Suite:
+    return Suite(name, [sys.executable, "-m", "pytest", "-q", *args, *(extra or [])], beside_previous=beside_previous)
 
 
 # The e2e suite's arguments: the paths APART_PATHS leaves (pytest collects a path it is given even when
@@ -135,12 +135,6 @@ E2E_REST = (
 )
 
 
-def beside(suite: Suite) -> Suite:
-    """``suite``, started with the one before it."""
-    suite.beside_previous = True
-    return suite
-
-
 def suites(extra: list[str] | None = None) -> list[Suite]:
     """The run's suites, in the order they run. ``extra`` goes to every pytest."""
     return [
@@ -148,7 +142,7 @@ def suites(extra: list[str] | None = None) -> list[Suite]:
         pytest("timing", "-m", "timing", E2E_DIR, extra=extra),
         pytest("unit", "-m", "not e2e and not timing", UNIT_WORKERS, extra=extra),
         Suite("lint", ["make", "--no-print-directory", "lint"], beside_previous=True),
-        beside(pytest("e2e-apart", "-m", "e2e and not timing", *APART_PATHS, extra=extra)),
+        pytest("e2e-apart", "-m", "e2e and not timing", *APART_PATHS, extra=extra, beside_previous=True),
         pytest("e2e", "-m", "e2e and not timing", *E2E_REST, extra=extra),
         Suite("bench-quick", [sys.executable, "-m", "benchmarks", "--quick", "--out", "build/bench-quick"]),
     ]

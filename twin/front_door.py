@@ -237,27 +237,7 @@ class FrontDoor(LoadBalancer):
             sock.close()
             raise
         self.port = int(sock.getsockname()[1])
-        ready = threading.Event()
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            asyncio.set_event_loop(loop)
-            self._loop = loop
-            server = loop.run_until_complete(asyncio.start_server(self._handle, sock=sock, limit=MAX_HEAD_BYTES))
-            ready.set()
-            with contextlib.suppress(Exception):
-                loop.run_forever()
-            server.close()
-            # Connections still open when the run stops end here, not in a warning at exit.
-            pending = asyncio.all_tasks(loop)
-            for task in pending:
-                task.cancel()
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            loop.close()
-            self.stopped.set()  # what stop() waits for
-
-        threading.Thread(target=run, daemon=True, name="front-door").start()
-        ready.wait(10)
+        self._run_server(lambda: asyncio.start_server(self._handle, sock=sock, limit=MAX_HEAD_BYTES), "front-door")
 
     def follow(self, source: Callable[[], Routes], every_s: float = REFRESH_EVERY_S) -> None:
         """Takes the routes from ``source`` now and then every ``every_s`` in a thread, as the NLB's health checks."""

@@ -38,7 +38,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -321,12 +321,17 @@ class LoadBalancer:
         await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
 
     def start(self) -> None:
+        self._run_server(lambda: asyncio.start_server(self._handle, HOST, self.port), "twin-nlb")
+
+    def _run_server(self, listen: Callable[[], Awaitable[asyncio.Server]], thread: str) -> None:
+        """Runs the server ``listen`` makes on a loop of its own in a thread, until stop(); returns once it listens."""
         ready = threading.Event()
 
         def run() -> None:
             loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
             self._loop = loop
-            server = loop.run_until_complete(asyncio.start_server(self._handle, HOST, self.port))
+            server = loop.run_until_complete(listen())
             ready.set()
             with contextlib.suppress(Exception):
                 loop.run_forever()
@@ -336,7 +341,7 @@ class LoadBalancer:
             loop.close()
             self.stopped.set()
 
-        threading.Thread(target=run, daemon=True, name="twin-nlb").start()
+        threading.Thread(target=run, daemon=True, name=thread).start()
         ready.wait(10)
 
     def stop(self, timeout_s: float = 5.0) -> None:
