@@ -1,14 +1,24 @@
-"""The guard's own cost, in isolation: ApiGuard in front of a dummy streaming ASGI app.
+"""The project's own per-request code, in isolation, in front of a dummy streaming ASGI app.
 
     python -m benchmarks.guard_overhead [--requests 20000]
 
 Calls the ASGI app directly (no server, no sockets), so what is left is the
-guard's work per request: header lookup, SHA-256 of the presented key and
-constant-time compares, buffering the body, one JSON parse, the limit checks
-and the replayed ``receive``. The dummy app reads the body and streams
-``chunks`` response chunks, like a streamed chat completion; the guard does
-not wrap ``send``, so its cost must not grow with the chunks.
-Alternates guarded and unguarded batches and reports the median difference.
+project's work per request. Two stacks:
+
+* ``guard``: ApiGuard alone: header lookup, SHA-256 of the presented key and
+  constant-time compares, buffering the body, one JSON parse, the limit
+  checks, the replayed ``receive``, and its ``send`` that reshapes error
+  answers (a pass-through for a 200);
+* ``server``: everything the vllm-server process puts in front of vLLM's app
+  (``VllmServerGuard``, configured as the replica configures it): the drain
+  files' check, the per-key in-flight cap, the reading of every answer chunk
+  for the model, the usage and the token count, the access log line (to a
+  file) and the per-key counters, then the guard. Its chunks are the
+  events vLLM's own serving code writes for a streamed completion, so its
+  per-chunk cost is the one a token pays.
+
+The dummy app reads the body and streams ``chunks`` response chunks.
+Alternates the stack's batches with the app's alone and reports the median difference.
 """
 
 from __future__ import annotations
@@ -16,7 +26,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,13 +40,29 @@ if str(REPO / "workloads") not in sys.path:
     sys.path.insert(0, str(REPO / "workloads"))
 
 from inference_server.catalog import RequestLimits  # noqa: E402
+from inference_server.fairness import ACCESS_LOGGER  # noqa: E402
 from inference_server.guard import ApiGuard, ApiKeys  # noqa: E402
+from inference_server.vllm_guard import (  # noqa: E402
+    DRAIN_FILE_ENV,
+    NODE_DRAIN_FILE_ENV,
+    SETTINGS_ENV,
+    ServerGuardSettings,
+    VllmServerGuard,
+)
 
 from benchmarks.stats import median  # noqa: E402
 
 KEY = "bench-" + "k" * 40
 # A realistic key list: the request's key is the last of ten.
 KEYS = ",".join([f"other-{i:02d}-" + "x" * 40 for i in range(9)] + [KEY])
+KEYS_ENV = "BENCH_KEYS"
+MODEL = "tiny-llama"
+# The prompt bytes the server stack is measured at: few enough that the byte
+# bounds decide the prompt's size, as they do for the serving benchmark's
+# prompts (a prompt they can not decide is counted by vLLM's tokenizer, which
+# needs a running server).
+SERVER_PROMPT_BYTES = 100
+STACKS = ("guard", "server")
 
 
 def chat_body(prompt_bytes: int) -> bytes:
@@ -50,8 +79,29 @@ def chat_body(prompt_bytes: int) -> bytes:
     ).encode()
 
 
-def make_app(chunks: int) -> Any:
-    chunk = b'data: {"choices":[{"delta":{"content":"tok"}}]}\n\n'
+def completion_body(prompt_bytes: int) -> bytes:
+    return json.dumps(
+        {"model": MODEL, "prompt": "x" * prompt_bytes, "max_tokens": 32, "stream": True, "temperature": 0}
+    ).encode()
+
+
+def vllm_stream_events(chunks: int) -> list[bytes]:
+    """The events of a streamed completion of ``chunks`` tokens, made by vLLM's own protocol models."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
+
+    def event(i: int) -> bytes:
+        finish = "length" if i == chunks - 1 else None
+        choice = CompletionResponseStreamChoice(index=0, text=f" tok{i}", finish_reason=finish)
+        chunk = CompletionStreamResponse(id="cmpl-bench", created=1, model=MODEL, choices=[choice])
+        # As vLLM's serving code writes each one (completion/serving.py).
+        return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n".encode()
+
+    return [*(event(i) for i in range(chunks)), b"data: [DONE]\n\n"]
+
+
+def make_app(chunks: int, events: list[bytes] | None = None) -> Any:
+    """The dummy app: reads the body, then streams ``events`` (or ``chunks`` short chat chunks)."""
+    sent = events or [b'data: {"choices":[{"delta":{"content":"tok"}}]}\n\n'] * chunks
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         more = True
@@ -59,25 +109,59 @@ def make_app(chunks: int) -> Any:
             message = await receive()
             more = message.get("more_body", False)
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-        for _ in range(chunks):
+        for chunk in sent:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     return app
 
 
-async def drive(app: Any, body: bytes, n: int) -> float:
-    """Seconds for ``n`` sequential requests through ``app``."""
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/chat/completions",
-        "root_path": "",
-        "headers": [(b"authorization", f"Bearer {KEY}".encode()), (b"content-type", b"application/json")],
+def server_stack(app: Any, limits: RequestLimits, workdir: Path) -> VllmServerGuard:
+    """The vllm-server process's middleware in front of ``app``, set up as the replica sets up its server.
+
+    Its access log goes to a file in ``workdir`` (the server's goes to its
+    stderr), and its drain files do not exist (a serving replica's do not).
+    """
+    settings = ServerGuardSettings(
+        api_keys_file=None, api_keys_env=KEYS_ENV, limits=limits, model_ids=[MODEL], replica_inflight_cap=1000
+    )
+    log = logging.getLogger(ACCESS_LOGGER)
+    # The server's handler writes to its stderr: the same work, but not 20000 lines on this terminal.
+    log.handlers = [logging.StreamHandler(open(workdir / "access.log", "a", buffering=1, encoding="utf-8"))]  # noqa: SIM115
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    environ = {
+        KEYS_ENV: KEYS,
+        SETTINGS_ENV: settings.model_dump_json(),
+        DRAIN_FILE_ENV: str(workdir / "draining"),
+        NODE_DRAIN_FILE_ENV: str(workdir / "node-draining"),
     }
+    saved = {k: os.environ.get(k) for k in environ}
+    os.environ.update(environ)
+    try:
+        return VllmServerGuard(app)
+    finally:
+        # The keys stay readable: ApiKeys reads its variable on each reload.
+        for key, value in saved.items():
+            if key != KEYS_ENV:
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+async def drive(app: Any, body: bytes, n: int, path: str = "/v1/chat/completions") -> float:
+    """Seconds for ``n`` sequential requests through ``app``; every one must be answered 200.
+
+    A refusal (a key the stack does not know, a limit) is answered in a few
+    microseconds without the app: timing it would measure the refusal.
+    """
+    headers = [(b"authorization", f"Bearer {KEY}".encode()), (b"content-type", b"application/json")]
+    statuses: set[int] = set()
 
     async def send(message: Any) -> None:
-        return None
+        if message["type"] == "http.response.start":
+            statuses.add(message["status"])
 
     started = time.perf_counter()
     for _ in range(n):
@@ -90,12 +174,18 @@ async def drive(app: Any, body: bytes, n: int) -> float:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
 
+        # A scope of its own each time, as the server gives each request (the accounting adds a request id).
+        scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": list(headers)}
         await app(scope, receive, send)
-    return time.perf_counter() - started
+    elapsed = time.perf_counter() - started
+    if statuses != {200}:
+        raise RuntimeError(f"the measured app answered {sorted(statuses)}, not only 200: nothing to time")
+    return elapsed
 
 
 @dataclass
 class GuardCase:
+    stack: str
     prompt_bytes: int
     chunks: int
     bare_us: float
@@ -105,27 +195,37 @@ class GuardCase:
     added_us_max: float
 
 
-def measure(prompt_bytes: int, chunks: int, requests: int, batches: int = 7) -> GuardCase:
-    inner = make_app(chunks)
-    guarded = ApiGuard(
-        inner,
-        keys=ApiKeys(None, "BENCH_KEYS", environ={"BENCH_KEYS": KEYS}),
-        limits=RequestLimits(max_tokens=64, max_prompt_tokens=100_000),
-    )
-    body = chat_body(prompt_bytes)
+def measure(
+    prompt_bytes: int, chunks: int, requests: int, batches: int = 7, stack: str = "guard", workdir: Path | None = None
+) -> GuardCase:
+    limits = RequestLimits(max_tokens=64, max_prompt_tokens=100_000)
+    if stack == "guard":
+        inner = make_app(chunks)
+        guarded: Any = ApiGuard(inner, keys=ApiKeys(None, KEYS_ENV, environ={KEYS_ENV: KEYS}), limits=limits)
+        body, path = chat_body(prompt_bytes), "/v1/chat/completions"
+    else:
+        assert workdir is not None
+        inner = make_app(chunks, vllm_stream_events(chunks))
+        guarded = server_stack(inner, limits, workdir)
+        body, path = completion_body(prompt_bytes), "/v1/completions"
     per = max(1, requests // batches)
     bare_t: list[float] = []
     guard_t: list[float] = []
-    asyncio.run(drive(guarded, body, per // 4 + 1))  # warm both paths
+    asyncio.run(drive(guarded, body, per // 4 + 1, path))  # warm both paths
     for _ in range(batches):
-        bare_t.append(asyncio.run(drive(inner, body, per)) / per * 1e6)
-        guard_t.append(asyncio.run(drive(guarded, body, per)) / per * 1e6)
+        bare_t.append(asyncio.run(drive(inner, body, per, path)) / per * 1e6)
+        guard_t.append(asyncio.run(drive(guarded, body, per, path)) / per * 1e6)
     added = [g - b for g, b in zip(guard_t, bare_t, strict=True)]
-    return GuardCase(prompt_bytes, chunks, median(bare_t), median(guard_t), median(added), min(added), max(added))
+    return GuardCase(
+        stack, prompt_bytes, chunks, median(bare_t), median(guard_t), median(added), min(added), max(added)
+    )
 
 
 def run(requests: int = 20000) -> list[GuardCase]:
-    return [measure(p, c, requests) for p, c in ((100, 32), (100, 256), (8_000, 32), (100_000, 32))]
+    cases = [measure(p, c, requests) for p, c in ((100, 32), (100, 256), (8_000, 32), (100_000, 32))]
+    with tempfile.TemporaryDirectory(prefix="guard-overhead-") as tmp:
+        cases += [measure(SERVER_PROMPT_BYTES, c, requests, stack="server", workdir=Path(tmp)) for c in (32, 256)]
+    return cases
 
 
 def main(argv: list[str] | None = None) -> int:

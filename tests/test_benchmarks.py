@@ -7,6 +7,8 @@ that raced the server's start, a layout that did not hold, a wrong verdict.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import guard_overhead
 from benchmarks.pinning import REST_CPUS, SERVER_CPUS, Pinner, allowed_cpus, threads
 from benchmarks.report import gateway_table, headline_table, router_table, verdict
 from benchmarks.server_tree import (
@@ -236,3 +239,32 @@ def test_the_gateways_process_is_counted_as_the_gateway(tmp_path: Path) -> None:
         assert process_role(gateway.proc.pid) == "gateway"
     finally:
         gateway.stop(grace_s=5)
+
+
+@pytest.fixture
+def access_log_handlers() -> Iterator[None]:
+    log = logging.getLogger(guard_overhead.ACCESS_LOGGER)
+    saved = list(log.handlers)
+    yield
+    for handler in log.handlers:
+        handler.close()
+    log.handlers = saved
+
+
+def test_the_server_stack_is_timed_serving_vllms_events_through_all_of_it(
+    tmp_path: Path, access_log_handlers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the per-request figure of the vllm-server process times: every request served and accounted."""
+    pytest.importorskip("vllm")
+    case = guard_overhead.measure(8, 5, requests=20, batches=2, stack="server", workdir=tmp_path)
+    assert case.stack == "server" and case.added_us > 0
+    lines = [json.loads(line) for line in (tmp_path / "access.log").read_text().splitlines()]
+    # Warm-up and two batches, each request through the accounting: the key named, its tokens read from the events.
+    assert len(lines) == 10 // 4 + 1 + 2 * 10
+    assert {(x["status"], x["key_id"] is not None, x["model"], x["output_tokens"], x["tokens"]) for x in lines} == {
+        (200, True, guard_overhead.MODEL, 5, "counted")
+    }
+    # A stack that refuses answers without the app: that is not what is timed.
+    monkeypatch.setattr(guard_overhead, "KEY", "not-a-key-" + "z" * 40)
+    with pytest.raises(RuntimeError, match=r"answered \[401\]"):
+        guard_overhead.measure(8, 5, requests=20, batches=2, stack="server", workdir=tmp_path)

@@ -451,6 +451,43 @@ def test_the_answer_reader_finds_model_and_usage_across_chunks() -> None:
     assert quoted.usage is None
 
 
+def _vllm_completion_stream(texts: list[str], usage: dict[str, int]) -> list[bytes]:
+    """A streamed /v1/completions answer as vLLM's own serving code writes it: one event per message."""
+    protocol = pytest.importorskip("vllm.entrypoints.openai.completion.protocol")
+
+    def chunk(i: int, text: str) -> bytes:
+        finish = "length" if i == len(texts) - 1 else None
+        choice = protocol.CompletionResponseStreamChoice(index=0, text=text, finish_reason=finish)
+        response = protocol.CompletionStreamResponse(id="cmpl-1", created=1, model=MODEL, choices=[choice])
+        return f"data: {response.model_dump_json(exclude_unset=True)}\n\n".encode()
+
+    final = protocol.CompletionStreamResponse(
+        id="cmpl-1", created=1, model=MODEL, choices=[], usage=protocol.UsageInfo(**usage)
+    ).model_dump_json(exclude_unset=False, exclude_none=True)
+    return [*(chunk(i, t) for i, t in enumerate(texts)), f"data: {final}\n\n".encode(), b"data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize("split", ["as sent", "every 5 bytes", "one piece", "events in pairs"])
+def test_the_readers_count_of_a_vllm_stream_does_not_depend_on_how_it_was_cut(split: str) -> None:
+    """Whole events take the reader's short path and cut ones the carried one: both must count alike."""
+    # An empty text (vLLM's chunk for a step that decoded no character) is not counted;
+    # a text that quotes the marks the reader looks for is one token, not a usage object.
+    texts = ["Hello", " world", "", ' "index": 3, "usage": {"prompt_tokens": 99}', "!"]
+    usage = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+    events = _vllm_completion_stream(texts, usage)
+    whole = b"".join(events)
+    pieces = {
+        "as sent": events,
+        "every 5 bytes": [whole[i : i + 5] for i in range(0, len(whole), 5)],
+        "one piece": [whole],
+        "events in pairs": [b"".join(events[i : i + 2]) for i in range(0, len(events), 2)],
+    }[split]
+    reader = AnswerReader()
+    for piece in pieces:
+        reader.feed(piece, stream=True)
+    assert (reader.model, reader.choice_events, reader.usage) == (MODEL, 4, usage)
+
+
 # ---------------------------------------------------------------- config and capacity rules
 
 
