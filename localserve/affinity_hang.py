@@ -26,11 +26,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from localserve.processes import STAT_START_TIME, process_name, stat_fields, with_descendants
 
 # The system call's number per architecture (Linux' unistd tables).
 SCHED_SETAFFINITY = {"x86_64": 203, "aarch64": 122}.get(platform.machine(), 203)
+# utime and stime in /proc/<pid>/task/<tid>/stat, counted after the command name (proc(5)).
+STAT_UTIME, STAT_STIME = 11, 12
 # A real call returns in microseconds; the hangs on record lasted minutes.
 BLOCKED_AFTER_S = 20.0
 # Any thread this long in uninterruptible sleep is said once (a read of a slow disk returns well within it).
@@ -195,3 +198,35 @@ class AffinityHangBreaker:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def thread_lines(pids: set[int]) -> list[str]:
+    """One line per thread of ``pids`` that is not idle: what to read when a start never finishes.
+
+    Idle is asleep (``S``) in a wait a process makes when it has nothing to
+    do (epoll, futex, a pipe); every other thread is listed with its state,
+    system call, kernel wait channel, the CPUs it may run on and the CPU
+    time it used, so a thread spinning, starved or blocked in the kernel
+    shows which.
+    """
+    idle_waits = {"do_epoll_wait", "futex_wait_queue", "futex_wait_queue_me", "pipe_read", "do_select", "do_sys_poll"}
+    lines = []
+    for pid in sorted(pids):
+        name = process_name(pid) or "?"
+        for tid in sorted(threads(pid)):
+            state = thread_state(pid, tid)
+            if state is None or (state[0] == "S" and state[1] in idle_waits):
+                continue
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text(errors="replace").rsplit(")", 1)[-1].split()
+                status = Path(f"/proc/{pid}/task/{tid}/status").read_text(errors="replace")
+            except OSError:
+                continue
+            allowed = [x for x in status.splitlines() if x.startswith("Cpus_allowed_list")]
+            cpus = allowed[0].split(":", 1)[1].strip() if allowed else "?"
+            user, system = (int(stat[i]) / os.sysconf("SC_CLK_TCK") for i in (STAT_UTIME, STAT_STIME))
+            lines.append(
+                f"pid {pid} ({name}) thread {tid}: state {state[0]}, system call {blocked_syscall(pid, tid)}, "
+                f"waits in {state[1]}, CPUs {cpus}, user {user:.1f}s system {system:.1f}s"
+            )
+    return lines

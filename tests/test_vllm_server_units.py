@@ -457,3 +457,44 @@ def _workloads_env() -> dict[str, str]:
 
     root = Path(__file__).resolve().parents[1]
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "workloads"), str(root)])}
+
+
+def test_sigusr1_prints_the_servers_stacks_while_it_starts_and_leaves_it_running(tmp_path: Path) -> None:
+    """A server that takes minutes to start is asked where it is: every thread's stack, on stderr."""
+    pytest.importorskip("vllm")
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from inference_server.vllm_main import PARENT_ENV, SPEC_ENV, STACKS_SIGNAL
+
+    spec = {"model": str(tmp_path), "served_model_name": "m", "host": "127.0.0.1", "port": 1, "engine_kwargs": {}}
+    env = {**os.environ, SPEC_ENV: json.dumps(spec), PARENT_ENV: str(os.getpid())}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "workloads"), env.get("PYTHONPATH", "")])
+    err = tmp_path / "stderr"
+    with err.open("w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "inference_server.vllm_main"], env=env, stderr=sink, start_new_session=True
+        )
+    try:
+        # Sent before the handler is set, the signal's default action would end the process.
+        caught = 0
+        deadline = time.monotonic() + 30
+        while not caught >> (STACKS_SIGNAL - 1) & 1 and time.monotonic() < deadline:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        assert proc.poll() is None, "the server ended before it could be asked"
+        os.kill(proc.pid, STACKS_SIGNAL)
+        deadline = time.monotonic() + 10
+        while "File " not in err.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        dump = err.read_text()
+        assert "most recent call first" in dump and 'File "' in dump, dump[-2000:]
+        # Still starting (importing vLLM, here): the signal asked, it did not stop it.
+        assert proc.poll() is None, dump[-2000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

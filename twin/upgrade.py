@@ -46,7 +46,8 @@ from typing import Any
 import yaml
 
 from infra.serving.drain import DRAIN_COMMAND_SECONDS, prestop_script
-from localserve.processes import child_env, free_port
+from localserve.affinity_hang import thread_lines
+from localserve.processes import child_env, free_port, process_name
 from localserve.ray_cluster import RayNode, application_status, deploy_serve_config, loopback_params, ray_node
 from localserve.redis_tls import TlsRedis
 from localserve.server import LIMIT_MAX_TOKENS, catalog_for, replica_addresses, write_keys
@@ -54,7 +55,10 @@ from localserve.traffic import StreamLoad
 from twin import kuberay as mirror
 from twin.report import Report
 from workloads.inference_server.catalog import NODE_DRAIN_FILE_ENV
-from workloads.inference_server.vllm_main import SPEC_ENV
+from workloads.inference_server.vllm_main import API_SERVER_TITLE, SPEC_ENV, STACKS_SIGNAL
+
+# The titles vLLM's processes carry in /proc/<pid>/comm (15 characters).
+VLLM_TITLES = frozenset(title[:15] for title in (API_SERVER_TITLE, "VLLM::EngineCore"))
 
 HOST = "127.0.0.1"
 STREAMS = 3
@@ -257,6 +261,37 @@ def wait_app_running(cluster: LocalCluster, timeout_s: float = APP_TIMEOUT_S) ->
             break
         time.sleep(1)
     raise RuntimeError(f"{cluster.name}: {cluster.app} not RUNNING after {timeout_s:.0f}s (last: {status})")
+
+
+# What a start that never finished leaves in the report: at most this many lines of stacks.
+STACK_LINES = 80
+
+
+def why_not_running(cluster: LocalCluster, wait_s: float = 2.0) -> list[str]:
+    """Where the worker node's processes are: each busy or blocked thread, and the vLLM processes' Python stacks.
+
+    The stacks come from the signal the server registers first thing
+    (``vllm_main.STACKS_SIGNAL``); they land on the replica's stderr, the
+    Ray worker's ``.err`` log in the node's session.
+    """
+    pids = cluster.worker.pids()
+    lines = [f"{cluster.name}-worker: {line}" for line in thread_lines(pids)]
+    logs = cluster.worker.temp_dir / "session_latest" / "logs"
+    sizes = {log: log.stat().st_size for log in logs.glob("worker-*.err")}
+    asked = [pid for pid in pids if process_name(pid) in VLLM_TITLES]
+    for pid in asked:
+        with contextlib.suppress(OSError):
+            os.kill(pid, STACKS_SIGNAL)
+    if not asked:
+        return [*lines, f"{cluster.name}-worker: no vLLM server process to ask for its stacks"]
+    time.sleep(wait_s)
+    stacks: list[str] = []
+    for log in sorted(logs.glob("worker-*.err")):
+        with log.open("rb") as handle:
+            handle.seek(sizes.get(log, 0))
+            stacks += handle.read().decode(errors="replace").splitlines()
+    shown = [line for line in stacks if line.strip()][:STACK_LINES]
+    return [*lines, f"{cluster.name}-worker: Python stacks of pids {sorted(asked)}:", *shown]
 
 
 # --- the load balancer ----------------------------------------------------------------
@@ -619,7 +654,13 @@ def run_upgrade_under_load(
         report.step(SERVICE, f"{pending.name}: KubeRay creates the pending cluster beside {active.name}")
         new = start_cluster(pending, redis, workdir, model_dir, report, core=1)
         clusters.append(new)
-        statuses = wait_app_running(new)
+        try:
+            statuses = wait_app_running(new)
+        except RuntimeError:
+            # The start that never finishes (docs/testing.md): say where it is before the run stops it.
+            for line in why_not_running(new):
+                report.note(SERVICE, line)
+            raise
         registration.add(new)
         try:
             upgrade.switch(statuses)

@@ -156,3 +156,47 @@ def test_stopping_the_load_balancer_closes_the_connections_it_still_pipes(
             pass
     # Ended quietly: asyncio's server logs a traceback for a connection task that ends cancelled.
     assert not [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+
+
+def test_a_start_that_never_finishes_reports_its_busy_threads_and_the_servers_python_stacks(tmp_path: Path) -> None:
+    """What day 2 prints when the pending cluster's app is not RUNNING in time (why_not_running)."""
+    pytest.importorskip("vllm")
+    import os
+    import signal
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from workloads.inference_server.vllm_main import PARENT_ENV, SPEC_ENV, STACKS_SIGNAL
+
+    logs = tmp_path / "session_latest" / "logs"
+    logs.mkdir(parents=True)
+    spec = {"model": str(tmp_path), "served_model_name": "m", "host": "127.0.0.1", "port": 1, "engine_kwargs": {}}
+    env = {**os.environ, SPEC_ENV: json.dumps(spec), PARENT_ENV: str(os.getpid())}
+    workloads = Path(upgrade.__file__).parents[1] / "workloads"
+    env["PYTHONPATH"] = os.pathsep.join([str(workloads), env.get("PYTHONPATH", "")])
+    with (logs / "worker-1.err").open("w") as err:
+        # A server importing vLLM (as the stuck one was), and a thread spinning in a process beside it.
+        server = subprocess.Popen(
+            [sys.executable, "-m", "inference_server.vllm_main"], env=env, stderr=err, start_new_session=True
+        )
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            status = Path(f"/proc/{server.pid}/status").read_text()
+            caught = int(next(x.split()[1] for x in status.splitlines() if x.startswith("SigCgt:")), 16)
+            if caught >> (STACKS_SIGNAL - 1) & 1 and Path(f"/proc/{server.pid}/comm").read_text().startswith("VLLM"):
+                break
+        time.sleep(0.3)  # the spinner shows some CPU time
+        worker = SimpleNamespace(pids=lambda: {server.pid, spinner.pid}, temp_dir=tmp_path)
+        lines = upgrade.why_not_running(cast(upgrade.LocalCluster, SimpleNamespace(name="c-bbbbb", worker=worker)))
+    finally:
+        for proc in (server, spinner):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = "\n".join(lines)
+    assert f"c-bbbbb-worker: pid {spinner.pid} (python) thread {spinner.pid}: state R" in text, text
+    assert f"c-bbbbb-worker: Python stacks of pids [{server.pid}]:" in text, text
+    # The stack names the server's own module, where it was when asked.
+    assert "most recent call first" in text and "vllm_main.py" in text, text

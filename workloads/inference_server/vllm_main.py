@@ -10,6 +10,7 @@ string round trip, and a name vLLM does not know stops the start.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import signal
@@ -31,7 +32,14 @@ from typing import Any
 # can use only the command line's own bytes less one, and its command line
 # read back as "... -m inference_server.vllm_mai", which no one recognises.
 API_SERVER_TITLE = "VLLM::APIServer"
+# SIGUSR1 prints every Python thread's stack to stderr (the replica's log),
+# from the first line on: a server that takes minutes to start shows where
+# it is (`kill -USR1 <pid>`) without a debugger on the node. vLLM does not use
+# the signal; the engine processes register it too.
+STACKS_SIGNAL = signal.SIGUSR1
 if __name__ in ("__main__", "__mp_main__"):
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
+
     import setproctitle  # vLLM depends on it
 
     if __name__ == "__main__":
