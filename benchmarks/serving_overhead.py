@@ -15,8 +15,7 @@ Variants (all on the same random-weight tiny Llama, same engine settings):
 * ``bare``: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``,
   what ``vllm serve`` runs) with the engine arguments the project's catalogue produces.
 * not run by default: ``project-ingress`` (Ray Serve LLM's OpenAI ingress with
-  the guard), ``stock`` (stock Ray Serve LLM), ``project-tp`` / ``project-direct``
-  (the ingress layout with KubeRay's high-throughput settings, or direct streaming).
+  the guard) and ``stock`` (stock Ray Serve LLM).
 
 The load of every cell comes from vLLM's own benchmark client, the code behind
 ``vllm bench serve`` (``benchmarks/vllm_client.py``: random dataset, 64 prompt
@@ -136,18 +135,7 @@ PROMPTS_TEXT = [
     "List 0 1 2 3 4 5 6 7 8 9 and then count backwards.",
 ]
 
-THROUGHPUT_ENV = {
-    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-    "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
-    "RAY_SERVE_ENABLE_HA_PROXY": "1",
-}
-# Direct streaming behind Serve's own proxy, no HAProxy.
-DIRECT_ENV = {
-    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-    "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
-}
-VARIANT_ENV = {"project-tp": THROUGHPUT_ENV, "project-direct": DIRECT_ENV}
-INGRESS_VARIANTS = ("project-ingress", "stock", *VARIANT_ENV)
+INGRESS_VARIANTS = ("project-ingress", "stock")
 # Under Ray Serve LLM a request crosses these processes: the measured "server" there.
 REQUEST_PATH_ROLES = frozenset({"Serve proxy", "Serve ingress replica", "Serve LLMServer replica"})
 
@@ -159,8 +147,6 @@ VARIANT_LABELS = {
     "bare": "bare vLLM (vllm serve)",
     "project-ingress": "project-ingress (Ray Serve LLM ingress + guard)",
     "stock": "stock Ray Serve LLM (no guard)",
-    "project-tp": "project, throughput settings",
-    "project-direct": "project, direct streaming",
 }
 
 
@@ -450,7 +436,6 @@ def start_project(work: Path, model_dir: Path, variant: str) -> Server:
     http_port, metrics_port = free_port(), free_port()
     # Short path: Ray's unix sockets live under it and must stay below 108 bytes.
     ray_dir = Path(tempfile.mkdtemp(prefix="bray_", dir="/tmp"))
-    extra = VARIANT_ENV.get(variant, {})
     launcher = Path(__file__).resolve().parent / "stock_serve.py" if variant == "stock" else SERVE_MAIN
     started = time.monotonic()
     child = Child.start(
@@ -467,7 +452,7 @@ def start_project(work: Path, model_dir: Path, variant: str) -> Server:
             "--ray-temp-dir",
             str(ray_dir),
         ],
-        child_env(extra),
+        child_env(),
         sub / "server.log",
         marker=str(ray_dir),
     )

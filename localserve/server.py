@@ -101,20 +101,14 @@ def replica_addresses(address_dir: Path) -> list[dict[str, object]]:
 
 
 # The layouts the server runs: "vllm-server" (the default in production: vLLM's
-# own server, placed by Serve; the catalogue says so, see catalog_for), and the
-# two ingress layouts of Ray Serve LLM: the OpenAiIngress deployment in front
-# of the model server, or the model server itself as the ingress (direct
-# streaming, one model only). Each entry is the extra environment of the
-# server process.
+# own server, placed by Serve; the catalogue says so, see catalog_for), and
+# "ingress", Ray Serve LLM's OpenAiIngress deployment in front of the model
+# server. Each entry is the extra environment of the server process.
 # Not RAY_SERVE_ENABLE_HA_PROXY: that proxy binds the replicas' ports on all
 # interfaces.
 LAYOUTS: dict[str, dict[str, str]] = {
     "vllm-server": {},
     "ingress": {},
-    "direct-streaming": {
-        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-        "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
-    },
 }
 
 

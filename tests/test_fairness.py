@@ -145,7 +145,7 @@ def test_the_replica_cap_is_the_guards_replicas_max_ongoing_requests() -> None:
     server = Catalog.model_validate({"models": [model], "layout": "vllm-server"})
     assert server.replica_inflight_cap() == 12
     ingress = Catalog.model_validate({"models": [model], "ingress": {"max_ongoing_requests": 90}})
-    assert ingress.replica_inflight_cap() == 90 and ingress.replica_inflight_cap(direct_streaming=True) == 12
+    assert ingress.replica_inflight_cap() == 90
 
 
 # ---------------------------------------------------------------- the middleware

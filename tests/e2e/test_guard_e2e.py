@@ -2,7 +2,7 @@
 
 Each class of bad request is sent over plain HTTP (raw sockets where a
 client library would tidy the request up) to the server that the session
-fixture started, in both ingress layouts. The guard decides most of them
+fixture started, in each layout. The guard decides most of them
 before Ray Serve LLM or vLLM sees the request; the rest are answered by the
 routes and reshaped by the guard on the way out.
 """

@@ -220,7 +220,7 @@ def test_sixteen_concurrent_requests_all_succeed(server: ServerInfo) -> None:
 def test_engine_metrics_are_exported(server: ServerInfo) -> None:
     # Make sure some requests have gone through, then wait for the metrics agent's export.
     client(server).completions.create(model=server.model_id, prompt="metrics", max_tokens=2)
-    wanted = ENGINE_METRICS[server.layout] if server.layout in ENGINE_METRICS else ENGINE_METRICS["ingress"]
+    wanted = ENGINE_METRICS[server.layout]
     deadline = time.monotonic() + 90
     text = ""
     while time.monotonic() < deadline:

@@ -9,20 +9,14 @@ in front of the ingress' routes.
 The default layout for a single-model service is "vllm-server"
 (``vllm_server.py``): Serve places and scales vLLM's own OpenAI server and no
 request passes through Serve. The catalogue's ``layout: serve-ingress`` runs
-Ray Serve LLM's request path instead, in one of two ingress layouts, both
-from Ray Serve LLM's own builder:
-
-* default: an ``OpenAiIngress`` deployment routes to one ``LLMServer``
-  deployment per model. The guard runs in the ingress replica.
-* ``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1`` (one model): the ``LLMServer``
-  itself serves vLLM's FastAPI app. The guard runs in that replica. Serve's
-  own proxy routes to it unless ``RAY_SERVE_ENABLE_HA_PROXY=1``.
+Ray Serve LLM's request path instead, from Ray Serve LLM's own builder: an
+``OpenAiIngress`` deployment routes to one ``LLMServer`` deployment per
+model, and the guard runs in the ingress replica.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from functools import cache
 from typing import Any
 
@@ -38,9 +32,6 @@ from .fairness import KeyAccounting, RayKeyMetrics
 from .guard import ApiGuard, ApiKeys, tokenize_requests
 
 logger = logging.getLogger(__name__)
-
-# Where the guard settings ride along in an LLMConfig for the direct-streaming layout.
-GUARD_CONFIG_KEY = "inference_server_guard"
 
 
 class GuardSettings(BaseModel):
@@ -58,14 +49,14 @@ class GuardSettings(BaseModel):
     replica_inflight_cap: int = Field(default=ServeAutoscaling().max_ongoing_requests, ge=1)
 
     @classmethod
-    def from_catalog(cls, catalog: Catalog, *, direct_streaming: bool = False) -> GuardSettings:
+    def from_catalog(cls, catalog: Catalog) -> GuardSettings:
         return cls(
             api_keys_file=catalog.api_keys_file,
             api_keys_env=catalog.api_keys_env,
             limits=catalog.limits,
             model_ids=[m.model_id for m in catalog.models],
             fairness=catalog.fairness,
-            replica_inflight_cap=catalog.replica_inflight_cap(direct_streaming=direct_streaming),
+            replica_inflight_cap=catalog.replica_inflight_cap(),
         )
 
     def keys(self) -> ApiKeys:
@@ -147,14 +138,12 @@ class GuardedOpenAiIngress(OpenAiIngress):
 
 
 class LLMServer(_RayLLMServer):
-    """Ray Serve LLM's model server, plus two things.
+    """Ray Serve LLM's model server, with its ``tokenize`` mended.
 
-    * Ray 2.60 looks up vLLM's tokenization service under the name vLLM used
-      before 0.29 (``openai_serving_tokenization``; vLLM 0.29 calls it
-      ``serving_tokenization``), so ``tokenize`` always failed. The exact
-      prompt count of the guard needs it: :meth:`start` wires it up.
-    * In the direct-streaming layout this server is the ingress and carries
-      the guard in front of vLLM's own FastAPI app.
+    Ray 2.60 looks up vLLM's tokenization service under the name vLLM used
+    before 0.29 (``openai_serving_tokenization``; vLLM 0.29 calls it
+    ``serving_tokenization``), so ``tokenize`` always failed. The exact
+    prompt count of the guard needs it: :meth:`start` wires it up.
 
     Named ``LLMServer`` like its base so deployments stay "LLMServer:<model>"
     in Serve's metrics and dashboards.
@@ -167,47 +156,12 @@ class LLMServer(_RayLLMServer):
             state = getattr(engine, "_app_state", None)
             engine._oai_serving_tokenization = getattr(state, "serving_tokenization", None)
 
-    async def _count_prompt_tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
-        """One exact count per prompt, by this server's engine; None when it answered with an error."""
-        counts = []
-        for request in _tokenize_request(self._llm_config.model_id, path, body):
-            async for response in self.engine.tokenize(request):
-                count = getattr(response, "count", None)
-                if count is None:
-                    return None
-                counts.append(count)
-                break
-        return counts
 
-    async def __serve_build_asgi_app__(self) -> Any:
-        # Called by Serve only when this deployment is the ingress (direct streaming).
-        app = await super().__serve_build_asgi_app__()
-        guard = self._llm_config.experimental_configs.get(GUARD_CONFIG_KEY)
-        if guard is None:
-            raise RuntimeError("the direct-streaming ingress needs guard settings in experimental_configs")
-        _install_guard(app, GuardSettings.model_validate(guard), self._count_prompt_tokens)
-        return app
-
-
-def direct_streaming_enabled() -> bool:
-    """Whether Ray Serve LLM runs the direct-streaming layout (read by Ray at import)."""
-    return os.environ.get("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", "0") == "1"
-
-
-def ha_proxy_enabled() -> bool:
-    """Whether Serve runs HAProxy in place of its own proxy (read by Ray at import)."""
-    return os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "0") == "1"
-
-
-def llm_configs(catalog: Catalog, *, direct_streaming: bool = False) -> list[LLMConfig]:
+def llm_configs(catalog: Catalog) -> list[LLMConfig]:
     configs = []
     for entry in catalog.models:
         kwargs = llm_config_kwargs(entry, catalog)
         kwargs["server_cls"] = LLMServer
-        if direct_streaming:
-            # The model server is the ingress: it carries the guard itself.
-            settings = GuardSettings.from_catalog(catalog, direct_streaming=True)
-            kwargs["experimental_configs"] = {GUARD_CONFIG_KEY: settings.model_dump()}
         configs.append(LLMConfig(**kwargs))
     return configs
 
@@ -220,36 +174,13 @@ def build_app(args: dict[str, Any]) -> Application:
 
         logger.info("Building the vllm-server app for %s", catalog.models[0].model_id)
         return build_vllm_server_app(catalog)
-    direct = direct_streaming_enabled()
-    if direct and len(catalog.models) != 1:
-        raise ValueError(
-            f"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 serves exactly one model; the catalogue has {len(catalog.models)}"
-        )
-    if direct and catalog.models[0].autoscaling.min_replicas < 1:
-        # The model is its own ingress there: at zero no proxy is left to
-        # take the request that would wake it.
-        raise ValueError("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 needs the model's min_replicas >= 1")
-    serving_args: dict[str, Any] = {"llm_configs": llm_configs(catalog, direct_streaming=direct)}
-    if not direct:
-        serving_args["ingress_cls_config"] = {
+    serving_args: dict[str, Any] = {
+        "llm_configs": llm_configs(catalog),
+        "ingress_cls_config": {
             "ingress_cls": GuardedOpenAiIngress,
             "ingress_extra_kwargs": {"guard": GuardSettings.from_catalog(catalog).model_dump()},
-        }
-        serving_args["ingress_deployment_config"] = ingress_deployment_config(catalog)
-    logger.info(
-        "Building the OpenAI app for %s (%s ingress)",
-        [m.model_id for m in catalog.models],
-        "direct-streaming" if direct else "OpenAiIngress",
-    )
-    app = build_openai_app(serving_args)
-    if direct and not ha_proxy_enabled():
-        # Ray Serve LLM pairs the direct-streaming ingress with a request
-        # router deployment that only HAProxy consults, and Serve refuses to
-        # build an app carrying one without RAY_SERVE_ENABLE_HA_PROXY=1. The
-        # platform does not run HAProxy (it binds the replicas' HTTP ports on
-        # all interfaces), so drop the router: Serve's own proxy then routes
-        # straight to the LLMServer replicas (round robin, set by the same
-        # builder), and the ingress hop is still gone. Ray 2.60 has no public
-        # switch for this.
-        app._ingress_request_router = None
-    return app
+        },
+        "ingress_deployment_config": ingress_deployment_config(catalog),
+    }
+    logger.info("Building the OpenAI app for %s (OpenAiIngress ingress)", [m.model_id for m in catalog.models])
+    return build_openai_app(serving_args)

@@ -564,15 +564,15 @@ class Catalog(_Strict):
                 return entry
         raise KeyError(model_id)
 
-    def replica_inflight_cap(self, *, direct_streaming: bool = False) -> int:
+    def replica_inflight_cap(self) -> int:
         """Requests the guard lets its replica hold at once: that replica's ``max_ongoing_requests``.
 
-        Under vllm-server (and Serve LLM's direct streaming) the guard runs in
-        the model's replica and Serve never sees its requests, so the guard
-        is what holds the model's ``max_ongoing_requests``. Under serve-ingress
-        it runs in the OpenAI ingress replica (``ingress.max_ongoing_requests``),
-        while Serve holds each model replica to its own.
+        Under vllm-server the guard runs in the model's replica and Serve
+        never sees its requests, so the guard is what holds the model's
+        ``max_ongoing_requests``. Under serve-ingress it runs in the OpenAI
+        ingress replica (``ingress.max_ongoing_requests``), while Serve holds
+        each model replica to its own.
         """
-        if self.layout == "vllm-server" or direct_streaming:
+        if self.layout == "vllm-server":
             return self.models[0].autoscaling.max_ongoing_requests
         return self.ingress.max_ongoing_requests

@@ -20,7 +20,7 @@ every answer, the guard's refusals included. For each request it:
 
 Where the token counts come from, most exact first:
 
-* vLLM's own app (vllm-server, and Serve LLM's direct streaming) leaves each
+* vLLM's own app (vllm-server) leaves each
   chat or completion request's ``final_usage_info`` in the request state
   (``RequestResponseMetadata``), for streams too;
 * an answer that carries ``usage``: every non-streamed answer, and a stream

@@ -3,8 +3,9 @@
 This module needs only the standard library and the catalogue (pydantic), so it
 is cheap to import and to test. The server installs :class:`ApiGuard` as the
 outermost middleware of the OpenAI-compatible FastAPI app that Ray Serve LLM
-builds (or of vLLM's own app in the direct-streaming layout), so every check
-runs in the same process as the routes and before any of their handlers.
+builds (or, as ``VllmServerGuard``, of vLLM's own app in the vllm-server
+layout), so every check runs in the same process as the routes and before any
+of their handlers.
 
 What the guard promises, in order:
 
