@@ -7,6 +7,7 @@ same /proc readers, with the watched call's number swapped.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -15,7 +16,16 @@ from collections.abc import Iterator
 import pytest
 
 from localserve import affinity_hang
-from localserve.affinity_hang import SCHED_SETAFFINITY, AffinityHangBreaker, Killed, Stuck, blocked_syscall, threads
+from localserve.affinity_hang import (
+    SCHED_SETAFFINITY,
+    AffinityHangBreaker,
+    Killed,
+    Stuck,
+    Unstarved,
+    blocked_syscall,
+    threads,
+)
+from localserve.processes import stat_fields
 
 READ = 0  # x86_64's read(2); the children below block in it
 pytestmark = pytest.mark.skipif(SCHED_SETAFFINITY != 203, reason="the numbers below are x86_64's")
@@ -125,3 +135,75 @@ def test_a_thread_in_uninterruptible_sleep_is_told_once_and_not_killed(
     breaker.scan(start + 90)
     assert [(t.pid, t.wchan, t.syscall) for t in told] == [(reader.pid, "affine_move_task", READ)]
     assert "uninterruptible sleep 60s" in told[0].line() and reader.poll() is None
+
+
+def test_a_thread_runnable_inside_the_call_gets_its_cpu_from_the_processes_bound_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Beside a vLLM engine bound to CPU 0 the call has stayed runnable for minutes, SIGKILL undelivered.
+
+    A runnable thread stuck in the kernel can not be made on demand: a spinning
+    child pinned to CPU 0 is runnable with its syscall file reading "running",
+    and its stack is read as the one recorded (2026-12-06) for such a thread.
+    A process bound to CPU 0 stands for the engine; one free to run anywhere
+    must be left alone.
+    """
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    bound = subprocess.Popen(["sleep", "60"])
+    free = subprocess.Popen(["sleep", "60"])
+    os.sched_setaffinity(spinner.pid, {0})
+    os.sched_setaffinity(bound.pid, {0})
+    os.sched_setaffinity(free.pid, {0, 1})
+    recorded = (
+        "[<0>] affine_move_task+0x1d2/0x5b0\n[<0>] __set_cpus_allowed_ptr+0x62/0xc0\n"
+        "[<0>] __sched_setaffinity+0xb2/0x190\n[<0>] sched_setaffinity+0x16f/0x1f0\n"
+    )
+    monkeypatch.setattr(affinity_hang, "kernel_stack", lambda pid, tid: recorded if pid == spinner.pid else "")
+    during: dict[int, str] = {}
+    real_sleep = time.sleep
+
+    def pause(seconds: float) -> None:
+        # What the processes are while the starved thread gets its CPU (the pause, not the wait for the stop).
+        if seconds == 0.2:
+            for proc in (bound, free, spinner):
+                state = affinity_hang.thread_state(proc.pid, proc.pid)
+                during[proc.pid] = state[0] if state else "?"
+        real_sleep(seconds)
+
+    monkeypatch.setattr(affinity_hang.time, "sleep", pause)
+    try:
+        deadline = time.monotonic() + 10
+        while blocked_syscall(spinner.pid) is not None or stat_fields(spinner.pid) is None:
+            assert time.monotonic() < deadline, "the spinner never ran"
+            real_sleep(0.05)
+        actions: list[Killed | Unstarved] = []
+        breaker = AffinityHangBreaker(actions.append, starved_s=5, pause_s=0.2)
+        start = time.monotonic()
+        assert breaker.scan(start) == [] and breaker.scan(start + 4) == []
+        (done,) = breaker.scan(start + 5)
+        assert isinstance(done, Unstarved) and actions == [done] == breaker.unstarved
+        assert (done.pid, done.cpus, done.paused) == (spinner.pid, frozenset({0}), (bound.pid,))
+        assert during == {bound.pid: "T", free.pid: "S", spinner.pid: "R"}
+        # Resumed, and nothing killed: the starved thread needs its CPU, not an end.
+        assert affinity_hang.thread_state(bound.pid, bound.pid)[0] != "T"  # type: ignore[index]
+        assert spinner.poll() is None and bound.poll() is None and breaker.killed == []
+        assert "for CPU 0; paused the processes bound there (pids " in done.line()
+        # Still waiting: helped again after as long again.
+        assert breaker.scan(start + 6) == [] and breaker.scan(start + 10) == [] and len(breaker.scan(start + 11)) == 1
+    finally:
+        for proc in (spinner, bound, free):
+            proc.kill()
+            proc.wait()
+
+
+def test_a_runnable_thread_elsewhere_in_the_kernel_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    monkeypatch.setattr(affinity_hang, "kernel_stack", lambda pid, tid: "[<0>] ep_poll+0x1/0x2\n")
+    try:
+        breaker = AffinityHangBreaker(lambda _: None, after_s=0)
+        start = time.monotonic()
+        assert breaker.scan(start) == [] and breaker.scan(start + 60) == []
+        assert spinner.poll() is None
+    finally:
+        spinner.kill()
+        spinner.wait()
