@@ -14,7 +14,7 @@ to CPU 0 and serving, the call has also stayed there *runnable* (state ``R``,
 eight ``import torch`` beside such an engine sat there over 180 s, and one
 stayed ten minutes, SIGKILL pending and never delivered (2026-12-06). It is
 waiting for CPU 0, which the engine's bound threads hold: pausing the
-engine's processes for 0.3 s let nine of nine such threads through at once.
+engine's processes for 0.3 s let each of 8 such threads seen through at once.
 
 So the local runs watch their own processes, and for a thread in that call
 longer than any real call takes (with a line saying what they did):
