@@ -284,3 +284,40 @@ def test_a_router_given_more_cpu_than_its_limits_floor_keeps_a_valid_limit() -> 
                 "limits": {"cpu": "6000m", "memory": "1Gi"},
             }
             assert containers["front"]["limits"]["cpu"] == "500m"
+
+
+def test_the_routers_alert_reads_a_series_the_pinned_router_exports_and_the_label_its_monitor_adds(
+    tmp_path: Path,
+) -> None:
+    """LlmRouterHasNoReplica: `vllm_router_active_workers` counts the replicas the router may send to, with no
+    label of its own to group by, and the RayService arrives as the label the PodMonitor's podTargetLabels
+    entry becomes (the Prometheus Operator's sanitizeLabelName, mirrored in twin/prometheus_operator.py)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from infra.serving import alerts
+    from infra.serving.router import ROUTER_OF
+    from tests.e2e.loopback_http import LoopbackHttp, SlowReplica
+    from twin.prometheus_operator import sanitize_label_name
+    from twin.routing import router_specs, start_router
+
+    (family,) = [f for f in alerts.METRIC_INVENTORY if f.prefix == "vllm_router_"]
+    assert family.names == ("vllm_router_active_workers",)
+    assert alerts.ROUTER_OF_LABEL == sanitize_label_name(ROUTER_OF) == "llm_platform_router_of"
+    (monitor,) = [
+        m for m in manifests_of(routed(), "PodMonitor") if m["metadata"]["name"] == router_name(_services()[0])
+    ]
+    assert monitor["spec"]["podTargetLabels"] == [ROUTER_OF]
+
+    replicas = [LoopbackHttp(SlowReplica), LoopbackHttp(SlowReplica)]
+    spec = next(iter(router_specs(Path(__file__).resolve().parents[1] / "Pulumi.prod.yaml").values()))
+    router, argv = start_router(spec.command, [r.base_url for r in replicas], tmp_path / "router.log", spec.front)
+    try:
+        port = argv[argv.index("--prometheus-port") + 1]
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    finally:
+        router.stop()
+        for replica in replicas:
+            replica.stop()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name in family.names]
+    assert [(s.name, s.labels, s.value) for s in samples] == [("vllm_router_active_workers", {}, 2.0)]

@@ -113,6 +113,10 @@ ABSENT_HERE: dict[str, str] = {
         "the monitoring run sends no request through a model gateway (tests/test_gateway.py reads the gateway's "
         "own exposition for the names and labels its alerts read)"
     ),
+    "vllm_router_": (
+        "the monitoring run's Prometheus scrapes the Ray pods' monitors, and the routers run here as processes, "
+        "not pods a PodMonitor selects (tests/test_serving_router.py reads the pinned router's own exposition)"
+    ),
 }
 
 

@@ -34,6 +34,7 @@ from infra.serving.batch import WORKER_NAME as BATCH_SCALED_OBJECT
 from infra.serving.namespace import PART_OF
 from infra.serving.ports import RAY_PORTS
 from infra.serving.ray_service import SERVICE_LABEL
+from infra.serving.router import ROUTER_OF
 from workloads.inference_server.catalog import Layout
 
 PROMETHEUS_RULE_TYPE = "kubernetes:monitoring.coreos.com/v1:PrometheusRule"
@@ -56,6 +57,17 @@ UPGRADE_STUCK_MINUTES = PULUMI_WAIT_BIG_SECONDS // 60
 # the dead-letter queue's name ends the same way in every cluster.
 DEAD_LETTER_QUEUE_SUFFIX = queue_names("")[1]
 DEAD_LETTER_METRIC = f"s[0-9]+-aws-sqs-.+{DEAD_LETTER_QUEUE_SUFFIX}"
+
+
+def target_label_name(label: str) -> str:
+    """The label a monitor's `podTargetLabels` entry gives its series: every character but `[a-zA-Z0-9_]`
+    becomes `_` (the Prometheus Operator's sanitizeLabelName; twin/prometheus_operator.py mirrors it)."""
+    return "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in label)
+
+
+# The RayService a router routes for, on each of its series (the router's PodMonitor copies its pod label).
+ROUTER_OF_LABEL = target_label_name(ROUTER_OF)
+
 # Every alert's runbook, in this repository: <RUNBOOK_DIR>/<AlertName>.md.
 RUNBOOK_DIR = "docs/runbooks"
 
@@ -148,6 +160,15 @@ METRIC_INVENTORY: tuple[MetricFamily, ...] = (
         exporter="the model gateway",
         prefix="llm_gateway_",
         names=("llm_gateway_requests_total", "llm_gateway_upstream_failures_total", "llm_gateway_held_requests"),
+        layouts=("vllm-server",),
+    ),
+    # vllm-router (serving.routing), on its `router-metrics` port through its PodMonitor: its own
+    # registry. `vllm_router_active_workers` is the replicas it may send to (its discovery's Ready pods);
+    # the PodMonitor adds namespace, pod and the RayService it routes for (ROUTER_OF_LABEL).
+    MetricFamily(
+        exporter="vllm-router",
+        prefix="vllm_router_",
+        names=("vllm_router_active_workers",),
         layouts=("vllm-server",),
     ),
     # The KubeRay operator's metrics endpoint (chart `metrics.enabled`, its
@@ -689,6 +710,25 @@ ALERTS: tuple[AlertSpec, ...] = (
         ),
         metrics=("llm_gateway_held_requests", "llm_gateway_requests_total"),
     ),
+    # A model's router has no replica to send to while Serve reports a healthy one: its discovery (the
+    # pod selector, its RBAC) or the replicas' readiness is broken, and every request through the
+    # model's address is answered 503. A model at zero replicas has no healthy one and does not alert.
+    AlertSpec(
+        name="LlmRouterHasNoReplica",
+        expr=(
+            f"max by (namespace, {ROUTER_OF_LABEL}) (vllm_router_active_workers) == 0\n"
+            f"and on (namespace, {ROUTER_OF_LABEL}) label_replace(\n"
+            "  max by (namespace, application) (ray_serve_deployment_replica_healthy) == 1,\n"
+            f'  "{ROUTER_OF_LABEL}", "$1", "application", "(.+)"\n'
+            ")"
+        ),
+        for_="5m",
+        severity="critical",
+        summary=f"The router of {{{{ $labels.{ROUTER_OF_LABEL} }}}} sees none of its healthy replicas",
+        description="Serve reports a healthy replica of the model, and its router has had none to send to for "
+        "5 minutes: every request through the model's address is answered 503.",
+        metrics=("vllm_router_active_workers", "ray_serve_deployment_replica_healthy"),
+    ),
     AlertSpec(
         name="BatchDeadLetterQueueNotEmpty",
         expr=f'max by (scaledObject, metric) (keda_scaler_metrics_value{{scaledObject="{BATCH_SCALED_OBJECT}", '
@@ -805,7 +845,7 @@ VLLM_RENAME = {
 
 def _pod_label_meta(label: str) -> str:
     """Prometheus' Kubernetes discovery label for a pod label (`.`, `/`, `-` become `_`)."""
-    return "__meta_kubernetes_pod_label_" + "".join(c if c.isalnum() else "_" for c in label)
+    return "__meta_kubernetes_pod_label_" + target_label_name(label)
 
 
 def vllm_server_pod_monitor(namespace: str, labels: dict[str, str], services: list[str]) -> dict[str, Any]:
