@@ -312,12 +312,22 @@ def test_the_routers_alert_reads_a_series_the_pinned_router_exports_and_the_labe
     replicas = [LoopbackHttp(SlowReplica), LoopbackHttp(SlowReplica)]
     spec = next(iter(router_specs(Path(__file__).resolve().parents[1] / "Pulumi.prod.yaml").values()))
     router, argv = start_router(spec.command, [r.base_url for r in replicas], tmp_path / "router.log", spec.front)
-    try:
+
+    def active() -> list[tuple[str, dict[str, str], float]]:
         port = argv[argv.index("--prometheus-port") + 1]
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        found = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name in family.names]
+        return [(s.name, s.labels, s.value) for s in found]
+
+    try:
+        seen = [active()]
+        # What its discovery does when the replicas' pods leave (twin.routing.Discovery uses the same route).
+        for replica in replicas:
+            url = replica.base_url.removesuffix("/v1")
+            httpx.post(f"http://127.0.0.1:{router.router_port}/remove_worker", params={"url": url}, timeout=10)
+        seen.append(active())
     finally:
         router.stop()
         for replica in replicas:
             replica.stop()
-    samples = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name in family.names]
-    assert [(s.name, s.labels, s.value) for s in samples] == [("vllm_router_active_workers", {}, 2.0)]
+    assert seen == [[("vllm_router_active_workers", {}, 2.0)], [("vllm_router_active_workers", {}, 0.0)]]
