@@ -25,6 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+# A thread's mask is read as the local runs read it.
+from localserve.processes import allowed_cpus
+
 # The measured server's core, and the core of everything else.
 SERVER_CPUS = frozenset({1})
 REST_CPUS = frozenset({0})
@@ -35,29 +38,6 @@ def threads(pid: int) -> list[int]:
         return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
         return []
-
-
-def allowed_cpus(pid: int, tid: int) -> frozenset[int] | None:
-    """The thread's ``Cpus_allowed_list`` as the kernel reports it; None once it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("Cpus_allowed_list:"):
-            return frozenset(parse_cpu_list(line.split(":", 1)[1].strip()))
-    return None
-
-
-def parse_cpu_list(text: str) -> list[int]:
-    """``0-2,5`` -> [0, 1, 2, 5] (the kernel's list format)."""
-    cpus: list[int] = []
-    for part in text.split(","):
-        if not part:
-            continue
-        low, _, high = part.partition("-")
-        cpus += range(int(low), int(high or low) + 1)
-    return cpus
 
 
 def cpu_list(cpus: frozenset[int] | set[int]) -> str:

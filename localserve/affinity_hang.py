@@ -42,14 +42,19 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from localserve.processes import STAT_START_TIME, process_name, stat_fields, with_descendants
+from localserve.processes import (
+    STAT_START_TIME,
+    STAT_STIME,
+    STAT_UTIME,
+    allowed_cpus,
+    process_name,
+    stat_fields,
+    with_descendants,
+)
 
 # The system call's number per architecture (Linux' unistd tables).
 SCHED_SETAFFINITY = {"x86_64": 203, "aarch64": 122}.get(platform.machine(), 203)
-# utime and stime in /proc/<pid>/task/<tid>/stat, counted after the command name (proc(5)).
-STAT_UTIME, STAT_STIME = 11, 12
 # A real call returns in microseconds; the hangs on record lasted minutes.
 BLOCKED_AFTER_S = 20.0
 # A thread runnable in the call this long waits for a CPU it will not get unaided
@@ -87,27 +92,11 @@ def kernel_stack(pid: int, tid: int) -> str:
         return ""
 
 
-def runnable_in_call(pid: int, tid: int, syscall: int) -> bool:
-    """Whether a thread is runnable inside ``syscall`` (its syscall file reads "running"; its stack is in the call)."""
+def stack_in_call(pid: int, tid: int, syscall: int) -> bool:
+    """Whether a thread's kernel stack is inside ``syscall``: how a thread runnable in it is known, its
+    syscall file reading "running" (``blocked_syscall`` None)."""
     entry = KERNEL_ENTRY.get(syscall)
-    return entry is not None and blocked_syscall(pid, tid) is None and entry in kernel_stack(pid, tid)
-
-
-def allowed_cpus(pid: int, tid: int) -> frozenset[int]:
-    """The CPUs a thread may run on (``Cpus_allowed_list``, e.g. "0,2-3"); empty once it is gone."""
-    try:
-        status = Path(f"/proc/{pid}/task/{tid}/status").read_text(errors="replace")
-    except OSError:
-        return frozenset()
-    for line in status.splitlines():
-        if line.startswith("Cpus_allowed_list:"):
-            cpus: set[int] = set()
-            for part in line.split(":", 1)[1].strip().split(","):
-                low, _, high = part.partition("-")
-                if low.isdigit():
-                    cpus.update(range(int(low), int(high or low) + 1))
-            return frozenset(cpus)
-    return frozenset()
+    return entry is not None and entry in kernel_stack(pid, tid)
 
 
 def threads(pid: int) -> list[int]:
@@ -239,8 +228,10 @@ class AffinityHangBreaker:
             tids = threads(pid)
             if self._on_stuck is not None:
                 self._watch_sleep(pid, tids, now, asleep)
-            blocked = any(blocked_syscall(pid, tid) == self._syscall for tid in tids)
-            runnable = [tid for tid in tids if not blocked and runnable_in_call(pid, tid, self._syscall)]
+            calls = {tid: blocked_syscall(pid, tid) for tid in tids}
+            blocked = self._syscall in calls.values()
+            running = [] if blocked else [t for t, call in calls.items() if call is None]
+            runnable = [t for t in running if stack_in_call(pid, t, self._syscall)]
             if not blocked and not runnable:
                 continue
             fields = stat_fields(pid)
@@ -275,12 +266,13 @@ class AffinityHangBreaker:
 
     def _unstarve(self, pid: int, tid: int, name: str, waited_s: float, descendants: set[int]) -> Unstarved:
         """Pause the watched processes with a thread bound inside the CPUs ``tid`` waits for, then resume them."""
-        cpus = allowed_cpus(pid, tid)
-        bound = sorted(
-            other
-            for other in descendants - {pid}
-            if cpus and any(allowed_cpus(other, t) and allowed_cpus(other, t) <= cpus for t in threads(other))
-        )
+        cpus = allowed_cpus(pid, tid) or frozenset()
+
+        def bound_inside(other: int) -> bool:
+            masks = (allowed_cpus(other, t) for t in threads(other))
+            return any(mask is not None and mask <= cpus for mask in masks)
+
+        bound = sorted(other for other in descendants - {pid} if cpus and bound_inside(other))
         paused = []
         try:
             for other in bound:
@@ -352,13 +344,10 @@ def thread_lines(pids: set[int]) -> list[str]:
             state = thread_state(pid, tid)
             if state is None or (state[0] == "S" and state[1] in idle_waits):
                 continue
-            try:
-                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text(errors="replace").rsplit(")", 1)[-1].split()
-                status = Path(f"/proc/{pid}/task/{tid}/status").read_text(errors="replace")
-            except OSError:
+            stat, mask = stat_fields(pid, tid), allowed_cpus(pid, tid)
+            if stat is None or mask is None:
                 continue
-            allowed = [x for x in status.splitlines() if x.startswith("Cpus_allowed_list")]
-            cpus = allowed[0].split(":", 1)[1].strip() if allowed else "?"
+            cpus = ",".join(str(c) for c in sorted(mask))
             user, system = (int(stat[i]) / os.sysconf("SC_CLK_TCK") for i in (STAT_UTIME, STAT_STIME))
             lines.append(
                 f"pid {pid} ({name}) thread {tid}: state {state[0]}, system call {blocked_syscall(pid, tid)}, "

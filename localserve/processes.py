@@ -51,14 +51,39 @@ STAT_NICE = 16
 STAT_START_TIME = 19
 
 
-def stat_fields(pid: int) -> list[str] | None:
-    """``pid``'s /proc/<pid>/stat fields after its command name (see STAT_*), or None once it is gone."""
+def stat_fields(pid: int, tid: int | None = None) -> list[str] | None:
+    """``pid``'s /proc/<pid>/stat fields after its command name (see STAT_*), or one thread's
+    (/proc/<pid>/task/<tid>/stat); None once it is gone."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
+        with open(path, encoding="utf-8", errors="replace") as handle:
             stat = handle.read()
     except OSError:
         return None
     return stat.rsplit(")", 1)[-1].split()
+
+
+def allowed_cpus(pid: int, tid: int) -> frozenset[int] | None:
+    """The thread's ``Cpus_allowed_list`` as the kernel reports it; None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return frozenset(parse_cpu_list(line.split(":", 1)[1].strip()))
+    return None
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``0-2,5`` -> [0, 1, 2, 5] (the kernel's list format)."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        cpus += range(int(low), int(high or low) + 1)
+    return cpus
 
 
 def process_name(pid: int) -> str | None:

@@ -335,7 +335,7 @@ class AnswerReader:
             and not self._carry
             and self._usage_buf is None
             and chunk.startswith(_STREAM_EVENT)
-            and chunk.endswith(_EVENT_END)
+            # Its first event end is its last bytes: one event, whole.
             and chunk.find(_EVENT_END) == len(chunk) - len(_EVENT_END)
         ):
             # Exactly one whole event, after a chunk that ended at an event's end.
