@@ -62,7 +62,6 @@ MODEL = "tiny-llama"
 # prompts (a prompt they can not decide is counted by vLLM's tokenizer, which
 # needs a running server).
 SERVER_PROMPT_BYTES = 100
-STACKS = ("guard", "server")
 
 
 def chat_body(prompt_bytes: int) -> bytes:

@@ -431,3 +431,38 @@ def engine(**changes: object) -> EngineSettings:
         gpu_memory_utilization=0.9,
     )
     return replace(base, **changes)  # type: ignore[arg-type]
+
+
+def workloads_env() -> dict[str, str]:
+    """This environment, with the serving image's package (`inference_server`) and the repository importable."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "workloads"), str(ROOT)])}
+
+
+def start_importing_server(model_dir: Path, stderr: Any, timeout_s: float = 30) -> subprocess.Popen[bytes]:
+    """`python -m inference_server.vllm_main` for a model it will never load, its own session leader, returned
+    once it handles ``vllm_main.STACKS_SIGNAL`` and carries its title: it is then importing vLLM (where a hung
+    start sat for minutes; seconds here). Sent earlier, the signal's default action would end it."""
+    import json
+    import time
+
+    from workloads.inference_server.vllm_main import API_SERVER_TITLE, PARENT_ENV, SPEC_ENV, STACKS_SIGNAL
+
+    spec = {"model": str(model_dir), "served_model_name": "m", "host": "127.0.0.1", "port": 1, "engine_kwargs": {}}
+    env = {**workloads_env(), SPEC_ENV: json.dumps(spec), PARENT_ENV: str(os.getpid())}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "inference_server.vllm_main"], env=env, stderr=stderr, start_new_session=True
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            title = Path(f"/proc/{proc.pid}/comm").read_text().strip()
+        except OSError:
+            break
+        caught = int(next(x.split()[1] for x in status.splitlines() if x.startswith("SigCgt:")), 16)
+        if caught >> (STACKS_SIGNAL - 1) & 1 and API_SERVER_TITLE.startswith(title):
+            return proc
+        time.sleep(0.01)
+    os.killpg(proc.pid, 9)
+    proc.wait()
+    raise AssertionError(f"the server ended or did not handle its stacks signal within {timeout_s:.0f}s")

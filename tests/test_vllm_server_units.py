@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from localserve.processes import STAT_STATE, stat_fields
 from tests.guard_calls import Downstream, send_to
+from tests.harness import start_importing_server, workloads_env
 
 
 def catalog(**overrides: Any) -> dict[str, Any]:
@@ -428,7 +429,7 @@ def test_the_server_ends_with_the_replica_that_started_it() -> None:
         capture_output=True,
         timeout=60,
         check=True,
-        env=_workloads_env(),
+        env=workloads_env(),
     )
     assert _gone_within(int(starter.stdout.split()[-1]), 10), "the server outlived the replica that started it"
 
@@ -438,7 +439,7 @@ def test_a_server_whose_replica_is_already_gone_exits_at_once() -> None:
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-c", _ARMED, "1"], capture_output=True, timeout=60, check=False, env=_workloads_env()
+        [sys.executable, "-c", _ARMED, "1"], capture_output=True, timeout=60, check=False, env=workloads_env()
     )
     assert done.returncode != 0 and b"armed" not in done.stdout
     assert b"the replica (pid 1) that started this server is gone" in done.stderr
@@ -452,41 +453,19 @@ def test_nothing_runs_python_between_fork_and_exec_in_the_replicas() -> None:
     assert users == []
 
 
-def _workloads_env() -> dict[str, str]:
-    import os
-
-    root = Path(__file__).resolve().parents[1]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "workloads"), str(root)])}
-
-
 def test_sigusr1_prints_the_servers_stacks_while_it_starts_and_leaves_it_running(tmp_path: Path) -> None:
     """A server that takes minutes to start is asked where it is: every thread's stack, on stderr."""
     pytest.importorskip("vllm")
-    import json
     import os
     import signal
-    import subprocess
-    import sys
     import time
 
-    from inference_server.vllm_main import PARENT_ENV, SPEC_ENV, STACKS_SIGNAL
+    from inference_server.vllm_main import STACKS_SIGNAL
 
-    spec = {"model": str(tmp_path), "served_model_name": "m", "host": "127.0.0.1", "port": 1, "engine_kwargs": {}}
-    env = {**os.environ, SPEC_ENV: json.dumps(spec), PARENT_ENV: str(os.getpid())}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "workloads"), env.get("PYTHONPATH", "")])
     err = tmp_path / "stderr"
     with err.open("w") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "inference_server.vllm_main"], env=env, stderr=sink, start_new_session=True
-        )
+        proc = start_importing_server(tmp_path, sink)
     try:
-        # Sent before the handler is set, the signal's default action would end the process.
-        caught = 0
-        deadline = time.monotonic() + 30
-        while not caught >> (STACKS_SIGNAL - 1) & 1 and time.monotonic() < deadline:
-            status = Path(f"/proc/{proc.pid}/status").read_text()
-            caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
-        assert proc.poll() is None, "the server ended before it could be asked"
         os.kill(proc.pid, STACKS_SIGNAL)
         deadline = time.monotonic() + 10
         while "File " not in err.read_text() and time.monotonic() < deadline:

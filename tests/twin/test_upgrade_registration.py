@@ -21,7 +21,7 @@ from typing import Any, cast
 import pytest
 
 from localserve.ray_cluster import RayNode
-from tests.harness import render_stack
+from tests.harness import render_stack, start_importing_server
 from twin import day2, upgrade
 from twin import kuberay as mirror
 
@@ -167,27 +167,13 @@ def test_a_start_that_never_finishes_reports_its_busy_threads_and_the_servers_py
     import sys
     from types import SimpleNamespace
 
-    from workloads.inference_server.vllm_main import PARENT_ENV, SPEC_ENV, STACKS_SIGNAL
-
     logs = tmp_path / "session_latest" / "logs"
     logs.mkdir(parents=True)
-    spec = {"model": str(tmp_path), "served_model_name": "m", "host": "127.0.0.1", "port": 1, "engine_kwargs": {}}
-    env = {**os.environ, SPEC_ENV: json.dumps(spec), PARENT_ENV: str(os.getpid())}
-    workloads = Path(upgrade.__file__).parents[1] / "workloads"
-    env["PYTHONPATH"] = os.pathsep.join([str(workloads), env.get("PYTHONPATH", "")])
     with (logs / "worker-1.err").open("w") as err:
         # A server importing vLLM (as the stuck one was), and a thread spinning in a process beside it.
-        server = subprocess.Popen(
-            [sys.executable, "-m", "inference_server.vllm_main"], env=env, stderr=err, start_new_session=True
-        )
+        server = start_importing_server(tmp_path, err)
         spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            status = Path(f"/proc/{server.pid}/status").read_text()
-            caught = int(next(x.split()[1] for x in status.splitlines() if x.startswith("SigCgt:")), 16)
-            if caught >> (STACKS_SIGNAL - 1) & 1 and Path(f"/proc/{server.pid}/comm").read_text().startswith("VLLM"):
-                break
         time.sleep(0.3)  # the spinner shows some CPU time
         worker = SimpleNamespace(pids=lambda: {server.pid, spinner.pid}, temp_dir=tmp_path)
         lines = upgrade.why_not_running(cast(upgrade.LocalCluster, SimpleNamespace(name="c-bbbbb", worker=worker)))
