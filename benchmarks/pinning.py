@@ -26,18 +26,11 @@ from pathlib import Path
 from typing import Any
 
 # A thread's mask is read as the local runs read it.
-from localserve.processes import allowed_cpus
+from localserve.processes import allowed_cpus, threads
 
 # The measured server's core, and the core of everything else.
 SERVER_CPUS = frozenset({1})
 REST_CPUS = frozenset({0})
-
-
-def threads(pid: int) -> list[int]:
-    try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return []
 
 
 def cpu_list(cpus: frozenset[int] | set[int]) -> str:

@@ -86,6 +86,7 @@ from localserve.processes import (  # noqa: E402
     free_port,
     session_members,
     stat_fields,
+    threads,
     with_descendants,
 )
 from localserve.server import (  # noqa: E402
@@ -626,11 +627,7 @@ def cpu_by_role(pids: set[int]) -> dict[str, float]:
 
 def _threads(pids: set[int]) -> list[int]:
     """Every thread of these processes: niceness on Linux is per thread."""
-    tids = []
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            tids += [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    return tids
+    return [tid for pid in pids for tid in threads(pid)]
 
 
 def deprioritize(server: Server, saved: dict[int, int]) -> None:

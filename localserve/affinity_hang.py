@@ -45,11 +45,13 @@ from dataclasses import dataclass
 
 from localserve.processes import (
     STAT_START_TIME,
+    STAT_STATE,
     STAT_STIME,
     STAT_UTIME,
     allowed_cpus,
     process_name,
     stat_fields,
+    threads,
     with_descendants,
 )
 
@@ -99,22 +101,15 @@ def stack_in_call(pid: int, tid: int, syscall: int) -> bool:
     return entry is not None and entry in kernel_stack(pid, tid)
 
 
-def threads(pid: int) -> list[int]:
-    """The thread ids of ``pid`` (none once it is gone): a process may import torch from any of its threads."""
-    try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task") if t.isdigit()]
-    except OSError:
-        return []
-
-
 def thread_state(pid: int, tid: int) -> tuple[str, str] | None:
     """A thread's scheduler state (``D``: uninterruptible, in the kernel) and the kernel function it waits in."""
+    fields = stat_fields(pid, tid)
+    if not fields:
+        return None
     try:
-        with open(f"/proc/{pid}/task/{tid}/stat", encoding="utf-8", errors="replace") as handle:
-            state = handle.read().rsplit(")", 1)[-1].split()[0]
         with open(f"/proc/{pid}/task/{tid}/wchan", encoding="ascii", errors="replace") as handle:
-            return state, handle.read().strip() or "?"
-    except (OSError, IndexError):
+            return fields[STAT_STATE], handle.read().strip() or "?"
+    except OSError:
         return None
 
 

@@ -63,6 +63,15 @@ def stat_fields(pid: int, tid: int | None = None) -> list[str] | None:
     return stat.rsplit(")", 1)[-1].split()
 
 
+def threads(pid: int) -> list[int]:
+    """The thread ids of ``pid`` (none once it is gone): a process may import torch, or be niced
+    and pinned, from any of its threads."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task") if t.isdigit()]
+    except OSError:
+        return []
+
+
 def allowed_cpus(pid: int, tid: int) -> frozenset[int] | None:
     """The thread's ``Cpus_allowed_list`` as the kernel reports it; None once it is gone."""
     try:

@@ -23,9 +23,8 @@ from localserve.affinity_hang import (
     Stuck,
     Unstarved,
     blocked_syscall,
-    threads,
 )
-from localserve.processes import stat_fields
+from localserve.processes import stat_fields, threads
 
 READ = 0  # x86_64's read(2); the children below block in it
 pytestmark = pytest.mark.skipif(SCHED_SETAFFINITY != 203, reason="the numbers below are x86_64's")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import guard_overhead
-from benchmarks.pinning import REST_CPUS, SERVER_CPUS, Pinner, allowed_cpus, threads
+from benchmarks.pinning import REST_CPUS, SERVER_CPUS, Pinner
 from benchmarks.report import gateway_table, headline_table, router_table, verdict
 from benchmarks.server_tree import (
     API_SERVER,
@@ -31,6 +31,7 @@ from benchmarks.server_tree import (
     wait_for_tree,
 )
 from benchmarks.serving_overhead import Cell, ServingResults
+from localserve.processes import allowed_cpus, threads
 from workloads.inference_server.vllm_main import API_SERVER_TITLE
 
 # A root titled as vLLM's API server that starts its "engine core" late, which

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,10 @@ from tests.harness import (
     render_stack,
     stack_doc,
 )
+
+# The router's series its alerts read: the replicas it may send to, and its failed attempts by type.
+ACTIVE = "vllm_router_active_workers"
+ERRORS = "vllm_router_request_errors_total"
 
 
 def routed() -> Rendered:
@@ -302,7 +307,7 @@ def test_the_routers_alert_reads_a_series_the_pinned_router_exports_and_the_labe
     from twin.routing import router_specs, start_router
 
     (family,) = [f for f in alerts.METRIC_INVENTORY if f.prefix == "vllm_router_"]
-    assert family.names == ("vllm_router_active_workers",)
+    assert family.names == (ACTIVE, ERRORS)
     assert alerts.ROUTER_OF_LABEL == sanitize_label_name(ROUTER_OF) == "llm_platform_router_of"
     (monitor,) = [
         m for m in manifests_of(routed(), "PodMonitor") if m["metadata"]["name"] == router_name(_services()[0])
@@ -316,7 +321,7 @@ def test_the_routers_alert_reads_a_series_the_pinned_router_exports_and_the_labe
     def active() -> list[tuple[str, dict[str, str], float]]:
         port = argv[argv.index("--prometheus-port") + 1]
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        found = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name in family.names]
+        found = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == ACTIVE]
         return [(s.name, s.labels, s.value) for s in found]
 
     try:
@@ -330,4 +335,92 @@ def test_the_routers_alert_reads_a_series_the_pinned_router_exports_and_the_labe
         router.stop()
         for replica in replicas:
             replica.stop()
-    assert seen == [[("vllm_router_active_workers", {}, 2.0)], [("vllm_router_active_workers", {}, 0.0)]]
+    assert seen == [[(ACTIVE, {}, 2.0)], [(ACTIVE, {}, 0.0)]]
+
+
+class _Answering(BaseHTTPRequestHandler):
+    """A replica's server that is healthy and answers every generation request with the class's status."""
+
+    status = 200
+    posts = 0
+
+    def log_message(self, *args: Any) -> None:
+        return None
+
+    def _send(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self._send(200, b'{"status": "ok"}')
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        type(self).posts += 1
+        self._send(self.status, b'{"choices": []}' if self.status == 200 else b'{"error": {"message": "no"}}')
+
+
+def test_the_circuit_alert_reads_what_the_pinned_router_counts_when_its_replicas_fail(tmp_path: Path) -> None:
+    """LlmRouterCircuitsOpen, against the pinned router with prod's rendered command: a replica that answers
+    500 has its circuit opened, and the router then answers 503 itself, counting each attempt as
+    `no_available_workers` while it still lists the replica as active (the alert's two series). A replica
+    answering 401 (the guard's answer to a bad key) is not failing: no retry, no open circuit, so clients
+    with bad keys can not take a model out of rotation for everyone."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from infra.serving import alerts
+    from tests.e2e.loopback_http import LoopbackHttp
+    from twin.routing import router_specs, start_router
+
+    (family,) = [f for f in alerts.METRIC_INVENTORY if f.prefix == "vllm_router_"]
+    assert family.names == (ACTIVE, ERRORS)
+
+    class Replica(_Answering):
+        pass
+
+    replica = LoopbackHttp(Replica)
+    spec = next(iter(router_specs(Path(__file__).resolve().parents[1] / "Pulumi.prod.yaml").values()))
+    router, argv = start_router(spec.command, [replica.base_url], tmp_path / "router.log", spec.front)
+    metrics_url = f"http://127.0.0.1:{argv[argv.index('--prometheus-port') + 1]}/metrics"
+    body = {"model": "m", "prompt": "hi", "max_tokens": 4}
+
+    def post() -> httpx.Response:
+        return httpx.post(f"http://127.0.0.1:{router.port}/v1/completions", json=body, timeout=60)
+
+    def series() -> dict[tuple[str, str], float]:
+        text = httpx.get(metrics_url, timeout=10).text
+        return {
+            (s.name, s.labels.get("error_type", "")): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name in family.names
+        }
+
+    try:
+        Replica.status = 401
+        # More bad keys than the circuit's failure threshold (10).
+        refused = [post().status_code for _ in range(12)]
+        after_bad_keys = series()
+        Replica.status, Replica.posts = 200, 0
+        served = post().status_code
+        Replica.status = 500
+        answers = [post() for _ in range(4)]
+        attempts = Replica.posts - 1
+        after_failures = series()
+    finally:
+        router.stop()
+        replica.stop()
+
+    assert refused == [401] * 12
+    assert (ERRORS, alerts.ROUTER_NO_WORKER_ERROR) not in after_bad_keys
+    assert served == 200
+    # Two failed requests, each tried 5 times, open the circuit (10 failures); the rest never reach the replica.
+    assert [a.status_code for a in answers] == [500, 500, 503, 503]
+    assert attempts == 10
+    assert "No available workers" in answers[-1].text
+    assert after_failures[(ERRORS, alerts.ROUTER_NO_WORKER_ERROR)] > 0
+    assert after_failures[(ACTIVE, "")] == 1.0

@@ -263,8 +263,22 @@ def wait_app_running(cluster: LocalCluster, timeout_s: float = APP_TIMEOUT_S) ->
     raise RuntimeError(f"{cluster.name}: {cluster.app} not RUNNING after {timeout_s:.0f}s (last: {status})")
 
 
-# What a start that never finished leaves in the report: at most this many lines of stacks.
+# What a start that never finished leaves in the report: at most this many lines of stacks, the first
+# and the last half (a stack is printed most recent call first, so its last lines are where the thread
+# started: the server's own module).
 STACK_LINES = 80
+# The import system's own frames, two for each module an import goes through: a stack stuck inside
+# `import vllm` is mostly these.
+_IMPORT_FRAMES = '"<frozen importlib.'
+
+
+def shown_stacks(text: str, limit: int = STACK_LINES) -> list[str]:
+    """The stack dump's lines without the import system's frames, cut in the middle beyond ``limit``."""
+    kept = [line for line in text.splitlines() if line.strip() and _IMPORT_FRAMES not in line]
+    if len(kept) <= limit:
+        return kept
+    half = limit // 2
+    return [*kept[:half], f"  ... {len(kept) - 2 * half} lines left out", *kept[-half:]]
 
 
 def why_not_running(cluster: LocalCluster, wait_s: float = 2.0) -> list[str]:
@@ -285,13 +299,12 @@ def why_not_running(cluster: LocalCluster, wait_s: float = 2.0) -> list[str]:
     if not asked:
         return [*lines, f"{cluster.name}-worker: no vLLM server process to ask for its stacks"]
     time.sleep(wait_s)
-    stacks: list[str] = []
+    stacks = ""
     for log in sorted(logs.glob("worker-*.err")):
         with log.open("rb") as handle:
             handle.seek(sizes.get(log, 0))
-            stacks += handle.read().decode(errors="replace").splitlines()
-    shown = [line for line in stacks if line.strip()][:STACK_LINES]
-    return [*lines, f"{cluster.name}-worker: Python stacks of pids {sorted(asked)}:", *shown]
+            stacks += handle.read().decode(errors="replace")
+    return [*lines, f"{cluster.name}-worker: Python stacks of pids {sorted(asked)}:", *shown_stacks(stacks)]
 
 
 # --- the load balancer ----------------------------------------------------------------

@@ -67,6 +67,8 @@ def target_label_name(label: str) -> str:
 
 # The RayService a router routes for, on each of its series (the router's PodMonitor copies its pod label).
 ROUTER_OF_LABEL = target_label_name(ROUTER_OF)
+# vllm-router's `error_type` for an attempt no replica could take: every circuit open, or none known.
+ROUTER_NO_WORKER_ERROR = "no_available_workers"
 
 # Every alert's runbook, in this repository: <RUNBOOK_DIR>/<AlertName>.md.
 RUNBOOK_DIR = "docs/runbooks"
@@ -164,11 +166,13 @@ METRIC_INVENTORY: tuple[MetricFamily, ...] = (
     ),
     # vllm-router (serving.routing), on its `router-metrics` port through its PodMonitor: its own
     # registry. `vllm_router_active_workers` is the replicas it may send to (its discovery's Ready pods);
-    # the PodMonitor adds namespace, pod and the RayService it routes for (ROUTER_OF_LABEL).
+    # `vllm_router_request_errors_total{route, error_type}` counts failed attempts, `error_type`
+    # "no_available_workers" when no replica could be tried (every one's circuit open, or none known).
+    # The PodMonitor adds namespace, pod and the RayService it routes for (ROUTER_OF_LABEL).
     MetricFamily(
         exporter="vllm-router",
         prefix="vllm_router_",
-        names=("vllm_router_active_workers",),
+        names=("vllm_router_active_workers", "vllm_router_request_errors_total"),
         layouts=("vllm-server",),
     ),
     # The KubeRay operator's metrics endpoint (chart `metrics.enabled`, its
@@ -728,6 +732,33 @@ ALERTS: tuple[AlertSpec, ...] = (
         description="Serve reports a healthy replica of the model, and its router has had none to send to for "
         "5 minutes: every request through the model's address is answered 503.",
         metrics=("vllm_router_active_workers", "ray_serve_deployment_replica_healthy"),
+    ),
+    # A model's router refuses requests although it knows replicas: every replica's circuit breaker is
+    # open. vllm-router (the pinned release's defaults, which the render keeps) opens a replica's circuit
+    # after 10 failed attempts in 120 s (5xx answers, cut or refused connections; a 4xx is not a failure)
+    # and sends it nothing for 60 s, then tries again. While every circuit is open each request is
+    # answered 503 "No available workers" and counted here, once an attempt; the replicas see none of
+    # them, so LlmHttp5xxRatioHigh (the replicas' own answers) goes quiet exactly then. A short trip
+    # (one 60 s break) clears from the 2-minute rate before the alert's 5 minutes; replicas that keep
+    # failing trip it again at each retry and keep it firing. A router with no replica at all is
+    # LlmRouterHasNoReplica's case.
+    AlertSpec(
+        name="LlmRouterCircuitsOpen",
+        expr=(
+            f"sum by (namespace, {ROUTER_OF_LABEL}) (\n"
+            f'  rate(vllm_router_request_errors_total{{error_type="{ROUTER_NO_WORKER_ERROR}"}}[2m])\n'
+            ") > 0\n"
+            f"and on (namespace, {ROUTER_OF_LABEL}) max by (namespace, {ROUTER_OF_LABEL}) "
+            "(vllm_router_active_workers) > 0"
+        ),
+        for_="5m",
+        severity="critical",
+        summary=f"The router of {{{{ $labels.{ROUTER_OF_LABEL} }}}} refuses requests: every replica's circuit is open",
+        description="The model's replicas failed requests (5xx, cut or refused connections) often enough that its "
+        'router stopped sending to every one of them, for 5 minutes: clients get 503 "No available workers", '
+        "which the replicas never see ({{ $value | humanize }} attempts a second found no replica; a request makes "
+        "up to 5).",
+        metrics=("vllm_router_request_errors_total", "vllm_router_active_workers"),
     ),
     AlertSpec(
         name="BatchDeadLetterQueueNotEmpty",

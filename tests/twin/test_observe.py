@@ -71,7 +71,7 @@ def test_range_windows_are_scaled_like_for_but_not_below_the_floor() -> None:
     assert any("[5m]" in e for e in rendered)
     assert not any("[5m]" in e for e in scaled)
     assert sum(e.count("[30s]") for e in scaled) == sum(
-        e.count("[1m]") + e.count("[5m]") + e.count("[15m]") for e in rendered
+        e.count("[1m]") + e.count("[2m]") + e.count("[5m]") + e.count("[15m]") for e in rendered
     )
     # A window already shorter than the floor is kept; a long one scales past it.
     assert scaled_ranges("rate(x[10s]) / rate(y[1h30m])") == "rate(x[10s]) / rate(y[90s])"

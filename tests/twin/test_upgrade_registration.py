@@ -184,5 +184,26 @@ def test_a_start_that_never_finishes_reports_its_busy_threads_and_the_servers_py
     text = "\n".join(lines)
     assert f"c-bbbbb-worker: pid {spinner.pid} (python) thread {spinner.pid}: state R" in text, text
     assert f"c-bbbbb-worker: Python stacks of pids [{server.pid}]:" in text, text
-    # The stack names the server's own module, where it was when asked.
+    # The stack names the server's own module, where it was when asked, without the import system's frames.
     assert "most recent call first" in text and "vllm_main.py" in text, text
+    assert "<frozen importlib." not in text, text
+
+
+def test_a_deep_stack_keeps_its_first_and_last_frames_and_drops_the_import_systems() -> None:
+    """A server stuck deep in `import vllm` prints hundreds of frames, most of them importlib's; the report
+    keeps where the thread is (the first lines) and where it started (the last: the server's module)."""
+    frames = ["Current thread 0x1 (most recent call first):", '  File "/x/numpy/_shape.py", line 2 in <module>']
+    for depth in range(60):
+        frames += [
+            '  File "<frozen importlib._bootstrap>", line 241 in _call_with_frames_removed',
+            f'  File "/x/pkg/mod{depth}.py", line 1 in <module>',
+        ]
+    frames += ['  File "/w/inference_server/vllm_main.py", line 40 in <module>', ""]
+    shown = upgrade.shown_stacks("\n".join(frames), limit=20)
+    assert len(shown) == 21
+    assert shown[:2] == frames[:2]
+    assert shown[-1].endswith('vllm_main.py", line 40 in <module>')
+    assert shown[10] == "  ... 43 lines left out"  # 63 kept: 2 + 60 modules + the server's
+    assert not any("importlib" in line for line in shown)
+    # Short enough: every frame but the import system's, in order.
+    assert upgrade.shown_stacks("\n".join(frames[:6])) == [frames[0], frames[1], frames[3], frames[5]]
