@@ -23,7 +23,7 @@ import yaml
 from typing_extensions import override
 
 from infra.config.routing import ROUTING_KEY_HEADER, RoutingPolicy
-from tests.e2e.loopback_http import LoopbackHttp, SlowReplica
+from tests.e2e.loopback_http import LoopbackHttp, SlowReplica, answer
 from tests.harness import stack_doc
 from twin.routing import RouterSpec, router_specs, start_router
 
@@ -40,12 +40,7 @@ def recording_replica(log: list[str | None]) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers.get("content-length", 0)))
             log.append(self.headers.get(ROUTING_KEY_HEADER))
-            body = json.dumps({"choices": [{"index": 0, "text": "ok"}]}).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            answer(self, 200, json.dumps({"choices": [{"index": 0, "text": "ok"}]}).encode())
 
     return Replica
 

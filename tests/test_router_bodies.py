@@ -28,7 +28,7 @@ from inference_server.vllm_guard import SETTINGS_ENV, VllmServerGuard
 from pydantic import BaseModel
 
 from localserve.processes import free_port
-from tests.e2e.loopback_http import LoopbackHttp
+from tests.e2e.loopback_http import LoopbackHttp, answer
 from tests.guard_calls import Recorder, call, make_guard, send_to
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,11 +139,7 @@ def _replica(seen: list[tuple[str, dict[str, Any]]]) -> LoopbackHttp:
             pass
 
         def _answer(self, data: bytes, content_type: str) -> None:
-            self.send_response(200)
-            self.send_header("content-type", content_type)
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            answer(self, 200, data, content_type)
 
         def do_GET(self) -> None:
             self._answer(b"{}", "application/json")

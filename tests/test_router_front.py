@@ -28,7 +28,7 @@ from infra.mocks import fake_digest
 from infra.serving import router_front
 from infra.serving.router import FRONT_CONFIG_DIGEST, router_name
 from infra.serving.router_front import LIVENESS_PATH, READINESS_PATH, ROUTES, FrontPlan, config_digest
-from tests.e2e.loopback_http import CHUNK_S, CHUNKS, LoopbackHttp, SlowReplica
+from tests.e2e.loopback_http import CHUNK_S, CHUNKS, LoopbackHttp, SlowReplica, answer
 from tests.harness import manifests_of, render_routed, stack_config
 from twin.routing import RouterSpec, TwinRouter, nginx_binary, remove_worker_status, router_specs, start_router
 from workloads.inference_server.guard import LIMITED_PATHS, body_cap
@@ -89,12 +89,7 @@ def recording_replica(seen: Seen) -> type[BaseHTTPRequestHandler]:
             )
 
         def _json(self, obj: Any) -> None:
-            body = json.dumps(obj).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            answer(self, 200, json.dumps(obj).encode())
 
         @override
         def do_GET(self) -> None:

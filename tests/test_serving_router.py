@@ -28,6 +28,7 @@ from infra.serving.router import (
     router_pods,
 )
 from infra.serving.router_front import READINESS_PATH, ROUTER_BACKEND
+from tests.e2e.loopback_http import answer
 from tests.harness import (
     ROUTING,
     SERVE_INGRESS,
@@ -347,20 +348,13 @@ class _Answering(BaseHTTPRequestHandler):
     def log_message(self, *args: Any) -> None:
         return None
 
-    def _send(self, status: int, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
     def do_GET(self) -> None:
-        self._send(200, b'{"status": "ok"}')
+        answer(self, 200, b'{"status": "ok"}')
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length", 0)))
         type(self).posts += 1
-        self._send(self.status, b'{"choices": []}' if self.status == 200 else b'{"error": {"message": "no"}}')
+        answer(self, self.status, b'{"choices": []}' if self.status == 200 else b'{"error": {"message": "no"}}')
 
 
 def test_the_circuit_alert_reads_what_the_pinned_router_counts_when_its_replicas_fail(tmp_path: Path) -> None:

@@ -145,7 +145,7 @@ def test_the_replay_sends_the_traces_headers_with_its_own_key(tmp_path: Path) ->
     from http.server import BaseHTTPRequestHandler
 
     from benchmarks.whatif import send
-    from tests.e2e.loopback_http import LoopbackHttp
+    from tests.e2e.loopback_http import LoopbackHttp, answer
 
     seen: list[tuple[str | None, str | None]] = []
 
@@ -161,11 +161,7 @@ def test_the_replay_sends_the_traces_headers_with_its_own_key(tmp_path: Path) ->
             body = (
                 b'data: {"choices": [{"text": "hi"}]}\n\ndata: {"choices": [], "usage": {"completion_tokens": 1}}\n\n'
             )
-            self.send_response(200)
-            self.send_header("content-type", "text/event-stream")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            answer(self, 200, body, "text/event-stream")
 
     server = LoopbackHttp(Replica)
     try:

@@ -12,6 +12,15 @@ CHUNKS = 30
 CHUNK_S = 0.1
 
 
+def answer(handler: BaseHTTPRequestHandler, status: int, body: bytes, content_type: str = "application/json") -> None:
+    """Sends ``body`` whole, with its length: what every stand-in's plain answer is."""
+    handler.send_response(status)
+    handler.send_header("content-type", content_type)
+    handler.send_header("content-length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 class LoopbackHttp:
     """Serves `handler` on a free loopback port from a daemon thread until :meth:`stop`."""
 
@@ -41,12 +50,7 @@ class SlowReplica(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def do_GET(self) -> None:
-        body = b'{"status": "ok"}'
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        answer(self, 200, b'{"status": "ok"}')
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length", 0)))

@@ -23,6 +23,7 @@ from typing import Any, cast
 import httpx
 import pytest
 
+from tests.e2e.loopback_http import answer
 from twin.deploy import ModelInfo
 from twin.front_door import FrontDoor, Target
 from twin.local_run import ready_servers
@@ -39,12 +40,7 @@ def fake_replica(name: str, model: str) -> tuple[ThreadingHTTPServer, Target]:
             pass
 
         def _json(self, status: int, body: dict[str, object]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            answer(self, status, json.dumps(body).encode())
 
         def _keyed(self) -> bool:
             if self.headers.get("authorization") == f"Bearer {KEY}":
