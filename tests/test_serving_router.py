@@ -398,6 +398,7 @@ def test_the_circuit_alert_reads_what_the_pinned_router_counts_when_its_replicas
         Replica.status = 401
         # More bad keys than the circuit's failure threshold (10).
         refused = [post().status_code for _ in range(12)]
+        bad_key_attempts = Replica.posts
         after_bad_keys = series()
         Replica.status, Replica.posts = 200, 0
         served = post().status_code
@@ -410,6 +411,7 @@ def test_the_circuit_alert_reads_what_the_pinned_router_counts_when_its_replicas
         replica.stop()
 
     assert refused == [401] * 12
+    assert bad_key_attempts == 12  # not retried
     assert (ERRORS, alerts.ROUTER_NO_WORKER_ERROR) not in after_bad_keys
     assert served == 200
     # Two failed requests, each tried 5 times, open the circuit (10 failures); the rest never reach the replica.
