@@ -22,6 +22,7 @@ from infra.serving.ports import RAY_PORTS
 from infra.serving.router import (
     FRONT_CONTAINER,
     ROUTER_CONTAINER,
+    ROUTER_FAILURES,
     ROUTER_METRICS,
     ROUTER_PORT,
     router_name,
@@ -414,9 +415,27 @@ def test_the_circuit_alert_reads_what_the_pinned_router_counts_when_its_replicas
     assert bad_key_attempts == 12  # not retried
     assert (ERRORS, alerts.ROUTER_NO_WORKER_ERROR) not in after_bad_keys
     assert served == 200
-    # Two failed requests, each tried 5 times, open the circuit (10 failures); the rest never reach the replica.
+    # Two failed requests, each tried ROUTER_FAILURES.attempts (5) times, open the circuit (10 failures); the
+    # rest never reach the replica.
     assert [a.status_code for a in answers] == [500, 500, 503, 503]
-    assert attempts == 10
+    assert attempts == 2 * ROUTER_FAILURES.attempts == ROUTER_FAILURES.open_after_failures
     assert "No available workers" in answers[-1].text
     assert after_failures[(ERRORS, alerts.ROUTER_NO_WORKER_ERROR)] > 0
     assert after_failures[(ACTIVE, "")] == 1.0
+
+
+def test_the_circuit_runbook_and_the_routing_docs_state_the_failure_policy_the_router_is_given() -> None:
+    """The numbers an operator reads in the runbook and docs/routing.md are the ones on the rendered command."""
+    f = ROUTER_FAILURES
+    command = " ".join(_container(_services()[0], ROUTER_CONTAINER)["command"])
+    for flag, value in zip(f.args()[::2], f.args()[1::2], strict=True):
+        assert f"{flag} {value}" in command
+    root = Path(__file__).resolve().parents[1]
+    runbook = " ".join((root / "docs/runbooks/LlmRouterCircuitsOpen.md").read_text().split())
+    routing = " ".join((root / "docs/routing.md").read_text().split())
+    for text in (runbook, routing):
+        assert f"after {f.open_after_failures} failed attempts in {f.failure_window_s} s" in text
+        assert f"nothing for {f.open_for_s} s" in text
+        assert f"up to {f.attempts} attempts in all" in text
+    assert f"closes after {f.close_after_successes} good attempts" in runbook
+    assert f"backoff from {f.first_backoff_ms} ms" in routing
