@@ -26,15 +26,11 @@ from pathlib import Path
 from typing import Any
 
 # A thread's mask is read as the local runs read it.
-from localserve.processes import allowed_cpus, threads
+from localserve.processes import allowed_cpus, cpu_list, threads
 
 # The measured server's core, and the core of everything else.
 SERVER_CPUS = frozenset({1})
 REST_CPUS = frozenset({0})
-
-
-def cpu_list(cpus: frozenset[int] | set[int]) -> str:
-    return ",".join(str(c) for c in sorted(cpus))
 
 
 @dataclass

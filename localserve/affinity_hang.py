@@ -49,6 +49,7 @@ from localserve.processes import (
     STAT_STIME,
     STAT_UTIME,
     allowed_cpus,
+    cpu_list,
     process_name,
     stat_fields,
     threads,
@@ -101,16 +102,20 @@ def stack_in_call(pid: int, tid: int, syscall: int) -> bool:
     return entry is not None and entry in kernel_stack(pid, tid)
 
 
+def wait_channel(pid: int, tid: int) -> str | None:
+    """The kernel function a thread waits in ("?" when it is not waiting); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/wchan", encoding="ascii", errors="replace") as handle:
+            return handle.read().strip() or "?"
+    except OSError:
+        return None
+
+
 def thread_state(pid: int, tid: int) -> tuple[str, str] | None:
     """A thread's scheduler state (``D``: uninterruptible, in the kernel) and the kernel function it waits in."""
     fields = stat_fields(pid, tid)
-    if not fields:
-        return None
-    try:
-        with open(f"/proc/{pid}/task/{tid}/wchan", encoding="ascii", errors="replace") as handle:
-            return fields[STAT_STATE], handle.read().strip() or "?"
-    except OSError:
-        return None
+    wchan = wait_channel(pid, tid) if fields else None
+    return None if not fields or wchan is None else (fields[STAT_STATE], wchan)
 
 
 @dataclass(frozen=True)
@@ -277,7 +282,7 @@ class AffinityHangBreaker:
             # A process stops when it next runs in the kernel: the pause counts from then.
             deadline = time.monotonic() + STOP_WAIT_S
             while paused and time.monotonic() < deadline:
-                if all((thread_state(other, other) or ("T",))[0] in "tT" for other in paused):
+                if all((stat_fields(other) or ["T"])[STAT_STATE] in "tT" for other in paused):
                     break
                 time.sleep(0.01)
             if paused:
@@ -336,16 +341,15 @@ def thread_lines(pids: set[int]) -> list[str]:
     for pid in sorted(pids):
         name = process_name(pid) or "?"
         for tid in sorted(threads(pid)):
-            state = thread_state(pid, tid)
-            if state is None or (state[0] == "S" and state[1] in idle_waits):
+            stat, wchan = stat_fields(pid, tid), wait_channel(pid, tid)
+            if not stat or wchan is None or (stat[STAT_STATE] == "S" and wchan in idle_waits):
                 continue
-            stat, mask = stat_fields(pid, tid), allowed_cpus(pid, tid)
-            if stat is None or mask is None:
+            mask = allowed_cpus(pid, tid)
+            if mask is None:
                 continue
-            cpus = ",".join(str(c) for c in sorted(mask))
             user, system = (int(stat[i]) / os.sysconf("SC_CLK_TCK") for i in (STAT_UTIME, STAT_STIME))
             lines.append(
-                f"pid {pid} ({name}) thread {tid}: state {state[0]}, system call {blocked_syscall(pid, tid)}, "
-                f"waits in {state[1]}, CPUs {cpus}, user {user:.1f}s system {system:.1f}s"
+                f"pid {pid} ({name}) thread {tid}: state {stat[STAT_STATE]}, system call {blocked_syscall(pid, tid)}, "
+                f"waits in {wchan}, CPUs {cpu_list(mask)}, user {user:.1f}s system {system:.1f}s"
             )
     return lines

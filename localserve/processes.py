@@ -95,6 +95,11 @@ def parse_cpu_list(text: str) -> list[int]:
     return cpus
 
 
+def cpu_list(cpus: frozenset[int] | set[int]) -> str:
+    """{0, 1, 2} -> ``0,1,2``: a CPU set in the kernel's list format (without ranges)."""
+    return ",".join(str(c) for c in sorted(cpus))
+
+
 def process_name(pid: int) -> str | None:
     """``pid``'s executable name or the title it set (/proc/<pid>/comm, at most 15 characters), or None once gone."""
     try:

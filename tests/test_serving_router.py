@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import copy
 import json
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import pytest
+from typing_extensions import override
 
 from infra import versions
 from infra.config import PROD_MIN_ROUTER_REPLICAS
@@ -29,7 +29,7 @@ from infra.serving.router import (
     router_pods,
 )
 from infra.serving.router_front import READINESS_PATH, ROUTER_BACKEND
-from tests.e2e.loopback_http import answer
+from tests.e2e.loopback_http import SlowReplica, answer
 from tests.harness import (
     ROUTING,
     SERVE_INGRESS,
@@ -40,10 +40,31 @@ from tests.harness import (
     render_stack,
     stack_doc,
 )
+from twin.routing import TwinRouter
 
 # The router's series its alerts read: the replicas it may send to, and its failed attempts by type.
 ACTIVE = "vllm_router_active_workers"
 ERRORS = "vllm_router_request_errors_total"
+
+
+def _prod_router(worker_urls: list[str], log: Path) -> tuple[TwinRouter, str]:
+    """The pinned router with prod's rendered command in front of ``worker_urls``, and its metrics URL."""
+    from twin.routing import router_specs, start_router
+
+    spec = next(iter(router_specs(Path(__file__).resolve().parents[1] / "Pulumi.prod.yaml").values()))
+    router, argv = start_router(spec.command, worker_urls, log, spec.front)
+    return router, f"http://127.0.0.1:{argv[argv.index('--prometheus-port') + 1]}/metrics"
+
+
+def _router_samples(metrics_url: str, names: tuple[str, ...]) -> list[tuple[str, dict[str, str], float]]:
+    """The samples of ``names`` in the router's exposition, as Prometheus' own parser reads it."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(metrics_url, timeout=10).text
+    return [
+        (s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples if s.name in names
+    ]
 
 
 def routed() -> Rendered:
@@ -300,13 +321,11 @@ def test_the_routers_alert_reads_a_series_the_pinned_router_exports_and_the_labe
     label of its own to group by, and the RayService arrives as the label the PodMonitor's podTargetLabels
     entry becomes (the Prometheus Operator's sanitizeLabelName, mirrored in twin/prometheus_operator.py)."""
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
     from infra.serving import alerts
     from infra.serving.router import ROUTER_OF
     from tests.e2e.loopback_http import LoopbackHttp, SlowReplica
     from twin.prometheus_operator import sanitize_label_name
-    from twin.routing import router_specs, start_router
 
     (family,) = [f for f in alerts.METRIC_INVENTORY if f.prefix == "vllm_router_"]
     assert family.names == (ACTIVE, ERRORS)
@@ -317,22 +336,14 @@ def test_the_routers_alert_reads_a_series_the_pinned_router_exports_and_the_labe
     assert monitor["spec"]["podTargetLabels"] == [ROUTER_OF]
 
     replicas = [LoopbackHttp(SlowReplica), LoopbackHttp(SlowReplica)]
-    spec = next(iter(router_specs(Path(__file__).resolve().parents[1] / "Pulumi.prod.yaml").values()))
-    router, argv = start_router(spec.command, [r.base_url for r in replicas], tmp_path / "router.log", spec.front)
-
-    def active() -> list[tuple[str, dict[str, str], float]]:
-        port = argv[argv.index("--prometheus-port") + 1]
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        found = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == ACTIVE]
-        return [(s.name, s.labels, s.value) for s in found]
-
+    router, metrics_url = _prod_router([r.base_url for r in replicas], tmp_path / "router.log")
     try:
-        seen = [active()]
+        seen = [_router_samples(metrics_url, (ACTIVE,))]
         # What its discovery does when the replicas' pods leave (twin.routing.Discovery uses the same route).
         for replica in replicas:
             url = replica.base_url.removesuffix("/v1")
             httpx.post(f"http://127.0.0.1:{router.router_port}/remove_worker", params={"url": url}, timeout=10)
-        seen.append(active())
+        seen.append(_router_samples(metrics_url, (ACTIVE,)))
     finally:
         router.stop()
         for replica in replicas:
@@ -340,18 +351,13 @@ def test_the_routers_alert_reads_a_series_the_pinned_router_exports_and_the_labe
     assert seen == [[(ACTIVE, {}, 2.0)], [(ACTIVE, {}, 0.0)]]
 
 
-class _Answering(BaseHTTPRequestHandler):
+class _Answering(SlowReplica):
     """A replica's server that is healthy and answers every generation request with the class's status."""
 
     status = 200
     posts = 0
 
-    def log_message(self, *args: Any) -> None:
-        return None
-
-    def do_GET(self) -> None:
-        answer(self, 200, b'{"status": "ok"}')
-
+    @override
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length", 0)))
         type(self).posts += 1
@@ -365,11 +371,9 @@ def test_the_circuit_alert_reads_what_the_pinned_router_counts_when_its_replicas
     answering 401 (the guard's answer to a bad key) is not failing: no retry, no open circuit, so clients
     with bad keys can not take a model out of rotation for everyone."""
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
     from infra.serving import alerts
     from tests.e2e.loopback_http import LoopbackHttp
-    from twin.routing import router_specs, start_router
 
     (family,) = [f for f in alerts.METRIC_INVENTORY if f.prefix == "vllm_router_"]
     assert family.names == (ACTIVE, ERRORS)
@@ -378,21 +382,16 @@ def test_the_circuit_alert_reads_what_the_pinned_router_counts_when_its_replicas
         pass
 
     replica = LoopbackHttp(Replica)
-    spec = next(iter(router_specs(Path(__file__).resolve().parents[1] / "Pulumi.prod.yaml").values()))
-    router, argv = start_router(spec.command, [replica.base_url], tmp_path / "router.log", spec.front)
-    metrics_url = f"http://127.0.0.1:{argv[argv.index('--prometheus-port') + 1]}/metrics"
+    router, metrics_url = _prod_router([replica.base_url], tmp_path / "router.log")
     body = {"model": "m", "prompt": "hi", "max_tokens": 4}
 
     def post() -> httpx.Response:
         return httpx.post(f"http://127.0.0.1:{router.port}/v1/completions", json=body, timeout=60)
 
     def series() -> dict[tuple[str, str], float]:
-        text = httpx.get(metrics_url, timeout=10).text
         return {
-            (s.name, s.labels.get("error_type", "")): s.value
-            for f in text_string_to_metric_families(text)
-            for s in f.samples
-            if s.name in family.names
+            (name, labels.get("error_type", "")): value
+            for name, labels, value in _router_samples(metrics_url, family.names)
         }
 
     try:
