@@ -336,7 +336,7 @@ def start_routed(work: Path, model_dir: Path, replicas: int = 1, variant: str = 
         started = time.monotonic()
         upstream = server.base_url
         router, _ = start_router(
-            spec.command, [upstream.removesuffix("/v1")], work / variant / "router.log", spec.front
+            spec.command, [upstream.removesuffix("/v1")], work / variant / "router.log", spec.front, env=spec.env
         )
         # The front first: it stops before the router, as in the pod.
         server.companions += [router.front, router.child]

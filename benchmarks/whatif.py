@@ -335,7 +335,7 @@ def run(stack: str, trace_path: Path, policies: Sequence[str], replicas: int, kv
         metrics = [str(r["metrics_url"]) for r in published]
         for policy in policies:
             command = with_policy(spec.command, policy)
-            router, _ = start_router(command, roots, work / f"router-{policy}.log", spec.front)
+            router, _ = start_router(command, roots, work / f"router-{policy}.log", spec.front, env=spec.env)
             try:
                 before = _replica_counts(metrics)
                 sent = replay(router.base_url, server.api_key, _for_model(trace), f"[{policy}] ", speed)

@@ -210,7 +210,7 @@ def test_the_routers_process_is_counted_as_the_router(tmp_path: Path) -> None:
 
     replica = LoopbackHttp(SlowReplica)
     spec = next(iter(router_specs(REPO / "Pulumi.prod.yaml").values()))
-    router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log", spec.front)
+    router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log", spec.front, env=spec.env)
     try:
         assert process_role(router.child.proc.pid) == "router"
     finally:

@@ -108,7 +108,7 @@ def test_a_routing_key_keeps_its_replica_and_the_keys_spread_over_both(tmp_path:
     spec = spec_for(tmp_path, "consistent_hash")
     command = spec.command
     assert command[command.index("--policy") + 1] == "consistent_hash"
-    router, _ = start_router(command, [s.base_url for s in servers], tmp_path / "router.log", spec.front)
+    router, _ = start_router(command, [s.base_url for s in servers], tmp_path / "router.log", spec.front, env=spec.env)
     try:
         send_keys(router.base_url, ROUNDS)
         # Without a key the router still answers (it hashes the request).
@@ -136,7 +136,7 @@ def test_two_routers_that_found_the_replicas_in_either_order_place_every_key_ali
     urls = [s.base_url for s in servers]
     placements = []
     for n, order in enumerate((urls, urls[::-1])):
-        router, _ = start_router(spec.command, order, tmp_path / f"router-{n}.log", spec.front)
+        router, _ = start_router(spec.command, order, tmp_path / f"router-{n}.log", spec.front, env=spec.env)
         try:
             send_keys(router.base_url, 1)
         finally:

@@ -35,7 +35,7 @@ def test_on_their_stop_signals_the_front_and_router_take_no_new_connection_and_f
     # pod at once: the router SIGTERM, the front its image's SIGQUIT.
     replica = LoopbackHttp(SlowReplica)
     spec = next(iter(router_specs(ROOT / "Pulumi.prod.yaml").values()))
-    router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log", spec.front)
+    router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log", spec.front, env=spec.env)
     seen: dict[str, Any] = {"chunks": 0, "done": False}
 
     def stream() -> None:

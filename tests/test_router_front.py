@@ -120,7 +120,7 @@ def routed(tmp_path: Path) -> Iterator[tuple[TwinRouter, Seen, LoopbackHttp]]:
     seen = Seen()
     replica = LoopbackHttp(recording_replica(seen))
     spec = prod_router()
-    router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log", spec.front)
+    router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log", spec.front, env=spec.env)
     yield router, seen, replica
     router.stop()
     replica.stop()

@@ -25,6 +25,7 @@ from infra.serving.router import (
     ROUTER_FAILURES,
     ROUTER_METRICS,
     ROUTER_PORT,
+    RUNTIME_THREADS_ENV,
     router_name,
     router_pods,
 )
@@ -52,7 +53,7 @@ def _prod_router(worker_urls: list[str], log: Path) -> tuple[TwinRouter, str]:
     from twin.routing import router_specs, start_router
 
     spec = next(iter(router_specs(Path(__file__).resolve().parents[1] / "Pulumi.prod.yaml").values()))
-    router, argv = start_router(spec.command, worker_urls, log, spec.front)
+    router, argv = start_router(spec.command, worker_urls, log, spec.front, env=spec.env)
     return router, f"http://127.0.0.1:{argv[argv.index('--prometheus-port') + 1]}/metrics"
 
 
@@ -312,6 +313,56 @@ def test_a_router_given_more_cpu_than_its_limits_floor_keeps_a_valid_limit() -> 
                 "limits": {"cpu": "6000m", "memory": "1Gi"},
             }
             assert containers["front"]["limits"]["cpu"] == "500m"
+            env = {e["name"]: e["value"] for e in _router_env(dep)}
+            # Six cores' limit, six runtime threads, whatever the node has.
+            assert env == {RUNTIME_THREADS_ENV: "6"}
+
+
+def _router_env(deployment: dict[str, Any]) -> list[dict[str, str]]:
+    (router,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == ROUTER_CONTAINER]
+    return list(router.get("env", []))
+
+
+def test_the_router_runs_as_many_runtime_threads_as_its_cpu_limit_has_cores() -> None:
+    """Not one per node core: prod's system nodes have 8, and 8 threads would spend the 2-core quota in a
+    quarter of each CFS period and leave the pod throttled for the rest."""
+    from infra.config import quantity_value
+
+    for service in _services():
+        router = _container(service, ROUTER_CONTAINER)
+        cores = quantity_value(router["resources"]["limits"]["cpu"])
+        assert cores == 2
+        assert router["env"] == [{"name": RUNTIME_THREADS_ENV, "value": "2"}]
+
+
+def test_the_pinned_router_starts_the_runtime_threads_its_environment_names(tmp_path: Path) -> None:
+    """The rendered environment, as the twin and the benchmark start the router, sets the pinned release's
+    thread count: asked for more threads than this machine has cores, it runs exactly that many."""
+    import os
+
+    from localserve.processes import process_name, threads
+    from tests.e2e.loopback_http import LoopbackHttp
+    from twin.routing import router_specs, start_router
+
+    cores = os.cpu_count() or 1
+    doc = copy.deepcopy(stack_doc("prod"))
+    # A request of cores + 1 gives a limit of twice that: more threads than cores, so the count is the env's.
+    routing = {**ROUTING, "cpu": str(cores + 1)}
+    doc["config"]["llm-platform:serving"] = {**doc["config"].get("llm-platform:serving", {}), "routing": routing}
+    path = tmp_path / "Pulumi.prod.yaml"
+    path.write_text(json.dumps(doc))
+    spec = next(iter(router_specs(path).values()))
+    assert spec.env == {RUNTIME_THREADS_ENV: str(2 * (cores + 1))}
+    replica = LoopbackHttp(SlowReplica)
+    try:
+        router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log", spec.front, env=spec.env)
+        try:
+            names = [process_name(tid) for tid in threads(router.child.proc.pid)]
+        finally:
+            router.stop()
+    finally:
+        replica.stop()
+    assert names.count("tokio-rt-worker") == 2 * (cores + 1), names
 
 
 def test_the_routers_alert_reads_a_series_the_pinned_router_exports_and_the_label_its_monitor_adds(

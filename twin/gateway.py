@@ -147,6 +147,7 @@ def measure_gateway(
     rendered: GatewaySettings,
     keys_file: str,
     router_command: Sequence[str],
+    router_env: Mapping[str, str],
     front: FrontPlan,
     roots: Sequence[str],
     api_key: str,
@@ -155,7 +156,7 @@ def measure_gateway(
     report_sub: Any,
 ) -> GatewayRun:
     """The session's router in front of ``roots`` and the gateway in front of it, with the other routes dead."""
-    router, _ = start_router(router_command, roots, log_dir / "gateway-router.log", front)
+    router, _ = start_router(router_command, roots, log_dir / "gateway-router.log", front, env=router_env)
     try:
         dead = f"http://{HOST}:{free_port()}"
         routes = {m: (router.base_url.removesuffix("/v1") if m == model_id else dead) for m in rendered.routes}

@@ -42,7 +42,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +88,8 @@ class RouterSpec:
     enabled: bool
     # Its front, the nginx the load balancer reaches.
     front: FrontPlan
+    # The router container's environment as rendered (RouterPlan.env).
+    env: Mapping[str, str]
     # The model gateway's settings as the render writes them (or, with `serving.gateway` off, would),
     # when the stack has several vllm-server services for it to route between or a model it wakes;
     # None otherwise.
@@ -107,7 +109,13 @@ def router_specs(stack_config: Path) -> dict[str, RouterSpec]:
     gateway = gateway_plan(cfg).settings() if len(plans) > 1 or cfg.woken_services() else None
     return {
         service: RouterSpec(
-            service, tuple(plan.command), cfg.serving.routing.enabled, plan.front, gateway, plan.readiness_path
+            service,
+            tuple(plan.command),
+            cfg.serving.routing.enabled,
+            plan.front,
+            dict(plan.env),
+            gateway,
+            plan.readiness_path,
         )
         for service, plan in plans.items()
     }
@@ -208,12 +216,17 @@ def start_router(
     log_path: Path,
     front: FrontPlan,
     readiness_path: str = READINESS_PATH,
+    *,
+    env: Mapping[str, str],
 ) -> tuple[TwinRouter, list[str]]:
     """Starts the router before ``worker_urls``, and its front; returns them and the router's command once
-    its pod's readiness (``readiness_path``, RouterPlan.readiness_path) answers through the front."""
+    its pod's readiness (``readiness_path``, RouterPlan.readiness_path) answers through the front.
+
+    ``env`` is the router container's rendered environment (RouterSpec.env).
+    """
     router_port = free_port()
     argv = static_command(command, worker_urls, router_port, free_port())
-    child = Child.start("vllm-router", argv, child_env(), log_path)
+    child = Child.start("vllm-router", argv, child_env(dict(env)), log_path)
     front_child, port, scratch = start_front(front, router_port, log_path.with_name(log_path.stem + "-front.log"))
     router = TwinRouter(child, front_child, port, router_port, scratch)
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -339,6 +352,7 @@ class RouterRun:
 
 def measure_split(
     command: Sequence[str],
+    env: Mapping[str, str],
     front: FrontPlan,
     roots: Sequence[str],
     metrics_urls: Sequence[str],
@@ -347,7 +361,7 @@ def measure_split(
     log: Path,
 ) -> RouterRun:
     """Runs the router in front of ``roots`` and one client at steady load through it, then its control route."""
-    router, argv = start_router(command, roots, log, front)
+    router, argv = start_router(command, roots, log, front, env=env)
     try:
         before = [served(url) for url in metrics_urls]
         started = time.monotonic()

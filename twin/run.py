@@ -697,7 +697,9 @@ def check_routing(session: Session, report: Report, model: ModelInfo, replicas: 
     )
     key, what = session.serve.api_key, f"routing ({model.model_id})"
     try:
-        run = measure_split(spec.command, spec.front, roots, metrics, key, model.model_id, workdir / "router.log")
+        run = measure_split(
+            spec.command, spec.env, spec.front, roots, metrics, key, model.model_id, workdir / "router.log"
+        )
         split = run.split
         report.check(
             session.name,
@@ -718,7 +720,8 @@ def check_routing(session: Session, report: Report, model: ModelInfo, replicas: 
                 f"the replicas answered {split.counts} in {split.seconds:.0f}s (the replicas' speeds differ here)",
             )
             rr = with_policy(spec.command, "round_robin")
-            turns = measure_split(rr, spec.front, roots, metrics, key, model.model_id, workdir / "router-rr.log").split
+            rr_log = workdir / "router-rr.log"
+            turns = measure_split(rr, spec.env, spec.front, roots, metrics, key, model.model_id, rr_log).split
     except Exception as err:
         report.fail(session.name, f"{what}: {type(err).__name__}: {err}")
         return
@@ -759,6 +762,7 @@ def check_gateway(session: Session, report: Report, model: ModelInfo, roots: lis
             spec.gateway,
             _keys_file(session.serve),
             spec.command,
+            spec.env,
             spec.front,
             roots,
             session.serve.api_key,

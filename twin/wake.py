@@ -80,7 +80,9 @@ class WokenFront:
         if spec.gateway is None or model_id not in spec.gateway.wake:
             raise ValueError(f"the render runs no gateway that wakes {model_id}")
         self.model_id = model_id
-        router, _ = start_router(spec.command, [], log_dir / "wake-router.log", spec.front, spec.readiness_path)
+        router, _ = start_router(
+            spec.command, [], log_dir / "wake-router.log", spec.front, spec.readiness_path, env=spec.env
+        )
         self.router = router
         self.discovery = Discovery(router, address_dir).start()
         self.gateway: Child | None = None

@@ -39,6 +39,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import Routing, StackConfig, longest_generation_seconds
+from infra.config.fields import quantity_value
 from infra.scheduling import Placement
 from infra.serving import kuberay
 from infra.serving.drain import PROXY_DRAIN_SECONDS
@@ -89,6 +90,16 @@ ROUTER_CONTAINER = "router"
 FRONT_CONTAINER = "front"
 # The pod's annotation carrying its front's config digest.
 FRONT_CONFIG_DIGEST = "llm-platform/router-front-config"
+# vllm-router's async runtime (tokio) starts a worker thread for every core
+# it sees, and in a pod that is the node's cores (8 on prod's m7i.2xlarge
+# system nodes), not its CPU limit. Eight threads spend a 2-CPU quota in a
+# quarter of each CFS period, and the container is then throttled for the
+# rest of it: a pause that every request in flight waits out. tokio takes
+# the count from this variable instead (the pinned release honours it:
+# tests/test_serving_router.py counts the threads).
+RUNTIME_THREADS_ENV = "TOKIO_WORKER_THREADS"
+# The router's CPU limit when twice its request is less (replicated.cpu_limit).
+ROUTER_CPU_LIMIT = "2"
 # How often the router checks each replica's /health itself (its own default
 # is 60 s); Kubernetes readiness removes a failing replica sooner still.
 HEALTH_CHECK_INTERVAL_S = 10
@@ -177,6 +188,8 @@ class RouterPlan:
     request_timeout_s: int
     # The nginx in front of it, which alone the load balancer reaches.
     front: FrontPlan
+    # The router container's environment (runtime_env).
+    env: dict[str, str]
     # The model scales to zero and the gateway wakes it (StackConfig.woken_services).
     woken: bool = False
 
@@ -212,9 +225,27 @@ def router_plans(cfg: StackConfig) -> dict[str, RouterPlan]:
             router_args(cfg.serving.routing, cfg.serving.namespace, selector, timeout),
             timeout,
             FrontPlan.of(cfg.serving.limits, timeout),
+            runtime_env(cfg.serving.routing),
             woken=service in woken,
         )
     return plans
+
+
+def runtime_threads(cpu_limit: str) -> int:
+    """The router's runtime threads under a CPU limit: one per core the limit grants, a part counted whole."""
+    cores = quantity_value(cpu_limit)
+    assert cores is not None, cpu_limit  # CpuQuantity validated it
+    return max(1, math.ceil(cores))
+
+
+def runtime_env(routing: Routing) -> dict[str, str]:
+    """The router container's environment: as many runtime threads as its CPU limit has cores."""
+    return {RUNTIME_THREADS_ENV: str(runtime_threads(router_cpu_limit(routing)))}
+
+
+def router_cpu_limit(routing: Routing) -> str:
+    """The router container's CPU limit (replicated.cpu_limit)."""
+    return cpu_limit(routing.cpu, ROUTER_CPU_LIMIT)
 
 
 def router_args(routing: Routing, namespace: str, selector: Mapping[str, str], request_timeout_s: int) -> list[str]:
@@ -272,11 +303,12 @@ def role(service: str, namespace: str) -> dict[str, Any]:
     }
 
 
-def _router_container(routing: Routing, image: pulumi.Input[str], command: list[str]) -> dict[str, Any]:
+def _router_container(routing: Routing, image: pulumi.Input[str], plan: RouterPlan) -> dict[str, Any]:
     return {
         "name": ROUTER_CONTAINER,
         "image": image,
-        "command": command,
+        "command": plan.command,
+        "env": [{"name": name, "value": value} for name, value in plan.env.items()],
         # Its API port is on loopback (router_front.py); only the metrics are on the pod's address.
         "ports": [ROUTER_METRICS.container_port()],
         # Through the front, the only way in from the kubelet: a router that
@@ -288,7 +320,7 @@ def _router_container(routing: Routing, image: pulumi.Input[str], command: list[
         },
         "resources": {
             "requests": {"cpu": routing.cpu, "memory": routing.memory},
-            "limits": {"cpu": cpu_limit(routing.cpu, ROUTER_CPU_LIMIT), "memory": routing.memory},
+            "limits": {"cpu": router_cpu_limit(routing), "memory": routing.memory},
         },
         "securityContext": container_security_context(read_only_root=True),
         # Kubernetes' own sleep (no binary in the image needed): the load balancer stops sending first.
@@ -337,8 +369,6 @@ def _front_container(image: pulumi.Input[str], readiness_path: str) -> dict[str,
     }
 
 
-# The router's CPU limit when twice its request is less (replicated.cpu_limit).
-ROUTER_CPU_LIMIT = "2"
 # checkov's checks the router pod can not meet, and why.
 ROUTER_CHECKOV_SKIPS = {
     **SERVING_IMAGE_UID_SKIP,
@@ -400,7 +430,7 @@ def deployment(
                     "terminationGracePeriodSeconds": plan.grace_seconds,
                     "containers": [
                         _front_container(front_image, plan.readiness_path),
-                        _router_container(routing, image, plan.command),
+                        _router_container(routing, image, plan),
                     ],
                     "volumes": [
                         {"name": "front-config", "configMap": {"name": f"{router_name(service)}-front"}},
