@@ -154,6 +154,17 @@ NOTES: Mapping[str, str] = {
     "serving.routing.balance_rel_threshold": "`cache_aware`: ... and past this ratio of busiest to idlest.",
     "serving.routing.min_replicas": "Prod at least 2 (spread over zones).",
     "serving.routing.queue_size": "Requests held while every replica is at its cap, then 429.",
+    "serving.routing.attempts": (
+        "Attempts a request gets, the first included: a 5xx, a 429 or a failed connection is tried again on "
+        "another replica; a 4xx never. Each is a prefill."
+    ),
+    "serving.routing.circuit_breaker": (
+        "Off by default: a request that fails on every replica would open every replica's circuit "
+        "(see [Request-level routing](routing.md#request-level-routing))."
+    ),
+    "serving.routing.circuit_breaker.failures": "Failed attempts (5xx, failed connections) in `window_s` that open it.",
+    "serving.routing.circuit_breaker.open_s": "How long an open circuit sends the replica nothing.",
+    "serving.routing.circuit_breaker.close_after": "Good attempts after `open_s` that close it.",
     "models[].name": "The RayService name, at most 47 characters.",
     "models[].source": "`s3://<model bucket>/<prefix>` in a deployed stack.",
     "models[].accelerator_type": "Optional: derived from the group's GPU; a value that disagrees is refused.",

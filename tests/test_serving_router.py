@@ -16,16 +16,20 @@ from typing_extensions import override
 
 from infra import versions
 from infra.config import PROD_MIN_ROUTER_REPLICAS
+from infra.config.routing import CircuitBreaker, Routing
 from infra.render import Rendered
 from infra.serving.endpoint import public_service_name
 from infra.serving.ports import RAY_PORTS
 from infra.serving.router import (
     FRONT_CONTAINER,
+    HEALTH_CHECK_INTERVAL_S,
+    HEALTH_FAILURES,
+    RETRY_FIRST_BACKOFF_MS,
     ROUTER_CONTAINER,
-    ROUTER_FAILURES,
     ROUTER_METRICS,
     ROUTER_PORT,
     RUNTIME_THREADS_ENV,
+    failure_args,
     router_name,
     router_pods,
 )
@@ -48,11 +52,17 @@ ACTIVE = "vllm_router_active_workers"
 ERRORS = "vllm_router_request_errors_total"
 
 
-def _prod_router(worker_urls: list[str], log: Path) -> tuple[TwinRouter, str]:
-    """The pinned router with prod's rendered command in front of ``worker_urls``, and its metrics URL."""
+def _prod_router(worker_urls: list[str], log: Path, **routing: Any) -> tuple[TwinRouter, str]:
+    """The pinned router with prod's rendered command (``routing`` over its `serving.routing`) in front of
+    ``worker_urls``, and its metrics URL."""
     from twin.routing import router_specs, start_router
 
-    spec = next(iter(router_specs(Path(__file__).resolve().parents[1] / "Pulumi.prod.yaml").values()))
+    doc = copy.deepcopy(stack_doc("prod"))
+    serving = doc["config"].get("llm-platform:serving", {})
+    doc["config"]["llm-platform:serving"] = {**serving, "routing": {**serving.get("routing", {}), **routing}}
+    stack_file = log.with_name("Pulumi.prod.yaml")
+    stack_file.write_text(json.dumps(doc))
+    spec = next(iter(router_specs(stack_file).values()))
     router, argv = start_router(spec.command, worker_urls, log, spec.front, env=spec.env)
     return router, f"http://127.0.0.1:{argv[argv.index('--prometheus-port') + 1]}/metrics"
 
@@ -433,7 +443,11 @@ def test_the_circuit_alert_reads_what_the_pinned_router_counts_when_its_replicas
         pass
 
     replica = LoopbackHttp(Replica)
-    router, metrics_url = _prod_router([replica.base_url], tmp_path / "router.log")
+    # The circuit breaker on, with the release's own settings (it is off by default: test_router_failures.py).
+    attempts, breaker = 5, CircuitBreaker(enabled=True)
+    router, metrics_url = _prod_router(
+        [replica.base_url], tmp_path / "router.log", attempts=attempts, circuit_breaker=breaker.model_dump()
+    )
     body = {"model": "m", "prompt": "hi", "max_tokens": 4}
 
     def post() -> httpx.Response:
@@ -455,7 +469,7 @@ def test_the_circuit_alert_reads_what_the_pinned_router_counts_when_its_replicas
         served = post().status_code
         Replica.status = 500
         answers = [post() for _ in range(4)]
-        attempts = Replica.posts - 1
+        tried = Replica.posts - 1
         after_failures = series()
     finally:
         router.stop()
@@ -465,27 +479,40 @@ def test_the_circuit_alert_reads_what_the_pinned_router_counts_when_its_replicas
     assert bad_key_attempts == 12  # not retried
     assert (ERRORS, alerts.ROUTER_NO_WORKER_ERROR) not in after_bad_keys
     assert served == 200
-    # Two failed requests, each tried ROUTER_FAILURES.attempts (5) times, open the circuit (10 failures); the
-    # rest never reach the replica.
+    # Two failed requests, each tried 5 times, open the circuit (10 failures); the rest never reach the replica.
     assert [a.status_code for a in answers] == [500, 500, 503, 503]
-    assert attempts == 2 * ROUTER_FAILURES.attempts == ROUTER_FAILURES.open_after_failures
+    assert tried == 2 * attempts == breaker.failures
     assert "No available workers" in answers[-1].text
     assert after_failures[(ERRORS, alerts.ROUTER_NO_WORKER_ERROR)] > 0
     assert after_failures[(ACTIVE, "")] == 1.0
 
 
 def test_the_circuit_runbook_and_the_routing_docs_state_the_failure_policy_the_router_is_given() -> None:
-    """The numbers an operator reads in the runbook and docs/routing.md are the ones on the rendered command."""
-    f = ROUTER_FAILURES
-    command = " ".join(_container(_services()[0], ROUTER_CONTAINER)["command"])
-    for flag, value in zip(f.args()[::2], f.args()[1::2], strict=True):
+    """The numbers an operator reads in the runbook and docs/routing.md are the config's defaults, and the
+    rendered command carries the stack's (routing.failure_args)."""
+    routing, breaker = Routing(), CircuitBreaker()
+    rendered = _container(_services()[0], ROUTER_CONTAINER)["command"]
+    assert rendered[rendered.index("--retry-max-retries") + 1] == str(ROUTING.get("attempts", routing.attempts))
+    assert "--disable-circuit-breaker" in rendered
+    on = Routing(circuit_breaker=CircuitBreaker(enabled=True, failures=7, window_s=30, open_s=15, close_after=2))
+    command = " ".join(failure_args(on))
+    for flag, value in (
+        ("--cb-failure-threshold", 7),
+        ("--cb-window-duration-secs", 30),
+        ("--cb-timeout-duration-secs", 15),
+        ("--cb-success-threshold", 2),
+    ):
         assert f"{flag} {value}" in command
+    assert "--disable-circuit-breaker" not in command
     root = Path(__file__).resolve().parents[1]
     runbook = " ".join((root / "docs/runbooks/LlmRouterCircuitsOpen.md").read_text().split())
-    routing = " ".join((root / "docs/routing.md").read_text().split())
-    for text in (runbook, routing):
-        assert f"after {f.open_after_failures} failed attempts in {f.failure_window_s} s" in text
-        assert f"nothing for {f.open_for_s} s" in text
-        assert f"up to {f.attempts} attempts in all" in text
-    assert f"closes after {f.close_after_successes} good attempts" in runbook
-    assert f"backoff from {f.first_backoff_ms} ms" in routing
+    routing_doc = " ".join((root / "docs/routing.md").read_text().split())
+    for text in (runbook, routing_doc):
+        assert f"({breaker.failures} in {breaker.window_s} s by default)" in text
+        assert f"nothing for `open_s` ({breaker.open_s} s)" in text
+        assert f"`serving.routing.attempts` attempts in all ({routing.attempts} by default)" in text
+    assert f"good attempts ({breaker.close_after} by default" in runbook
+    assert f"`/health` every {HEALTH_CHECK_INTERVAL_S} s, out after {HEALTH_FAILURES} failures" in routing_doc
+    assert f"every {HEALTH_CHECK_INTERVAL_S} s; {HEALTH_FAILURES} failures in a row" in runbook
+    assert f"--health-failure-threshold {HEALTH_FAILURES}" in " ".join(rendered)
+    assert f"backoff from {RETRY_FIRST_BACKOFF_MS} ms" in routing_doc

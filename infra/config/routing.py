@@ -37,6 +37,34 @@ WHATIF_SUMMARY = "summary"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
+class CircuitBreaker(Section):
+    """vllm-router's circuit breaker per replica (off unless `enabled`): a replica that fails this many
+    attempts within the window gets nothing for `open_s`, then is tried again.
+
+    Off by default: measured on the pinned release (tests/test_router_failures.py),
+    a request that makes the replicas answer 500 (a "query of death") opens
+    the circuit of every replica it is tried on, so a client repeating it
+    takes the whole model out for `open_s`: with the release's own settings
+    (5 attempts, 10 failures), a model with one replica answers 503 to
+    everyone after two such requests. The router's own health
+    checks and the pods' readiness already take a replica whose server fails
+    `/health` out of rotation; the breaker adds only the replica that passes
+    `/health` and fails requests, which the replicas' 5xx alert reports.
+    """
+
+    enabled: bool = False
+    # The values default to the pinned release's own.
+    failures: int = Field(default=10, ge=1)
+    window_s: int = Field(default=120, ge=1)
+    open_s: int = Field(default=60, ge=1)
+    # Good attempts, after `open_s`, that close it again.
+    close_after: int = Field(default=3, ge=1)
+
+
+# Most attempts a request may be given: every one of them is a prefill on a replica.
+MAX_ATTEMPTS = 5
+
+
 class Routing(Section):
     """vllm-router in front of the replicas of every vllm-server service (off until `enabled`).
 
@@ -84,6 +112,17 @@ class Routing(Section):
     # and for how long, before answering 429.
     queue_size: int = Field(default=256, ge=0)
     queue_timeout_s: int = Field(default=30, ge=1)
+    # Attempts a request gets in all, the first included: an attempt answered
+    # 5xx or 429, or whose connection is cut or refused, is tried again, on
+    # another replica where there is one (4xx never). 2 by default: measured
+    # on the pinned release (tests/test_router_failures.py), under
+    # round_robin the second attempt reaches the other replica, so a replica
+    # that fails every request costs the client nothing, while a request that
+    # makes replicas fail reaches two, not the release's default of five.
+    # (consistent_hash retries the key's own replica; power_of_two picks
+    # afresh, docs/routing.md.)
+    attempts: int = Field(default=2, ge=1, le=MAX_ATTEMPTS)
+    circuit_breaker: CircuitBreaker = CircuitBreaker()
     # A what-if report `make whatif` recorded for this stack's traffic
     # (build/whatif/<stack>.json, or a copy kept beside the stack file), from
     # the project's root: `pulumi preview` and `up` print its one-line result.

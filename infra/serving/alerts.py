@@ -34,7 +34,7 @@ from infra.serving.batch import WORKER_NAME as BATCH_SCALED_OBJECT
 from infra.serving.namespace import PART_OF
 from infra.serving.ports import RAY_PORTS
 from infra.serving.ray_service import SERVICE_LABEL
-from infra.serving.router import ROUTER_FAILURES, ROUTER_OF
+from infra.serving.router import ROUTER_OF
 from workloads.inference_server.catalog import Layout
 
 PROMETHEUS_RULE_TYPE = "kubernetes:monitoring.coreos.com/v1:PrometheusRule"
@@ -733,13 +733,12 @@ ALERTS: tuple[AlertSpec, ...] = (
         "5 minutes: every request through the model's address is answered 503.",
         metrics=("vllm_router_active_workers", "ray_serve_deployment_replica_healthy"),
     ),
-    # A model's router refuses requests although it knows replicas: every replica's circuit breaker is
-    # open (ROUTER_FAILURES: the failed attempts that open one, and how long it stays open). While every
-    # circuit is open each request is answered 503 "No available workers" and counted here, once an
-    # attempt; the replicas see none of them, so LlmHttp5xxRatioHigh (the replicas' own answers) goes
-    # quiet exactly then. A short trip (one break) clears from the 2-minute rate before the alert's 5
-    # minutes; replicas that keep failing trip it again at each retry and keep it firing. A router with
-    # no replica at all is LlmRouterHasNoReplica's case.
+    # A model's router refuses requests although it knows replicas: none of them passes the router's own
+    # health checks, or (with `serving.routing.circuit_breaker` on) every replica's circuit is open. Each
+    # request is then answered 503 "No available workers" and counted here, once an attempt; the replicas
+    # see none of them, so LlmHttp5xxRatioHigh (the replicas' own answers) goes quiet exactly then. A short
+    # trip (one break) clears from the 2-minute rate before the alert's 5 minutes; replicas that keep
+    # failing trip it again and keep it firing. A router with no replica at all is LlmRouterHasNoReplica's.
     AlertSpec(
         name="LlmRouterCircuitsOpen",
         expr=(
@@ -751,14 +750,12 @@ ALERTS: tuple[AlertSpec, ...] = (
         ),
         for_="5m",
         severity="critical",
-        summary=f"The router of {{{{ $labels.{ROUTER_OF_LABEL} }}}} refuses requests: every replica's circuit is open",
+        summary=f"The router of {{{{ $labels.{ROUTER_OF_LABEL} }}}} refuses requests: no replica it knows may take one",
         description=(
-            f"Every replica of the model failed {ROUTER_FAILURES.open_after_failures} attempts within "
-            f"{ROUTER_FAILURES.failure_window_s} s (5xx, cut or refused connections), so its router sends it "
-            f"nothing for {ROUTER_FAILURES.open_for_s} s at a time, and for 5 minutes no replica could take a "
-            'request: clients get 503 "No available workers", which the replicas never see '
-            "({{ $value | humanize }} attempts a second found no replica; a request makes up to "
-            f"{ROUTER_FAILURES.attempts})."
+            "For 5 minutes the model's router has known replicas and found none it may send to: they fail its "
+            "health checks, or (with serving.routing.circuit_breaker on) every replica failed enough attempts "
+            'to open its circuit. Clients get 503 "No available workers", which the replicas never see '
+            "({{ $value | humanize }} attempts a second found no replica)."
         ),
         metrics=("vllm_router_request_errors_total", "vllm_router_active_workers"),
     ),

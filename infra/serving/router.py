@@ -103,49 +103,46 @@ ROUTER_CPU_LIMIT = "2"
 # How often the router checks each replica's /health itself (its own default
 # is 60 s); Kubernetes readiness removes a failing replica sooner still.
 HEALTH_CHECK_INTERVAL_S = 10
+# Failed checks in a row after which it sends the replica nothing (the
+# release's default, set so the runbook states it): measured, a replica
+# whose /health fails gets requests for about 30 s, then the router answers
+# 503 itself (tests/test_router_failures.py), which LlmRouterCircuitsOpen reads.
+HEALTH_FAILURES = 3
 
 
-@dataclass(frozen=True)
-class FailurePolicy:
-    """What the router does with an attempt a replica fails, as its command line sets it.
+# The wait before a request's second attempt (the release's default, doubling after).
+RETRY_FIRST_BACKOFF_MS = 50
 
-    Measured against the pinned release (tests/test_serving_router.py): a
-    5xx, a 429, and a cut or refused connection are retried, on another
-    replica where there is one; a failed attempt is a 5xx or a connection
-    error, never a 4xx (429 included), so a client with a bad key can not
-    open a circuit. The values are the release's own defaults, set here
-    rather than left to it so that LlmRouterCircuitsOpen and its runbook
-    state what the pods run, whichever release the image pins.
+
+def failure_args(routing: Routing) -> list[str]:
+    """What the router does with an attempt a replica fails (`serving.routing.attempts`, `.circuit_breaker`).
+
+    Measured against the pinned release (tests/test_router_failures.py): a
+    5xx, a 429, and a cut or refused connection are tried again, on another
+    replica where there is one; only a 5xx or a connection error counts
+    towards a circuit, never a 4xx (429 included), so a client with a bad key
+    can not open one. Every value is set here rather than left to the
+    release, so LlmRouterCircuitsOpen's runbook and docs/routing.md state
+    what the pods run, whichever release the image pins.
     """
-
-    # Attempts in all, the first included (vllm-router's --retry-max-retries counts them so).
-    attempts: int = 5
-    first_backoff_ms: int = 50
-    # A replica's circuit opens after this many failed attempts within the window ...
-    open_after_failures: int = 10
-    failure_window_s: int = 120
-    # ... stays open (the replica gets nothing) this long, then closes after this many good attempts.
-    open_for_s: int = 60
-    close_after_successes: int = 3
-
-    def args(self) -> list[str]:
-        return [
-            "--retry-max-retries",
-            str(self.attempts),
-            "--retry-initial-backoff-ms",
-            str(self.first_backoff_ms),
-            "--cb-failure-threshold",
-            str(self.open_after_failures),
-            "--cb-window-duration-secs",
-            str(self.failure_window_s),
-            "--cb-timeout-duration-secs",
-            str(self.open_for_s),
-            "--cb-success-threshold",
-            str(self.close_after_successes),
-        ]
+    # --retry-max-retries counts every attempt, the first included.
+    args = ["--retry-max-retries", str(routing.attempts), "--retry-initial-backoff-ms", str(RETRY_FIRST_BACKOFF_MS)]
+    breaker = routing.circuit_breaker
+    if not breaker.enabled:
+        return [*args, "--disable-circuit-breaker"]
+    return [
+        *args,
+        "--cb-failure-threshold",
+        str(breaker.failures),
+        "--cb-window-duration-secs",
+        str(breaker.window_s),
+        "--cb-timeout-duration-secs",
+        str(breaker.open_s),
+        "--cb-success-threshold",
+        str(breaker.close_after),
+    ]
 
 
-ROUTER_FAILURES = FailurePolicy()
 # A router pod being deleted (a rollout of a changed router, a scale-down, a
 # node drain) leaves the load balancer's targets while Kubernetes sends it
 # SIGTERM, and the NLB keeps sending new connections for a while after. So
@@ -269,13 +266,15 @@ def router_args(routing: Routing, namespace: str, selector: Mapping[str, str], r
         "/health",
         "--health-check-interval-secs",
         str(HEALTH_CHECK_INTERVAL_S),
+        "--health-failure-threshold",
+        str(HEALTH_FAILURES),
         "--request-timeout-secs",
         str(request_timeout_s),
         "--queue-size",
         str(routing.queue_size),
         "--queue-timeout-secs",
         str(routing.queue_timeout_s),
-        *ROUTER_FAILURES.args(),
+        *failure_args(routing),
         "--prometheus-host",
         "0.0.0.0",  # scraped by Prometheus alone (NetworkPolicy)
         "--prometheus-port",

@@ -1,0 +1,195 @@
+"""What the pinned vllm-router does when replicas fail, with the failure settings the render gives it.
+
+`serving.routing.attempts` and `serving.routing.circuit_breaker` choose
+between two failures: a replica that fails every request (gray: its
+`/health` still answers) and a request that fails on every replica (a
+"query of death": a prompt that crashes the engine, say). Each test runs
+the router with the command the render gives prod, in front of stand-in
+replicas, and counts what reached each one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+import pytest
+from typing_extensions import override
+
+from infra.config.routing import ROUTING_KEY_HEADER, CircuitBreaker, Routing
+from tests.e2e.loopback_http import LoopbackHttp, SlowReplica, answer
+from tests.harness import ROUTING, stack_doc
+from twin.routing import TwinRouter, router_specs, start_router
+
+POISON = "poison"
+
+
+class _Replica(SlowReplica):
+    """A healthy replica's server (its /health answers) that fails the requests `fails` picks with 500."""
+
+    posts: ClassVar[list[str]]
+    fail_everything: ClassVar[bool] = False
+
+    @override
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+        prompt = str(body.get("prompt", ""))
+        type(self).posts.append(prompt)
+        if type(self).fail_everything or prompt == POISON:
+            answer(self, 500, b'{"error": {"message": "engine error"}}')
+        else:
+            answer(self, 200, b'{"choices": [{"index": 0, "text": "ok"}]}')
+
+
+def _replica_class(*, fail_everything: bool = False) -> type[_Replica]:
+    """A replica of its own: what reached it is kept apart from every other's."""
+
+    class Replica(_Replica):
+        pass
+
+    Replica.posts = []
+    Replica.fail_everything = fail_everything
+    return Replica
+
+
+@contextmanager
+def _routed(tmp_path: Path, replicas: list[type[_Replica]], **routing: Any) -> Iterator[tuple[TwinRouter, list[str]]]:
+    """Prod's rendered router (`serving.routing` = ROUTING with ``routing`` over it) in front of ``replicas``;
+    yields it and its command line."""
+    doc = copy.deepcopy(stack_doc("prod"))
+    serving = doc["config"].get("llm-platform:serving", {})
+    doc["config"]["llm-platform:serving"] = {**serving, "routing": {**ROUTING, **routing}}
+    path = tmp_path / "Pulumi.prod.yaml"
+    path.write_text(json.dumps(doc))
+    spec = next(iter(router_specs(path).values()))
+    servers = [LoopbackHttp(r) for r in replicas]
+    try:
+        router, argv = start_router(
+            spec.command, [s.base_url for s in servers], tmp_path / "router.log", spec.front, env=spec.env
+        )
+        try:
+            yield router, argv
+        finally:
+            router.stop()
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _post(router: TwinRouter, prompt: str, key: str) -> int:
+    body = {"model": "m", "prompt": prompt, "max_tokens": 4}
+    headers = {ROUTING_KEY_HEADER: key}
+    return httpx.post(f"{router.base_url}/completions", json=body, headers=headers, timeout=60).status_code
+
+
+def test_the_defaults_retry_once_and_open_no_circuit() -> None:
+    routing = Routing()
+    assert routing.attempts == 2
+    assert routing.circuit_breaker == CircuitBreaker(enabled=False)
+
+
+def test_under_round_robin_a_replica_failing_every_request_costs_the_client_nothing(tmp_path: Path) -> None:
+    """One replica answers 500 to everything while its /health answers: under the default policy the second
+    attempt reaches the other replica, so every client gets 200 and each request reached it once."""
+    sick, well = _replica_class(fail_everything=True), _replica_class()
+    with _routed(tmp_path, [sick, well], policy="round_robin") as (router, argv):
+        assert argv[argv.index("--retry-max-retries") + 1] == str(Routing().attempts)
+        statuses = [_post(router, f"prompt {n}", f"key-{n}") for n in range(16)]
+    assert statuses == [200] * 16
+    assert len(well.posts) == 16
+    # The turn moves on with every attempt, so after the first request the sick one takes every first
+    # attempt, and never a second.
+    assert 15 <= len(sick.posts) <= 16
+
+
+@pytest.mark.parametrize("attempts", [2, 5])
+def test_under_consistent_hash_a_retry_goes_back_to_the_keys_replica(tmp_path: Path, attempts: int) -> None:
+    """The key hashes to the same replica at every attempt, so retries do not help a key whose replica
+    fails: each of its requests tries that replica `attempts` times and fails; the other keys are answered."""
+    sick, well = _replica_class(fail_everything=True), _replica_class()
+    with _routed(tmp_path, [sick, well], policy="consistent_hash", attempts=attempts) as (router, _):
+        statuses = [_post(router, f"prompt {n}", f"key-{n}") for n in range(16)]
+    failed, answered = statuses.count(500), statuses.count(200)
+    assert failed + answered == 16
+    assert len(sick.posts) == failed * attempts
+    assert len(well.posts) == answered
+    assert 0 < failed < 16  # sixteen keys on a ring of two: some on each
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_request_that_fails_every_replica_reaches_two_and_takes_no_replica_out(tmp_path: Path, replicas: int) -> None:
+    """The defaults against a query of death sent twenty times among good requests: each try of it reaches at
+    most two replicas, and every good request is still answered."""
+    classes = [_replica_class() for _ in range(replicas)]
+    with _routed(tmp_path, list(classes), policy="round_robin") as (router, argv):
+        assert "--disable-circuit-breaker" in argv
+        statuses = []
+        for n in range(20):
+            statuses.append((POISON, _post(router, POISON, "k")))
+            statuses.append(("good", _post(router, f"good {n}", "k")))
+    assert [s for p, s in statuses if p == POISON] == [500] * 20
+    assert [s for p, s in statuses if p == "good"] == [200] * 20
+    assert sum(c.posts.count(POISON) for c in classes) == 20 * 2
+
+
+def test_with_the_circuit_breaker_on_a_repeated_query_of_death_takes_the_model_out(tmp_path: Path) -> None:
+    """Why it is off by default: with the release's own settings (5 attempts, a circuit after 10 failures), two
+    tries of one bad request open a lone replica's circuit, and good requests get 503 for `open_s`."""
+    replica = _replica_class()
+    breaker = {"enabled": True}
+    with _routed(tmp_path, [replica], policy="round_robin", attempts=5, circuit_breaker=breaker) as (router, argv):
+        assert "--disable-circuit-breaker" not in argv
+        assert argv[argv.index("--cb-failure-threshold") + 1] == str(CircuitBreaker().failures)
+        poisoned = [_post(router, POISON, "k") for _ in range(2)]
+        good = _post(router, "good", "k")
+    assert poisoned == [500, 500]
+    assert replica.posts.count(POISON) == 2 * 5 == CircuitBreaker().failures
+    assert good == 503
+    assert "good" not in replica.posts
+
+
+def test_replicas_failing_their_health_checks_are_refused_as_the_circuit_alert_reads(tmp_path: Path) -> None:
+    """With the defaults (no circuit breaker) the router still stops sending to a replica whose /health fails,
+    after HEALTH_FAILURES checks, and answers 503 itself: each attempt counted as `no_available_workers`
+    while it still lists the replica, the two series LlmRouterCircuitsOpen reads."""
+    from infra.serving import alerts
+    from infra.serving.router import HEALTH_CHECK_INTERVAL_S, HEALTH_FAILURES
+
+    class Failing(_Replica):
+        healthy = True
+
+        @override
+        def do_GET(self) -> None:
+            answer(self, 200 if type(self).healthy else 503, b"{}")
+
+    Failing.posts = []
+    with _routed(tmp_path, [Failing], policy="round_robin") as (router, argv):
+        metrics = f"http://127.0.0.1:{argv[argv.index('--prometheus-port') + 1]}/metrics"
+        assert _post(router, "before", "k") == 200
+        Failing.healthy = False
+        deadline = time.monotonic() + (HEALTH_FAILURES + 2) * HEALTH_CHECK_INTERVAL_S
+        status = 200
+        while status == 200 and time.monotonic() < deadline:
+            time.sleep(1)
+            status = _post(router, "after", "k")
+        samples = _samples(metrics)
+    assert status == 503
+    assert samples[("vllm_router_request_errors_total", alerts.ROUTER_NO_WORKER_ERROR)] > 0
+    assert samples[("vllm_router_active_workers", "")] == 1.0
+
+
+def _samples(metrics_url: str) -> dict[tuple[str, str], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(metrics_url, timeout=10).text
+    return {
+        (s.name, s.labels.get("error_type", "")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
