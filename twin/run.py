@@ -692,8 +692,9 @@ def check_routing(session: Session, report: Report, model: ModelInfo, replicas: 
     workdir = session.cluster.workdir
     report.sub(
         session.name,
-        f"router ({state}): the rendered command, run as `python -m vllm_router.launch_router` (the image's "
-        f"`vllm-router` script), discovery replaced by --worker-urls {' '.join(roots)}",
+        f"router ({state}): the rendered command and environment "
+        f"({' '.join(f'{k}={v}' for k, v in spec.env.items())}), run as `python -m vllm_router.launch_router` "
+        f"(the image's `vllm-router` script), discovery replaced by --worker-urls {' '.join(roots)}",
     )
     key, what = session.serve.api_key, f"routing ({model.model_id})"
     try:
