@@ -28,6 +28,8 @@ from tests.harness import ROUTING, stack_doc
 from twin.routing import TwinRouter, router_specs, start_router
 
 POISON = "poison"
+# vLLM's route that turns a completion request into token ids, which cache_aware asks before it picks.
+RENDER = "/completions/render"
 
 
 class _Replica(SlowReplica):
@@ -40,6 +42,11 @@ class _Replica(SlowReplica):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
         prompt = str(body.get("prompt", ""))
+        if self.path.endswith(RENDER):
+            # cache_aware has a replica tokenize the prompt first: vLLM's render answer, one byte a token.
+            rendered = [{"request_id": "render", "token_ids": list(prompt.encode()), "model": body.get("model")}]
+            answer(self, 200, json.dumps(rendered).encode())
+            return
         type(self).posts.append(prompt)
         if type(self).fail_everything or prompt == POISON:
             answer(self, 500, b'{"error": {"message": "engine error"}}')
@@ -108,18 +115,29 @@ def test_under_round_robin_a_replica_failing_every_request_costs_the_client_noth
     assert 15 <= len(sick.posts) <= 16
 
 
+@pytest.mark.parametrize(
+    ("policy", "moves"), [("round_robin", True), ("consistent_hash", False), ("cache_aware", False)]
+)
 @pytest.mark.parametrize("attempts", [2, 5])
-def test_under_consistent_hash_a_retry_goes_back_to_the_keys_replica(tmp_path: Path, attempts: int) -> None:
-    """The key hashes to the same replica at every attempt, so retries do not help a key whose replica
-    fails: each of its requests tries that replica `attempts` times and fails; the other keys are answered."""
-    sick, well = _replica_class(fail_everything=True), _replica_class()
-    with _routed(tmp_path, [sick, well], policy="consistent_hash", attempts=attempts) as (router, _):
-        statuses = [_post(router, f"prompt {n}", f"key-{n}") for n in range(16)]
-    failed, answered = statuses.count(500), statuses.count(200)
-    assert failed + answered == 16
-    assert len(sick.posts) == failed * attempts
-    assert len(well.posts) == answered
-    assert 0 < failed < 16  # sixteen keys on a ring of two: some on each
+def test_which_policies_send_a_retry_to_another_replica(
+    tmp_path: Path, policy: str, moves: bool, attempts: int
+) -> None:
+    """Both replicas fail everything, so every request uses all its attempts; where they went tells the
+    policies apart. round_robin moves each attempt to the next replica. consistent_hash (the key's place on
+    the ring) and cache_aware (the prompt's match, or on a tie as here the same pick) send every attempt
+    to one replica: under them a retry does not help a request whose replica fails."""
+    first, second = _replica_class(fail_everything=True), _replica_class(fail_everything=True)
+    prompts = [f"prompt number {n} " * 8 for n in range(8)]
+    with _routed(tmp_path, [first, second], policy=policy, attempts=attempts) as (router, _):
+        statuses = [_post(router, prompt, f"key-{n}") for n, prompt in enumerate(prompts)]
+    assert statuses == [500] * len(prompts)
+    for prompt in prompts:
+        tries = sorted((first.posts.count(prompt), second.posts.count(prompt)))
+        assert sum(tries) == attempts
+        if moves:
+            assert tries == [attempts // 2, attempts - attempts // 2], (prompt, tries)
+        else:
+            assert tries == [0, attempts], (prompt, tries)
 
 
 @pytest.mark.parametrize("replicas", [1, 2])

@@ -119,8 +119,8 @@ class Routing(Section):
     # round_robin the second attempt reaches the other replica, so a replica
     # that fails every request costs the client nothing, while a request that
     # makes replicas fail reaches two, not the release's default of five.
-    # (consistent_hash retries the key's own replica; power_of_two picks
-    # afresh, docs/routing.md.)
+    # (consistent_hash and cache_aware send every attempt to the same
+    # replica; power_of_two picks afresh: docs/routing.md.)
     attempts: int = Field(default=2, ge=1, le=MAX_ATTEMPTS)
     circuit_breaker: CircuitBreaker = CircuitBreaker()
     # A what-if report `make whatif` recorded for this stack's traffic
