@@ -33,7 +33,8 @@ RENDER = "/completions/render"
 
 
 class _Replica(SlowReplica):
-    """A healthy replica's server (its /health answers) that fails the requests `fails` picks with 500."""
+    """A healthy replica's server (its /health answers) that answers POISON, or with `fail_everything` every
+    generation request, with 500."""
 
     posts: ClassVar[list[str]]
     fail_everything: ClassVar[bool] = False
@@ -43,7 +44,8 @@ class _Replica(SlowReplica):
         body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
         prompt = str(body.get("prompt", ""))
         if self.path.endswith(RENDER):
-            # cache_aware has a replica tokenize the prompt first: vLLM's render answer, one byte a token.
+            # cache_aware has a replica tokenize the prompt first: vLLM's render answer (its shape, with
+            # fewer fields), one byte a token.
             rendered = [{"request_id": "render", "token_ids": list(prompt.encode()), "model": body.get("model")}]
             answer(self, 200, json.dumps(rendered).encode())
             return
