@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -27,6 +27,9 @@ from infra.scheduling import gpu_placements, system_placement
 from infra.serving.endpoint import serve_service_spec
 from infra.serving.ray_service import VllmRayServiceArgs
 from twin import kuberay as mirror
+
+if TYPE_CHECKING:
+    from twin.routing import RouterSpec
 
 STACKS = sorted(p.name.split(".")[1] for p in ROOT.glob("Pulumi.*.yaml"))
 # The pinned charts' values and CRDs the tests check the program against,
@@ -128,6 +131,19 @@ def stack_doc(stack: str) -> dict[str, Any]:
     if stack in VARIANTS:
         return VARIANTS[stack][1]()
     return stack_document(stack)
+
+
+def prod_router_spec(directory: Path, routing: dict[str, Any]) -> RouterSpec:
+    """The router the render gives prod's first vllm-server service with `serving.routing` = ``routing``,
+    read from a copy of prod's stack file written in ``directory``."""
+    from twin.routing import router_specs
+
+    doc = copy.deepcopy(stack_doc("prod"))
+    doc["config"]["llm-platform:serving"] = {**doc["config"].get("llm-platform:serving", {}), "routing": routing}
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "Pulumi.prod.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return next(iter(router_specs(path).values()))
 
 
 def by_type(rendered: Rendered, type_token: str) -> list[dict[str, Any]]:

@@ -19,13 +19,12 @@ from typing import Any, get_args
 
 import httpx
 import pytest
-import yaml
 from typing_extensions import override
 
 from infra.config.routing import ROUTING_KEY_HEADER, RoutingPolicy
 from tests.e2e.loopback_http import LoopbackHttp, SlowReplica, answer
-from tests.harness import stack_doc
-from twin.routing import RouterSpec, router_specs, start_router
+from tests.harness import prod_router_spec
+from twin.routing import RouterSpec, start_router
 
 # An odd count, so that a policy that takes the replicas in turn moves every key between rounds.
 KEYS = [f"template-{i}" for i in range(13)]
@@ -47,14 +46,7 @@ def recording_replica(log: list[str | None]) -> type[BaseHTTPRequestHandler]:
 
 def spec_for(tmp_path: Path, policy: str) -> RouterSpec:
     """The router the render gives prod with `serving.routing.policy: <policy>`."""
-    doc = stack_doc("prod")
-    serving = dict(doc["config"].get("llm-platform:serving", {}))
-    serving["routing"] = {"enabled": True, "min_replicas": 2, "policy": policy}
-    doc["config"]["llm-platform:serving"] = serving
-    path = tmp_path / f"{policy}" / "Pulumi.prod.yaml"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(yaml.safe_dump(doc))
-    return next(iter(router_specs(path).values()))
+    return prod_router_spec(tmp_path / policy, {"enabled": True, "min_replicas": 2, "policy": policy})
 
 
 def command_for(tmp_path: Path, policy: str) -> tuple[str, ...]:

@@ -10,7 +10,6 @@ replicas, and counts what reached each one.
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from collections.abc import Iterator
@@ -24,8 +23,8 @@ from typing_extensions import override
 
 from infra.config.routing import ROUTING_KEY_HEADER, CircuitBreaker, Routing
 from tests.e2e.loopback_http import LoopbackHttp, SlowReplica, answer
-from tests.harness import ROUTING, stack_doc
-from twin.routing import TwinRouter, router_specs, start_router
+from tests.harness import ROUTING, prod_router_spec
+from twin.routing import TwinRouter, start_router
 
 POISON = "poison"
 # vLLM's route that turns a completion request into token ids, which cache_aware asks before it picks.
@@ -71,12 +70,7 @@ def _replica_class(*, fail_everything: bool = False) -> type[_Replica]:
 def _routed(tmp_path: Path, replicas: list[type[_Replica]], **routing: Any) -> Iterator[tuple[TwinRouter, list[str]]]:
     """Prod's rendered router (`serving.routing` = ROUTING with ``routing`` over it) in front of ``replicas``;
     yields it and its command line."""
-    doc = copy.deepcopy(stack_doc("prod"))
-    serving = doc["config"].get("llm-platform:serving", {})
-    doc["config"]["llm-platform:serving"] = {**serving, "routing": {**ROUTING, **routing}}
-    path = tmp_path / "Pulumi.prod.yaml"
-    path.write_text(json.dumps(doc))
-    spec = next(iter(router_specs(path).values()))
+    spec = prod_router_spec(tmp_path, {**ROUTING, **routing})
     servers = [LoopbackHttp(r) for r in replicas]
     try:
         router, argv = start_router(

@@ -40,6 +40,7 @@ from tests.harness import (
     SERVE_INGRESS,
     config_problems,
     manifests_of,
+    prod_router_spec,
     render_config,
     render_routed,
     render_stack,
@@ -55,14 +56,10 @@ ERRORS = "vllm_router_request_errors_total"
 def _prod_router(worker_urls: list[str], log: Path, **routing: Any) -> tuple[TwinRouter, str]:
     """The pinned router with prod's rendered command (``routing`` over its `serving.routing`) in front of
     ``worker_urls``, and its metrics URL."""
-    from twin.routing import router_specs, start_router
+    from twin.routing import start_router
 
-    doc = copy.deepcopy(stack_doc("prod"))
-    serving = doc["config"].get("llm-platform:serving", {})
-    doc["config"]["llm-platform:serving"] = {**serving, "routing": {**serving.get("routing", {}), **routing}}
-    stack_file = log.with_name("Pulumi.prod.yaml")
-    stack_file.write_text(json.dumps(doc))
-    spec = next(iter(router_specs(stack_file).values()))
+    committed = stack_doc("prod")["config"].get("llm-platform:serving", {}).get("routing", {})
+    spec = prod_router_spec(log.parent, {**committed, **routing})
     router, argv = start_router(spec.command, worker_urls, log, spec.front, env=spec.env)
     return router, f"http://127.0.0.1:{argv[argv.index('--prometheus-port') + 1]}/metrics"
 
@@ -352,16 +349,11 @@ def test_the_pinned_router_starts_the_runtime_threads_its_environment_names(tmp_
 
     from localserve.processes import process_name, threads
     from tests.e2e.loopback_http import LoopbackHttp
-    from twin.routing import router_specs, start_router
+    from twin.routing import start_router
 
     cores = os.cpu_count() or 1
-    doc = copy.deepcopy(stack_doc("prod"))
     # A request of cores + 1 gives a limit of twice that: more threads than cores, so the count is the env's.
-    routing = {**ROUTING, "cpu": str(cores + 1)}
-    doc["config"]["llm-platform:serving"] = {**doc["config"].get("llm-platform:serving", {}), "routing": routing}
-    path = tmp_path / "Pulumi.prod.yaml"
-    path.write_text(json.dumps(doc))
-    spec = next(iter(router_specs(path).values()))
+    spec = prod_router_spec(tmp_path, {**ROUTING, "cpu": str(cores + 1)})
     assert spec.env == {RUNTIME_THREADS_ENV: str(2 * (cores + 1))}
     replica = LoopbackHttp(SlowReplica)
     try:
