@@ -918,6 +918,7 @@ def run(
     replicas: int = DEFAULT_REPLICAS,
     log: Any = LOG,
     out: Path = RESULTS,
+    concurrency: tuple[int, ...] = CONCURRENCY,
 ) -> ServingResults:
     began = time.monotonic()
     prompts = {c: max(c, int(n * scale)) for c, n in PROMPTS.items()}
@@ -955,7 +956,7 @@ def run(
             log(f"[serving] {variant} idle: {idle[variant]:.1%} of a core")
         for rnd in range(rounds):
             order = variants[rnd % len(variants) :] + variants[: rnd % len(variants)]
-            for concurrency in CONCURRENCY:
+            for level in concurrency:
                 for variant in order:
                     server = servers[variant]
                     waited = quiet(everything_of(servers))
@@ -964,7 +965,7 @@ def run(
                     if check.mismatched:
                         raise RuntimeError(f"{layout} layout did not hold for {check.mismatched} threads: {check}")
                     time.sleep(SETTLE_S)
-                    cell = measure(server, tree, model_dir, concurrency, rnd, prompts[concurrency], layout, client_log)
+                    cell = measure(server, tree, model_dir, level, rnd, prompts[level], layout, client_log)
                     # Threads started during the cell inherit their creator's mask: check it held.
                     after = apply_layout(layout, server.server_tree(), servers, pinner)
                     cell.pin = {**check.to_json(), "mismatched_after": after.mismatched}
@@ -972,7 +973,7 @@ def run(
                     cells.append(cell)
                     busy = "/".join(f"{b:.0%}" for b in cell.cpu_busy)
                     log(
-                        f"[serving] round {rnd + 1}/{rounds} c={concurrency:<2} {variant:<15} "
+                        f"[serving] round {rnd + 1}/{rounds} c={level:<2} {variant:<15} "
                         f"{cell.rps:6.2f} req/s ttft p50 {cell.ttft_p50_ms:6.1f} ms "
                         f"tpot p50 {cell.tpot_p50_ms:5.2f} ms "
                         f"cpu/token outside fwd {cell.outside_forward_ms_per_token():5.2f} ms "
@@ -987,7 +988,7 @@ def run(
     return ServingResults(
         variants=variants,
         rounds=rounds,
-        concurrency=list(CONCURRENCY),
+        concurrency=list(concurrency),
         prompts=prompts,
         max_tokens=vllm_client.OUTPUT_LEN,
         input_tokens=vllm_client.INPUT_LEN,
@@ -1009,9 +1010,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=DEFAULT_REPLICAS, help="replicas of the project's layout")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the prompts per cell")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--concurrency",
+        default=",".join(map(str, CONCURRENCY)),
+        help="the levels to measure, of 1,8,32 (fewer levels, more rounds in the same time)",
+    )
     args = parser.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    results = run(variants, args.rounds, args.scale, args.layout, args.replicas, out=args.out)
+    levels = tuple(int(c) for c in args.concurrency.split(",") if c.strip())
+    if not levels or not set(levels) <= set(CONCURRENCY):
+        parser.error(f"--concurrency takes levels of {','.join(map(str, CONCURRENCY))}")
+    results = run(variants, args.rounds, args.scale, args.layout, args.replicas, out=args.out, concurrency=levels)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serving.json").write_text(json.dumps(results.to_json(), indent=2) + "\n")
     print(f"[serving] wrote {args.out / 'serving.json'} in {results.seconds:.0f}s")
