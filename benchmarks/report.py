@@ -3,6 +3,7 @@
     python -m benchmarks [--rounds 5] [--layout isolated] [--repeats 3] [--skip-serving] [--skip-render]
     python -m benchmarks --quick              # every stage once, small (make bench-quick)
     python -m benchmarks --from-json          # re-render the report from the last raw results
+    python -m benchmarks --pool A B --out P   # the serving tables over several runs' rounds (each DIR one run)
 
 Prints the same tables it writes.
 """
@@ -15,13 +16,13 @@ import math
 import platform
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from benchmarks import guard_overhead, render_scale, serving_overhead
 from benchmarks.render_scale import ScaleResults
 from benchmarks.serving_overhead import VARIANT_LABELS, Cell, ServingResults
-from benchmarks.stats import least_squares, median, spread
+from benchmarks.stats import least_squares, median, median_interval, spread
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -100,6 +101,28 @@ def verdict(values: list[float], target: float, at_least: bool) -> str:
     return "PASS" if (med >= target if at_least else med <= target) else "MISS"
 
 
+def judged(values: list[float], target: float, at_least: bool) -> str:
+    """The verdict in bold, and whether the median's 95% interval is on the verdict's side of the target.
+
+    A median at a target's edge passes in one run and misses in the next; the
+    interval says which of the two a run can tell apart.
+    """
+    said = verdict(values, target, at_least)
+    if said == "n/a":
+        return said
+    low, high = median_interval(values)
+    settled = (low >= target or high < target) if at_least else (high <= target or low > target)
+    return f"**{said}**" + ("" if settled else " (interval spans the target)")
+
+
+def interval(values: list[float], fmt: str) -> str:
+    """The median's 95% bootstrap interval as ``[low, high]``."""
+    if not values:
+        return "n/a"
+    low, high = median_interval(values)
+    return f"[{fmt.format(low)}, {fmt.format(high)}]"
+
+
 def headline_table(results: ServingResults) -> str:
     variant = headline_variant(results)
     if variant is None or "bare" not in results.variants:
@@ -107,20 +130,21 @@ def headline_table(results: ServingResults) -> str:
     others = [v for v in results.variants if v not in (variant, "bare")]
     lines = [
         f"{_label(variant)} against bare vLLM, {results.layout} layout, paired within each round: "
-        "median [min, max] over rounds; the verdict is on the median.",
+        "median [min, max] over rounds, the median's 95% bootstrap interval; the verdict is on the median.",
         "",
-        "| figure | c | measured | target | verdict |" + "".join(f" {_label(o)} |" for o in others),
-        "|---|---|---|---|---|" + "---|" * len(others),
+        "| figure | c | measured | median's 95% interval | target | verdict |"
+        + "".join(f" {_label(o)} |" for o in others),
+        "|---|---|---|---|---|---|" + "---|" * len(others),
     ]
     for name, attr, concurrency, how, target, at_least in headline_rows(results):
         values = _paired(results, variant, concurrency, attr, how)
         fmt = "{:.2f}x" if how == "ratio" else "{:+.1f}"
         if target is None:
-            bound, judged = "-", "-"
+            bound, said = "-", "-"
         else:
             bound = (">= " if at_least else "<= ") + (f"{target:.2f}x" if how == "ratio" else f"{target:.0f} ms")
-            judged = f"**{verdict(values, target, at_least)}**"
-        line = f"| {name} | {concurrency} | {spread(values, fmt)} | {bound} | {judged} |"
+            said = judged(values, target, at_least)
+        line = f"| {name} | {concurrency} | {spread(values, fmt)} | {interval(values, fmt)} | {bound} | {said} |"
         line += "".join(f" {spread(_paired(results, o, concurrency, attr, how), fmt)} |" for o in others)
         lines.append(line)
     return "\n".join(lines)
@@ -150,17 +174,20 @@ def router_table(results: ServingResults) -> str:
     if not rows:
         return "No routing-tier figures: the run needs the project variant or bare vLLM beside the routed one."
     lines = [
-        f"{_label('routed')}, paired within each round: median [min, max] over rounds; the verdict is on the median.",
+        f"{_label('routed')}, paired within each round: median [min, max] over rounds, the median's 95% "
+        "bootstrap interval; the verdict is on the median.",
         "",
-        "| figure | c | measured | target | verdict |",
-        "|---|---|---|---|---|",
+        "| figure | c | measured | median's 95% interval | target | verdict |",
+        "|---|---|---|---|---|---|",
     ]
     for name, attr, concurrency, how, against, target, at_least in rows:
         values = _paired(results, "routed", concurrency, attr, how, against)
         fmt = "{:.2f}x" if how == "ratio" else "{:+.1f}"
         bound = (">= " if at_least else "<= ") + (f"{target:.2f}x" if how == "ratio" else f"{target:.0f} ms")
-        judged = f"**{verdict(values, target, at_least)}**"
-        lines.append(f"| {name} | {concurrency} | {spread(values, fmt)} | {bound} | {judged} |")
+        lines.append(
+            f"| {name} | {concurrency} | {spread(values, fmt)} | {interval(values, fmt)} | {bound} | "
+            f"{judged(values, target, at_least)} |"
+        )
     return "\n".join(lines)
 
 
@@ -461,6 +488,40 @@ def chart(serving: ServingResults | None, scale: ScaleResults | None, path: Path
     plt.close(fig)
 
 
+# --------------------------------------------------------------------------- pooling
+
+
+def pooled(runs: list[ServingResults]) -> ServingResults:
+    """Several runs' cells as one run's, each run's rounds numbered after the previous run's.
+
+    Pairs are still made within a round only, so a pooled median is the
+    median of every round's own ratio. Runs that measured different things
+    (layout, prompt or output length) do not pool.
+    """
+    if not runs:
+        raise ValueError("nothing to pool")
+    first = runs[0]
+    for run in runs[1:]:
+        for field in ("layout", "max_tokens", "input_tokens"):
+            if getattr(run, field) != getattr(first, field):
+                raise ValueError(f"runs differ in {field} ({getattr(first, field)} and {getattr(run, field)})")
+    cells: list[Cell] = []
+    offset = 0
+    for run in runs:
+        cells += [replace(cell, round=cell.round + offset) for cell in run.cells]
+        offset += run.rounds
+    variants = list(dict.fromkeys(v for run in runs for v in run.variants))
+    return replace(
+        first,
+        variants=variants,
+        rounds=offset,
+        concurrency=sorted({c for run in runs for c in run.concurrency}),
+        prompts={k: v for run in runs for k, v in run.prompts.items()},
+        cells=cells,
+        seconds=sum(run.seconds for run in runs),
+    )
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -516,6 +577,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-serving", action="store_true")
     parser.add_argument("--skip-render", action="store_true")
     parser.add_argument("--from-json", action="store_true", help="rebuild the report from results/*.json")
+    parser.add_argument(
+        "--pool",
+        nargs="+",
+        type=Path,
+        metavar="DIR",
+        help="rebuild the serving tables from several runs (each DIR holds one run's serving.json), "
+        "every round paired within itself; writes to --out",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.quick:
@@ -527,6 +596,19 @@ def main(argv: list[str] | None = None) -> int:
     serving: ServingResults | None = None
     scale: ScaleResults | None = None
     guard: list[guard_overhead.GuardCase] | None = None
+    if args.pool:
+        missing = [str(d) for d in args.pool if not (d / "serving.json").is_file()]
+        if missing:
+            parser.error(f"--pool: no serving.json in {', '.join(missing)}")
+        runs = [ServingResults.from_json(json.loads((d / "serving.json").read_text())) for d in args.pool]
+        try:
+            serving = pooled(runs)
+        except ValueError as exc:
+            parser.error(f"--pool: {exc}")
+        text = write_report(serving, None, None, out, serving.seconds)
+        print(text)
+        print(f"\nwrote {out / 'report.md'} and {out / 'report.png'} from {len(runs)} runs, {serving.rounds} rounds")
+        return 0
     if args.from_json:
         if (out / "serving.json").is_file():
             serving = ServingResults.from_json(json.loads((out / "serving.json").read_text()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections.abc import Sequence
 
@@ -22,6 +23,25 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
+
+
+def median_interval(
+    values: Sequence[float], confidence: float = 0.95, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """The median's percentile-bootstrap interval: the middle ``confidence`` of the medians of resamples.
+
+    Each resample draws ``len(values)`` values with replacement; the seed is
+    fixed, so a report rebuilt from the same rounds prints the same interval.
+    A round's ratio on a shared machine swings far more than the median
+    does, so the interval, not the rounds' min and max, says whether a
+    median at a target's edge is over it or not yet known.
+    """
+    if not values:
+        return math.nan, math.nan
+    rng = random.Random(seed)
+    medians = [statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)]
+    tail = (1.0 - confidence) / 2.0 * 100.0
+    return percentile(medians, tail), percentile(medians, 100.0 - tail)
 
 
 def spread(values: Sequence[float], fmt: str = "{:.2f}") -> str:
