@@ -270,11 +270,20 @@ STACK_LINES = 80
 # The import system's own frames, two for each module an import goes through: a stack stuck inside
 # `import vllm` is mostly these.
 _IMPORT_FRAMES = '"<frozen importlib.'
+# faulthandler writes at most 100 frames of a thread, most recent first, then this line alone: a
+# thread deep in `import vllm` (importlib's two frames a module) can pass that, and its outer frames,
+# the server's own module among them, are then not in the dump at all.
+FAULTHANDLER_CUT = "  ..."
+CUT_NOTE = "  ... (faulthandler writes 100 frames at most: this thread's outer frames, down to its own module, are cut)"
 
 
 def shown_stacks(text: str, limit: int = STACK_LINES) -> list[str]:
     """The stack dump's lines without the import system's frames, cut in the middle beyond ``limit``."""
-    kept = [line for line in text.splitlines() if line.strip() and _IMPORT_FRAMES not in line]
+    kept = [
+        CUT_NOTE if line.rstrip() == FAULTHANDLER_CUT else line
+        for line in text.splitlines()
+        if line.strip() and _IMPORT_FRAMES not in line
+    ]
     if len(kept) <= limit:
         return kept
     half = limit // 2
