@@ -198,6 +198,72 @@ def test_replicas_failing_their_health_checks_are_refused_as_the_circuit_alert_r
     assert samples[("vllm_router_active_workers", "")] == 1.0
 
 
+def test_the_attempts_alert_reads_each_attempt_a_replica_failed_and_no_other(tmp_path: Path) -> None:
+    """LlmRouterAttemptsFailing, against the pinned router with prod's rendered command (breaker off):
+    `vllm_router_cb_outcomes_total{outcome}` counts each attempt, "failure" for a 5xx answer and for an
+    answer that never came (the replica read the request and dropped the connection), which the router then
+    answers 500 itself and no replica counted; "success" for 429 (a key over its cap) and other 4xx."""
+    import socket
+
+    from infra.serving import alerts
+
+    (family,) = [f for f in alerts.METRIC_INVENTORY if f.prefix == "vllm_router_"]
+    (rule,) = [a for a in alerts.ALERTS if a.name == "LlmRouterAttemptsFailing"]
+    assert rule.metrics == ("vllm_router_cb_outcomes_total",) and rule.metrics[0] in family.names
+
+    class Replica(_Replica):
+        status = 200
+
+        @override
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            type(self).posts.append(str(type(self).status))
+            if type(self).status == 0:
+                # Read, then gone without a word: a pod killed mid-request.
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            answer(self, type(self).status, b'{"error": {"message": "x"}}')
+
+    Replica.posts = []
+    attempts = Routing().attempts
+    outcomes: dict[int, dict[str, float]] = {}
+    answers: dict[int, list[httpx.Response]] = {}
+    with _routed(tmp_path, [Replica], policy="round_robin") as (router, argv):
+        metrics = f"http://127.0.0.1:{argv[argv.index('--prometheus-port') + 1]}/metrics"
+        for status in (429, 400, 500, 0):
+            before = _outcomes(metrics)
+            Replica.status = status
+            body = {"model": "m", "prompt": "x", "max_tokens": 4}
+            answers[status] = [httpx.post(f"{router.base_url}/completions", json=body, timeout=60) for _ in range(3)]
+            after = _outcomes(metrics)
+            outcomes[status] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    assert [a.status_code for a in answers[429]] == [429] * 3
+    assert [a.status_code for a in answers[400]] == [400] * 3
+    assert outcomes[429] == {"success": 3 * attempts, "failure": 0.0}  # retried, never a failure
+    assert outcomes[400] == {"success": 3, "failure": 0.0}  # not retried
+    assert [a.status_code for a in answers[500]] == [500] * 3
+    assert outcomes[500] == {"success": 0.0, "failure": 3 * attempts}
+    # No answer: the router's own 500, and the replica's access log would show nothing.
+    assert [a.status_code for a in answers[0]] == [500] * 3
+    assert "Request failed" in answers[0][0].text
+    assert outcomes[0] == {"success": 0.0, "failure": 3 * attempts}
+    assert Replica.posts.count("0") == 3 * attempts
+
+
+def _outcomes(metrics_url: str) -> dict[str, float]:
+    """vllm_router_cb_outcomes_total by `outcome`, summed over replicas."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(metrics_url, timeout=10).text
+    out = {"success": 0.0, "failure": 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "vllm_router_cb_outcomes_total":
+                out[s.labels["outcome"]] = out.get(s.labels["outcome"], 0.0) + s.value
+    return out
+
+
 def _samples(metrics_url: str) -> dict[tuple[str, str], float]:
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -69,6 +69,8 @@ def target_label_name(label: str) -> str:
 ROUTER_OF_LABEL = target_label_name(ROUTER_OF)
 # vllm-router's `error_type` for an attempt no replica could take: every circuit open, or none known.
 ROUTER_NO_WORKER_ERROR = "no_available_workers"
+# vllm-router's `outcome` for an attempt a replica failed (5xx, or no answer) on vllm_router_cb_outcomes_total.
+ROUTER_FAILED_ATTEMPT = "failure"
 
 # Every alert's runbook, in this repository: <RUNBOOK_DIR>/<AlertName>.md.
 RUNBOOK_DIR = "docs/runbooks"
@@ -168,11 +170,14 @@ METRIC_INVENTORY: tuple[MetricFamily, ...] = (
     # registry. `vllm_router_active_workers` is the replicas it may send to (its discovery's Ready pods);
     # `vllm_router_request_errors_total{route, error_type}` counts failed attempts, `error_type`
     # "no_available_workers" when no replica could be tried (every one's circuit open, or none known).
+    # `vllm_router_cb_outcomes_total{worker, outcome}` counts every attempt sent to a replica, `outcome`
+    # "failure" for a 5xx answer or none (refused, reset, timed out), "success" for any other, 4xx and
+    # 429 included; the pinned release counts it with the circuit breaker off too.
     # The PodMonitor adds namespace, pod and the RayService it routes for (ROUTER_OF_LABEL).
     MetricFamily(
         exporter="vllm-router",
         prefix="vllm_router_",
-        names=("vllm_router_active_workers", "vllm_router_request_errors_total"),
+        names=("vllm_router_active_workers", "vllm_router_request_errors_total", "vllm_router_cb_outcomes_total"),
         layouts=("vllm-server",),
     ),
     # The KubeRay operator's metrics endpoint (chart `metrics.enabled`, its
@@ -758,6 +763,32 @@ ALERTS: tuple[AlertSpec, ...] = (
             "({{ $value | humanize }} attempts a second found no replica)."
         ),
         metrics=("vllm_router_request_errors_total", "vllm_router_active_workers"),
+    ),
+    # A model's router sees its attempts fail: replicas answering 5xx, or not answering at all (a
+    # connection refused, reset or timed out: a pod that died mid-answer, a policy that drops the
+    # router's packets). The replicas' own LlmHttp5xxRatioHigh counts only the answers they sent; the
+    # failures of the connection show nowhere else. Retries hide most of them from clients (a request is
+    # tried serving.routing.attempts times), so this warns before clients see errors. 429 and other 4xx
+    # answers are not failures: a key over its cap does not fire it.
+    AlertSpec(
+        name="LlmRouterAttemptsFailing",
+        expr=lambda c: (
+            f"sum by (namespace, {ROUTER_OF_LABEL}) (\n"
+            f'  rate(vllm_router_cb_outcomes_total{{outcome="{ROUTER_FAILED_ATTEMPT}"}}[5m])\n'
+            f") / sum by (namespace, {ROUTER_OF_LABEL}) (rate(vllm_router_cb_outcomes_total[5m]))\n"
+            f"> {c.slo.error_ratio}\n"
+            f"and on (namespace, {ROUTER_OF_LABEL}) sum by (namespace, {ROUTER_OF_LABEL}) "
+            "(rate(vllm_router_cb_outcomes_total[5m])) > 0.05"
+        ),
+        for_="10m",
+        severity="warning",
+        summary=f"Attempts of the router of {{{{ $labels.{ROUTER_OF_LABEL} }}}} to its replicas fail",
+        description=lambda c: (
+            "{{ $value | humanizePercentage }} of the router's attempts got a 5xx answer or none at all "
+            f"(SLO {c.slo.error_ratio}) for 10 minutes. Retries on other replicas hide most from clients; "
+            "answers that never came are counted only here, not in the replicas' own 5xx ratio."
+        ),
+        metrics=("vllm_router_cb_outcomes_total",),
     ),
     AlertSpec(
         name="BatchDeadLetterQueueNotEmpty",
