@@ -71,6 +71,14 @@ ROUTER_OF_LABEL = target_label_name(ROUTER_OF)
 ROUTER_NO_WORKER_ERROR = "no_available_workers"
 # vllm-router's `outcome` for an attempt a replica failed (5xx, or no answer) on vllm_router_cb_outcomes_total.
 ROUTER_FAILED_ATTEMPT = "failure"
+# A model's routers' attempts to its replicas a second, and the share of them that failed: what
+# LlmRouterAttemptsFailing judges and the serving dashboard draws.
+ROUTER_ATTEMPTS_RATE = f"sum by (namespace, {ROUTER_OF_LABEL}) (rate(vllm_router_cb_outcomes_total[5m]))"
+ROUTER_FAILED_ATTEMPTS_RATIO = (
+    f"sum by (namespace, {ROUTER_OF_LABEL}) (\n"
+    f'  rate(vllm_router_cb_outcomes_total{{outcome="{ROUTER_FAILED_ATTEMPT}"}}[5m])\n'
+    f") / {ROUTER_ATTEMPTS_RATE}"
+)
 
 # Every alert's runbook, in this repository: <RUNBOOK_DIR>/<AlertName>.md.
 RUNBOOK_DIR = "docs/runbooks"
@@ -773,12 +781,8 @@ ALERTS: tuple[AlertSpec, ...] = (
     AlertSpec(
         name="LlmRouterAttemptsFailing",
         expr=lambda c: (
-            f"sum by (namespace, {ROUTER_OF_LABEL}) (\n"
-            f'  rate(vllm_router_cb_outcomes_total{{outcome="{ROUTER_FAILED_ATTEMPT}"}}[5m])\n'
-            f") / sum by (namespace, {ROUTER_OF_LABEL}) (rate(vllm_router_cb_outcomes_total[5m]))\n"
-            f"> {c.slo.error_ratio}\n"
-            f"and on (namespace, {ROUTER_OF_LABEL}) sum by (namespace, {ROUTER_OF_LABEL}) "
-            "(rate(vllm_router_cb_outcomes_total[5m])) > 0.05"
+            f"{ROUTER_FAILED_ATTEMPTS_RATIO}\n> {c.slo.error_ratio}\n"
+            f"and on (namespace, {ROUTER_OF_LABEL}) {ROUTER_ATTEMPTS_RATE} > 0.05"
         ),
         for_="10m",
         severity="warning",

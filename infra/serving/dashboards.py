@@ -41,8 +41,9 @@ def _panel(title: str, unit: str, *queries: Query) -> timeseries.Panel:
 
 
 def serving_dashboard() -> dashboard.Dashboard:
-    """Tokens/s, TTFT, inter-token latency, queue, KV cache and errors per model."""
+    """Tokens/s, TTFT, inter-token latency, queue, KV cache and errors per model; the routers' attempts."""
     by_model = "{{model_name}}"
+    by_router = f"{{{{{alerts.ROUTER_OF_LABEL}}}}}"
     return (
         dashboard.Dashboard("LLM serving")
         .uid("llm-serving")
@@ -89,6 +90,22 @@ def serving_dashboard() -> dashboard.Dashboard:
                 ),
             )
         )
+        # Empty for a stack without `serving.routing`: nothing exports these series there.
+        .with_row(dashboard.Row("Request routing"))
+        .with_panel(
+            _panel(
+                "Router attempts to replicas that failed (5xx or no answer)",
+                "percentunit",
+                Query(alerts.ROUTER_FAILED_ATTEMPTS_RATIO, by_router),
+            )
+        )
+        .with_panel(
+            _panel(
+                "Replicas each router may send to",
+                "short",
+                Query(f"max by (namespace, {alerts.ROUTER_OF_LABEL}) (vllm_router_active_workers)", by_router),
+            )
+        )
     )
 
 
@@ -120,6 +137,8 @@ def gpu_dashboard() -> dashboard.Dashboard:
 # Exporter metrics the dashboards read directly (the rest via recording rules).
 DASHBOARD_METRICS = [
     "ray_serve_deployment_replica_healthy",
+    "vllm_router_cb_outcomes_total",
+    "vllm_router_active_workers",
     "DCGM_FI_DEV_GPU_UTIL",
     "DCGM_FI_DEV_FB_USED",
     "DCGM_FI_DEV_FB_FREE",
