@@ -43,8 +43,7 @@ def _panel(title: str, unit: str, *queries: Query) -> timeseries.Panel:
 def serving_dashboard() -> dashboard.Dashboard:
     """Tokens/s, TTFT, inter-token latency, queue, KV cache and errors per model; the routers' attempts."""
     by_model = "{{model_name}}"
-    by_router = f"{{{{{alerts.ROUTER_OF_LABEL}}}}}"
-    return (
+    board = (
         dashboard.Dashboard("LLM serving")
         .uid("llm-serving")
         .tags(["llm-platform", "serving"])
@@ -90,8 +89,15 @@ def serving_dashboard() -> dashboard.Dashboard:
                 ),
             )
         )
-        # Empty for a stack without `serving.routing`: nothing exports these series there.
-        .with_row(dashboard.Row("Request routing"))
+    )
+    return _with_routing(board)
+
+
+def _with_routing(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The routers' row; empty for a stack without `serving.routing`, where nothing exports these series."""
+    by_router = f"{{{{{alerts.ROUTER_OF_LABEL}}}}}"
+    return (
+        board.with_row(dashboard.Row("Request routing"))
         .with_panel(
             _panel(
                 "Router attempts to replicas that failed (5xx or no answer)",
