@@ -1017,7 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    levels = tuple(int(c) for c in args.concurrency.split(",") if c.strip())
+    levels = tuple(int(c) if c.strip().isdigit() else -1 for c in args.concurrency.split(",") if c.strip())
     if not levels or not set(levels) <= set(CONCURRENCY):
         parser.error(f"--concurrency takes levels of {','.join(map(str, CONCURRENCY))}")
     results = run(variants, args.rounds, args.scale, args.layout, args.replicas, out=args.out, concurrency=levels)

@@ -71,6 +71,9 @@ ROUTER_OF_LABEL = target_label_name(ROUTER_OF)
 ROUTER_NO_WORKER_ERROR = "no_available_workers"
 # vllm-router's `outcome` for an attempt a replica failed (5xx, or no answer) on vllm_router_cb_outcomes_total.
 ROUTER_FAILED_ATTEMPT = "failure"
+# The replicas a model's routers may send to (the most any of its router pods knows): what
+# LlmRouterHasNoReplica and LlmRouterCircuitsOpen compare and the serving dashboard draws.
+ROUTER_REPLICAS = f"max by (namespace, {ROUTER_OF_LABEL}) (vllm_router_active_workers)"
 # A model's routers' attempts to its replicas a second, and the share of them that failed: what
 # LlmRouterAttemptsFailing judges and the serving dashboard draws.
 ROUTER_ATTEMPTS_RATE = f"sum by (namespace, {ROUTER_OF_LABEL}) (rate(vllm_router_cb_outcomes_total[5m]))"
@@ -733,7 +736,7 @@ ALERTS: tuple[AlertSpec, ...] = (
     AlertSpec(
         name="LlmRouterHasNoReplica",
         expr=(
-            f"max by (namespace, {ROUTER_OF_LABEL}) (vllm_router_active_workers) == 0\n"
+            f"{ROUTER_REPLICAS} == 0\n"
             f"and on (namespace, {ROUTER_OF_LABEL}) label_replace(\n"
             "  max by (namespace, application) (ray_serve_deployment_replica_healthy) == 1,\n"
             f'  "{ROUTER_OF_LABEL}", "$1", "application", "(.+)"\n'
@@ -758,8 +761,7 @@ ALERTS: tuple[AlertSpec, ...] = (
             f"sum by (namespace, {ROUTER_OF_LABEL}) (\n"
             f'  rate(vllm_router_request_errors_total{{error_type="{ROUTER_NO_WORKER_ERROR}"}}[2m])\n'
             ") > 0\n"
-            f"and on (namespace, {ROUTER_OF_LABEL}) max by (namespace, {ROUTER_OF_LABEL}) "
-            "(vllm_router_active_workers) > 0"
+            f"and on (namespace, {ROUTER_OF_LABEL}) {ROUTER_REPLICAS} > 0"
         ),
         for_="5m",
         severity="critical",

@@ -109,7 +109,7 @@ def _with_routing(board: dashboard.Dashboard) -> dashboard.Dashboard:
             _panel(
                 "Replicas each router may send to",
                 "short",
-                Query(f"max by (namespace, {alerts.ROUTER_OF_LABEL}) (vllm_router_active_workers)", by_router),
+                Query(alerts.ROUTER_REPLICAS, by_router),
             )
         )
     )
