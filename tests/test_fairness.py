@@ -29,6 +29,8 @@ from inference_server.api_keys import (
 from inference_server.catalog import Catalog, KeyFairness, RequestLimits
 from inference_server.fairness import (
     ACCESS_LOGGER,
+    MAX_EVENT_BYTES,
+    STREAM_BATCH,
     AnswerReader,
     InflightLimiter,
     KeyAccounting,
@@ -486,6 +488,46 @@ def test_the_readers_count_of_a_vllm_stream_does_not_depend_on_how_it_was_cut(sp
     for piece in pieces:
         reader.feed(piece, stream=True)
     assert (reader.model, reader.choice_events, reader.usage) == (MODEL, 4, usage)
+
+
+def test_a_long_stream_is_counted_alike_however_its_batches_fall() -> None:
+    """Events cut across batch boundaries, and counts read mid-stream, give the count of the whole."""
+    texts = [f" t{i}" if i % 7 else "" for i in range(3 * STREAM_BATCH + 5)]
+    usage = {"prompt_tokens": 3, "completion_tokens": len(texts), "total_tokens": 3 + len(texts)}
+    events = _vllm_completion_stream(texts, usage)
+    whole = b"".join(events)
+    expected = sum(1 for t in texts if t)
+    for size in (1, 13, 200, len(whole)):
+        reader = AnswerReader()
+        seen = []
+        for i in range(0, len(whole), size):
+            reader.feed(whole[i : i + size], stream=True)
+            seen.append(reader.choice_events)
+        # Never more than the events the bytes so far hold whole, and never going back.
+        assert seen == sorted(seen) and seen[-1] == expected, size
+        assert (reader.model, reader.usage) == (MODEL, usage)
+    # Read before the stream's end: the events whole so far, not the one cut in two.
+    reader = AnswerReader()
+    reader.feed(events[1] + events[2][:20], stream=True)
+    assert reader.choice_events == 1
+    reader.feed(events[2][20:], stream=True)
+    assert reader.choice_events == 2
+
+
+def test_an_event_that_never_ends_is_kept_only_to_its_bound() -> None:
+    """A stream that sends no blank line can not make the reader hold all of it."""
+    reader = AnswerReader()
+    piece = b"data: {" + b"x" * 65536
+    for _ in range(MAX_EVENT_BYTES // len(piece) * 3):
+        reader.feed(piece, stream=True)
+    assert reader.choice_events == 0
+    assert len(reader._tail) <= MAX_EVENT_BYTES
+    # Its start is kept, where a choice's marks are: once it ends, it counts.
+    reader = AnswerReader()
+    reader.feed(b'data: {"choices":[{"index":0,"text":"a' + b"b" * (2 * MAX_EVENT_BYTES), stream=True)
+    assert reader.choice_events == 0  # read now: the unfinished event is cut to its bound
+    reader.feed(b'"}]}\n\n', stream=True)
+    assert reader.choice_events == 1
 
 
 # ---------------------------------------------------------------- config and capacity rules

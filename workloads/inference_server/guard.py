@@ -695,7 +695,15 @@ def _shape_errors(send: Send, method: str) -> Send:
     chunks: list[bytes] = []
     size = 0
 
-    async def shaped(message: Message) -> None:
+    def shaped(message: Message) -> Awaitable[None]:
+        # A plain function that hands back the next `send`'s awaitable: a
+        # successful stream's every token passes here, and a coroutine of its
+        # own would cost a frame and an await on each.
+        if held is None and message["type"] != "http.response.start":
+            return send(message)
+        return shaping(message)
+
+    async def shaping(message: Message) -> None:
         nonlocal held, size
         kind = message["type"]
         if kind == "http.response.start":
