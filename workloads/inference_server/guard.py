@@ -704,6 +704,7 @@ def _shape_errors(send: Send, method: str) -> Send:
         return shaping(message)
 
     async def shaping(message: Message) -> None:
+        # The start, and what follows a start held back (`shaped` passes the rest).
         nonlocal held, size
         kind = message["type"]
         if kind == "http.response.start":
@@ -712,9 +713,7 @@ def _shape_errors(send: Send, method: str) -> Send:
                 return
             await send(message)
             return
-        if held is None:
-            await send(message)
-            return
+        assert held is not None
         if kind != "http.response.body":
             start, held = held, None
             await send(start)
