@@ -106,6 +106,8 @@ class Routing(Section):
     max_replicas: int = Field(default=4, ge=1)
     # The router's CPU use the HorizontalPodAutoscaler holds it at.
     target_cpu_utilization: int = Field(default=70, ge=10, le=100)
+    # The router's CPU request: also its runtime's worker threads, one per
+    # core (infra/serving/router.py, RUNTIME_THREADS_ENV).
     cpu: CpuQuantity = "1"
     memory: MemoryQuantity = "1Gi"
     # Requests a router holds when every replica is at its concurrency cap,

@@ -92,11 +92,19 @@ FRONT_CONTAINER = "front"
 FRONT_CONFIG_DIGEST = "llm-platform/router-front-config"
 # vllm-router's async runtime (tokio) starts a worker thread for every core
 # it sees, and in a pod that is the node's cores (8 on prod's m7i.2xlarge
-# system nodes), not its CPU limit. Eight threads spend a 2-CPU quota in a
+# system nodes), not its CPU. Eight threads spend a 2-CPU quota in a
 # quarter of each CFS period, and the container is then throttled for the
 # rest of it: a pause that every request in flight waits out. tokio takes
 # the count from this variable instead (the pinned release honours it:
-# tests/test_serving_router.py counts the threads).
+# tests/test_serving_router.py counts the threads). The count is the cores
+# the router's request holds (runtime_threads), not its limit: every
+# streamed chunk wakes the runtime, and a second worker turns a wake into a
+# hand-off between threads. Measured with `python -m benchmarks.router_hop`
+# (prod's router and front, 32 streams of 33 chunks, free to use both of
+# the machine's cores), one worker spent 980 us of CPU a request against
+# 1410 with two, at the same rate. The autoscaler holds the router at 70%
+# of its request, below what one worker per requested core can do, so a
+# second worker would make every request dearer, and add router pods.
 RUNTIME_THREADS_ENV = "TOKIO_WORKER_THREADS"
 # The router's CPU limit when twice its request is less (replicated.cpu_limit).
 ROUTER_CPU_LIMIT = "2"
@@ -228,16 +236,16 @@ def router_plans(cfg: StackConfig) -> dict[str, RouterPlan]:
     return plans
 
 
-def runtime_threads(cpu_limit: str) -> int:
-    """The router's runtime threads under a CPU limit: one per core the limit grants, a part counted whole."""
-    cores = quantity_value(cpu_limit)
-    assert cores is not None, cpu_limit  # CpuQuantity validated it
+def runtime_threads(cpu_request: str) -> int:
+    """The router's runtime threads for a CPU request: one per core it holds, a part counted whole."""
+    cores = quantity_value(cpu_request)
+    assert cores is not None, cpu_request  # CpuQuantity validated it
     return max(1, math.ceil(cores))
 
 
 def runtime_env(routing: Routing) -> dict[str, str]:
-    """The router container's environment: as many runtime threads as its CPU limit has cores."""
-    return {RUNTIME_THREADS_ENV: str(runtime_threads(router_cpu_limit(routing)))}
+    """The router container's environment: as many runtime threads as its CPU request has cores."""
+    return {RUNTIME_THREADS_ENV: str(runtime_threads(routing.cpu))}
 
 
 def router_cpu_limit(routing: Routing) -> str:
