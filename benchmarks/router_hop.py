@@ -45,6 +45,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks.serving_overhead import cpu_by_role  # noqa: E402
 from localserve.processes import free_port, with_descendants  # noqa: E402
+from twin.routing import RouterSpec  # noqa: E402
 
 ROUTER_ROLE = "router"
 FRONT_ROLE = "router front"
@@ -127,12 +128,19 @@ class HopRound:
         return (self.router_us_per_request + self.front_us_per_request) * self.requests / max(1, self.chunks)
 
 
+def prod_router() -> RouterSpec:
+    """The router prod's stack renders (its first vllm-server service's)."""
+    from twin.routing import router_specs
+
+    return next(iter(router_specs(REPO / "Pulumi.prod.yaml").values()))
+
+
 def measure(threads: int, args: argparse.Namespace, replica: str, rounds: list[HopRound]) -> None:
     """Starts the rendered router with ``threads`` runtime threads in front of ``replica`` and runs its rounds."""
     from infra.serving.router import RUNTIME_THREADS_ENV
-    from twin.routing import router_specs, start_router
+    from twin.routing import start_router
 
-    spec = next(iter(router_specs(REPO / "Pulumi.prod.yaml").values()))
+    spec = prod_router()
     env = {**spec.env, RUNTIME_THREADS_ENV: str(threads)}
     with tempfile.TemporaryDirectory(prefix="router-hop-") as scratch:
         router, _ = start_router(spec.command, [replica], Path(scratch) / "router.log", spec.front, env=env)
@@ -190,13 +198,11 @@ def summary(rounds: list[HopRound]) -> list[str]:
 def thread_counts(text: str) -> list[int]:
     """``--threads``: counts, or ``rendered`` for the count prod's stack renders."""
     from infra.serving.router import RUNTIME_THREADS_ENV
-    from twin.routing import router_specs
 
     counts = []
     for word in text.split(","):
         if word == "rendered":
-            spec = next(iter(router_specs(REPO / "Pulumi.prod.yaml").values()))
-            counts.append(int(spec.env[RUNTIME_THREADS_ENV]))
+            counts.append(int(prod_router().env[RUNTIME_THREADS_ENV]))
         elif word.isdigit() and int(word) > 0:
             counts.append(int(word))
         else:
@@ -246,11 +252,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _answers(url: str) -> bool:
-    import urllib.request
+    from twin.live import status_of
 
     try:
-        with urllib.request.urlopen(url, timeout=1) as response:
-            return bool(response.status == 200)
+        return status_of(url) == 200
     except OSError:
         return False
 

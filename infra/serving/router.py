@@ -101,8 +101,8 @@ FRONT_CONFIG_DIGEST = "llm-platform/router-front-config"
 # streamed chunk wakes the runtime, and a second worker turns a wake into a
 # hand-off between threads. Measured with `python -m benchmarks.router_hop`
 # (prod's router and front, 32 streams of 33 chunks, free to use both of
-# the machine's cores), one worker spent 980 us of CPU a request against
-# 1410 with two, at the same rate. The autoscaler holds the router at 70%
+# the machine's cores), one worker spent 1020 us of CPU a request against
+# 1470 with two, at the same rate. The autoscaler holds the router at 70%
 # of its request, below what one worker per requested core can do, so a
 # second worker would make every request dearer, and add router pods.
 RUNTIME_THREADS_ENV = "TOKIO_WORKER_THREADS"
