@@ -1,7 +1,7 @@
 """The router hop's own CPU: vllm-router and its front, as prod's render runs them, in front of a stand-in replica.
 
-    python -m benchmarks.router_hop [--threads rendered,1,2] [--concurrency 32] [--requests 1000] [--rounds 3]
-                                    [--layout shared|pinned] [--out FILE]
+    python -m benchmarks.router_hop [--threads rendered,1,2] [--front-workers rendered] [--concurrency 32]
+                                    [--requests 1000] [--rounds 3] [--layout shared|pinned] [--out FILE]
 
 What the routed layout adds over the default one is a hop through two
 processes (nginx, then vllm-router), each woken once for every chunk of
@@ -13,9 +13,10 @@ chunks ``--gap-ms`` apart (vLLM's pace for a small model), so what is left
 is the hop, measured precisely enough to compare its settings.
 
 Each setting is a count of the router's runtime threads (its
-``TOKIO_WORKER_THREADS``; ``rendered`` is what prod's stack renders). For
-each one the router and its front are started from prod's rendered command
-and front config (twin/routing.py), a keep-alive client sends ``--requests``
+``TOKIO_WORKER_THREADS``) and of its front's nginx workers; ``rendered`` is
+what prod's stack renders. For each one the router and its front are started
+from prod's rendered command and front config (twin/routing.py), the counts
+swapped in, a keep-alive client sends ``--requests``
 streamed completions at ``--concurrency``, and the report gives the router's
 and the front's CPU per request and per chunk, from /proc, over rounds.
 
@@ -36,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -117,6 +118,7 @@ class HopRound:
 
     threads: int
     layout: str
+    front_workers: int
     requests: int
     chunks: int
     seconds: float
@@ -135,15 +137,16 @@ def prod_router() -> RouterSpec:
     return next(iter(router_specs(REPO / "Pulumi.prod.yaml").values()))
 
 
-def measure(threads: int, args: argparse.Namespace, replica: str, rounds: list[HopRound]) -> None:
-    """Starts the rendered router with ``threads`` runtime threads in front of ``replica`` and runs its rounds."""
+def measure(threads: int, workers: int, args: argparse.Namespace, replica: str, rounds: list[HopRound]) -> None:
+    """Starts the rendered router with ``threads`` runtime threads, its front with ``workers``, and runs its rounds."""
     from infra.serving.router import RUNTIME_THREADS_ENV
     from twin.routing import start_router
 
     spec = prod_router()
     env = {**spec.env, RUNTIME_THREADS_ENV: str(threads)}
+    front = replace(spec.front, workers=workers)
     with tempfile.TemporaryDirectory(prefix="router-hop-") as scratch:
-        router, _ = start_router(spec.command, [replica], Path(scratch) / "router.log", spec.front, env=env)
+        router, _ = start_router(spec.command, [replica], Path(scratch) / "router.log", front, env=env)
         try:
             pids = with_descendants({router.child.proc.pid, router.front.proc.pid})
             if args.layout == "pinned":
@@ -159,6 +162,7 @@ def measure(threads: int, args: argparse.Namespace, replica: str, rounds: list[H
                 hop = HopRound(
                     threads,
                     args.layout,
+                    workers,
                     args.requests,
                     chunks,
                     seconds,
@@ -167,7 +171,7 @@ def measure(threads: int, args: argparse.Namespace, replica: str, rounds: list[H
                 )
                 rounds.append(hop)
                 print(
-                    f"[router-hop] threads={threads} {args.layout}: "
+                    f"[router-hop] threads={threads} front workers={workers} {args.layout}: "
                     f"router {hop.router_us_per_request:6.0f} us/request, "
                     f"front {hop.front_us_per_request:6.0f} us/request, "
                     f"hop {hop.hop_us_per_chunk:5.1f} us/chunk, "
@@ -182,12 +186,12 @@ def measure(threads: int, args: argparse.Namespace, replica: str, rounds: list[H
 def summary(rounds: list[HopRound]) -> list[str]:
     """Each setting's medians over its rounds, with their spread."""
     lines = []
-    for threads in dict.fromkeys(r.threads for r in rounds):
-        mine = [r for r in rounds if r.threads == threads]
+    for threads, workers in dict.fromkeys((r.threads, r.front_workers) for r in rounds):
+        mine = [r for r in rounds if (r.threads, r.front_workers) == (threads, workers)]
         router = [r.router_us_per_request for r in mine]
         front = [r.front_us_per_request for r in mine]
         lines.append(
-            f"threads={threads}: "
+            f"threads={threads} front workers={workers}: "
             f"router {statistics.median(router):.0f} us/request [{min(router):.0f}, {max(router):.0f}], "
             f"front {statistics.median(front):.0f} [{min(front):.0f}, {max(front):.0f}], "
             f"hop {statistics.median(r.hop_us_per_chunk for r in mine):.1f} us/chunk ({len(mine)} rounds)"
@@ -195,24 +199,35 @@ def summary(rounds: list[HopRound]) -> list[str]:
     return lines
 
 
-def thread_counts(text: str) -> list[int]:
-    """``--threads``: counts, or ``rendered`` for the count prod's stack renders."""
-    from infra.serving.router import RUNTIME_THREADS_ENV
-
-    counts = []
+def counts(option: str, text: str, rendered: int) -> list[int]:
+    """``--threads`` or ``--front-workers``: counts, or ``rendered`` for the count prod's stack renders."""
+    found = []
     for word in text.split(","):
         if word == "rendered":
-            counts.append(int(prod_router().env[RUNTIME_THREADS_ENV]))
+            found.append(rendered)
         elif word.isdigit() and int(word) > 0:
-            counts.append(int(word))
+            found.append(int(word))
         else:
-            raise SystemExit(f"--threads: {word!r} is neither a positive count nor 'rendered'")
-    return list(dict.fromkeys(counts))
+            raise SystemExit(f"{option}: {word!r} is neither a positive count nor 'rendered'")
+    return list(dict.fromkeys(found))
+
+
+def thread_counts(text: str) -> list[int]:
+    """``--threads``: the router's runtime threads."""
+    from infra.serving.router import RUNTIME_THREADS_ENV
+
+    return counts("--threads", text, int(prod_router().env[RUNTIME_THREADS_ENV]))
+
+
+def worker_counts(text: str) -> list[int]:
+    """``--front-workers``: the front's nginx workers."""
+    return counts("--front-workers", text, prod_router().front.workers)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.router_hop", description=__doc__.split("\n")[0])
     parser.add_argument("--threads", default="rendered,1,2", help="runtime thread counts, or 'rendered'")
+    parser.add_argument("--front-workers", default="rendered", help="the front's nginx workers, or 'rendered'")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=1000, help="per round")
     parser.add_argument("--rounds", type=int, default=3)
@@ -225,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.stand_in is not None:
         stand_in(args.stand_in, args.events, args.gap_ms)
         return 0
-    counts = thread_counts(args.threads)
+    threads = thread_counts(args.threads)
+    workers = worker_counts(args.front_workers)
     port = free_port()
     argv_in = [sys.executable, "-m", "benchmarks.router_hop", "--stand-in", str(port)]
     argv_in += ["--events", str(args.events), "--gap-ms", str(args.gap_ms)]
@@ -239,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
             if replica.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit("router_hop: the stand-in replica did not start")
             time.sleep(0.2)
-        for threads in counts:
-            measure(threads, args, f"http://127.0.0.1:{port}", rounds)
+        for count in threads:
+            for front in workers:
+                measure(count, front, args, f"http://127.0.0.1:{port}", rounds)
     finally:
         replica.terminate()
         replica.wait(timeout=10)

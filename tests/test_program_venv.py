@@ -42,8 +42,10 @@ def clone_with_program_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (clone / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, clone / rel)
     subprocess.run([sys.executable, "-m", "venv", str(clone / "venv")], check=True, timeout=120)
+    # --no-compile: the same packages at the same versions, without byte-compiling every module of the
+    # provider SDKs up front (pip 37 s -> 21 s here; the render then compiles the modules it imports, 4 s).
     result = subprocess.run(
-        [str(clone / "venv" / "bin" / "pip"), "install", "-q", "-r", "requirements.txt"],
+        [str(clone / "venv" / "bin" / "pip"), "install", "-q", "--no-compile", "-r", "requirements.txt"],
         cwd=clone,
         capture_output=True,
         text=True,

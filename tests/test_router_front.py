@@ -13,7 +13,7 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
@@ -28,9 +28,18 @@ from infra.mocks import fake_digest
 from infra.serving import router_front
 from infra.serving.router import FRONT_CONFIG_DIGEST, router_name
 from infra.serving.router_front import LIVENESS_PATH, READINESS_PATH, ROUTES, FrontPlan, config_digest
+from localserve.processes import free_port
 from tests.e2e.loopback_http import CHUNK_S, CHUNKS, LoopbackHttp, SlowReplica, answer
 from tests.harness import manifests_of, render_routed, stack_config
-from twin.routing import RouterSpec, TwinRouter, nginx_binary, remove_worker_status, router_specs, start_router
+from twin.routing import (
+    RouterSpec,
+    TwinRouter,
+    nginx_binary,
+    remove_worker_status,
+    router_specs,
+    start_front,
+    start_router,
+)
 from workloads.inference_server.guard import LIMITED_PATHS, body_cap
 from workloads.inference_server.vllm_guard import SERVED_PATHS
 
@@ -275,3 +284,33 @@ def _timeout(deployment: dict[str, Any]) -> int:
     router = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "router")
     command = router["command"]
     return int(command[command.index("--request-timeout-secs") + 1])
+
+
+def _worker_processes(master_pid: int) -> list[int]:
+    """The nginx master's children (its worker processes)."""
+    children = Path(f"/proc/{master_pid}/task/{master_pid}/children").read_text().split()
+    return [int(pid) for pid in children]
+
+
+def test_the_front_runs_one_worker_per_core_of_its_limit_as_the_pod_renders_it(tmp_path: Path) -> None:
+    rendered = render_routed("prod")
+    for dep in manifests_of(rendered, "Deployment"):
+        if not dep["metadata"]["name"].endswith("-router"):
+            continue
+        front = next(c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "front")
+        limit = front["resources"]["limits"]["cpu"]
+        assert router_front.worker_processes(limit) == router_front.WORKERS == 1, limit
+    assert [router_front.worker_processes(q) for q in ("100m", "500m", "1", "1500m", "2")] == [1, 1, 1, 2, 2]
+    # nginx started from the rendered config runs exactly that many workers, and as many as it is told.
+    spec = prod_router()
+    assert spec.front.workers == router_front.WORKERS
+    for workers in (spec.front.workers, 3):
+        child, _, scratch = start_front(replace(spec.front, workers=workers), free_port(), tmp_path / f"{workers}.log")
+        try:
+            deadline = time.monotonic() + 10
+            while len(_worker_processes(child.proc.pid)) != workers and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert len(_worker_processes(child.proc.pid)) == workers, child.log_tail()
+        finally:
+            child.stop()
+            scratch.cleanup()

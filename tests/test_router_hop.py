@@ -14,10 +14,10 @@ from twin.routing import router_specs
 
 def test_the_hop_is_measured_through_the_rendered_router_and_front(tmp_path: Path) -> None:
     out = tmp_path / "hop.json"
-    argv = ["--threads", "1", "--requests", "600", "--rounds", "2", "--concurrency", "8", "--events", "6"]
-    assert router_hop.main([*argv, "--gap-ms", "0", "--out", str(out)]) == 0
+    argv = ["--threads", "1", "--front-workers", "2", "--requests", "600", "--rounds", "2", "--concurrency", "8"]
+    assert router_hop.main([*argv, "--events", "6", "--gap-ms", "0", "--out", str(out)]) == 0
     rounds = json.loads(out.read_text())
-    assert [r["threads"] for r in rounds] == [1, 1]
+    assert [(r["threads"], r["front_workers"]) for r in rounds] == [(1, 2), (1, 2)]
     for r in rounds:
         # Every answer came through whole: its events and [DONE], through the front and the router.
         assert r["chunks"] == 600 * (6 + 1)
@@ -31,20 +31,27 @@ def test_rendered_names_the_count_prods_stack_renders_and_counts_are_kept_once()
     rendered = int(spec.env[RUNTIME_THREADS_ENV])
     assert router_hop.thread_counts("rendered") == [rendered]
     assert router_hop.thread_counts(f"rendered,{rendered},3") == list(dict.fromkeys([rendered, 3]))
+    assert router_hop.worker_counts("rendered,2") == list(dict.fromkeys([spec.front.workers, 2]))
 
 
 @pytest.mark.parametrize("word", ["0", "two", "-1"])
-def test_a_thread_count_that_is_not_positive_is_refused_in_one_line(word: str) -> None:
+def test_a_count_that_is_not_positive_is_refused_in_one_line(word: str) -> None:
     with pytest.raises(SystemExit, match=f"--threads: '{word}'"):
         router_hop.thread_counts(word)
+    with pytest.raises(SystemExit, match=f"--front-workers: '{word}'"):
+        router_hop.worker_counts(f"1,{word}")
 
 
 def test_the_summary_gives_each_settings_median_and_spread() -> None:
     rounds = [
-        router_hop.HopRound(t, "shared", 10, 330, 1.0, r, f)
-        for t, r, f in [(1, 900, 800), (1, 1000, 700), (1, 950, 900), (2, 1400, 1000)]
+        router_hop.HopRound(t, "shared", w, 10, 330, 1.0, r, f)
+        for t, w, r, f in [(1, 1, 900, 800), (1, 1, 1000, 700), (1, 1, 950, 900), (2, 1, 1400, 1000), (1, 2, 900, 900)]
     ]
     assert router_hop.summary(rounds) == [
-        "threads=1: router 950 us/request [900, 1000], front 800 [700, 900], hop 51.5 us/chunk (3 rounds)",
-        "threads=2: router 1400 us/request [1400, 1400], front 1000 [1000, 1000], hop 72.7 us/chunk (1 rounds)",
+        "threads=1 front workers=1: router 950 us/request [900, 1000], front 800 [700, 900], hop 51.5 us/chunk "
+        "(3 rounds)",
+        "threads=2 front workers=1: router 1400 us/request [1400, 1400], front 1000 [1000, 1000], hop 72.7 us/chunk "
+        "(1 rounds)",
+        "threads=1 front workers=2: router 900 us/request [900, 900], front 900 [900, 900], hop 54.5 us/chunk "
+        "(1 rounds)",
     ]

@@ -68,6 +68,9 @@ from infra.serving.replicated import (
 from infra.serving.router_front import (
     CONFIG_DIR,
     CONFIG_FILE,
+    FRONT_CPU,
+    FRONT_CPU_LIMIT,
+    FRONT_MEMORY,
     FRONT_PORT,
     LIVENESS_PATH,
     POD_SCRATCH,
@@ -335,10 +338,6 @@ def _router_container(routing: Routing, image: pulumi.Input[str], plan: RouterPl
     }
 
 
-# The front's share of the pod: nginx proxying on loopback needs little.
-FRONT_CPU = "100m"
-FRONT_CPU_LIMIT = "500m"
-FRONT_MEMORY = "128Mi"
 # Room for the request bodies it holds while they arrive (each under the guard's cap).
 FRONT_SCRATCH = "1Gi"
 

@@ -27,8 +27,10 @@ scratch directory (`FrontAddresses`), on Debian's nginx.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
+from infra.config.fields import quantity_value
 from infra.serving.ports import RAY_PORTS, Port
 from workloads.inference_server.catalog import RequestLimits
 from workloads.inference_server.guard import CHAT_PATH, COMPLETIONS_PATH, body_cap, error_body
@@ -53,9 +55,28 @@ ROUTES: dict[str, str] = {
     LIVENESS_PATH: "GET",
     READINESS_PATH: "GET",
 }
-# nginx's workers: each takes thousands of connections; two keep one busy
-# stream's parse from holding up the next connection's accept.
-WORKERS = 2
+# The front container's share of the router pod: nginx proxying on loopback
+# needs little (0.7-1.0 ms of CPU a streamed request, benchmarks/README.md).
+FRONT_CPU = "100m"
+FRONT_CPU_LIMIT = "500m"
+FRONT_MEMORY = "128Mi"
+
+
+def worker_processes(cpu_limit: str) -> int:
+    """nginx's workers for a CPU limit: one per core the front may use at once, a part counted whole."""
+    cores = quantity_value(cpu_limit)
+    assert cores is not None, cpu_limit
+    return max(1, math.ceil(cores))
+
+
+# One worker (half a core of limit): each worker takes thousands of
+# connections, and a second could never run beside the first for long. Two
+# only split each engine step's chunks between two processes, each woken for
+# its own: with one, the front spent 13% less CPU a request behind vLLM's own
+# stream, in 7 of 8 rounds at each of c=8 and c=32 (benchmarks/README.md,
+# "The front's nginx workers"). The router's runtime threads follow the same
+# rule (router.py runtime_threads).
+WORKERS = worker_processes(FRONT_CPU_LIMIT)
 WORKER_CONNECTIONS = 4096
 # Idle keep-alive connections to the router (on loopback, so cheap to hold):
 # without them every request would open one.
@@ -105,6 +126,8 @@ class FrontPlan:
 
     max_body_bytes: int
     request_timeout_s: int
+    # nginx's worker processes (benchmarks/router_hop.py measures others).
+    workers: int = WORKERS
 
     @staticmethod
     def of(limits: RequestLimits, request_timeout_s: int) -> FrontPlan:
@@ -116,7 +139,7 @@ class FrontPlan:
         scratch = at.scratch.rstrip("/")
         temp_paths = "\n".join(f"    {kind}_temp_path {scratch}/{kind};" for kind in TEMP_PATHS)
         return f"""# Rendered by infra/serving/router_front.py: edit that, not this.
-worker_processes {WORKERS};
+worker_processes {self.workers};
 pid {scratch}/nginx.pid;
 error_log stderr warn;
 
