@@ -28,7 +28,7 @@ from infra.mocks import fake_digest
 from infra.serving import router_front
 from infra.serving.router import FRONT_CONFIG_DIGEST, router_name
 from infra.serving.router_front import LIVENESS_PATH, READINESS_PATH, ROUTES, FrontPlan, config_digest
-from localserve.processes import free_port
+from localserve.processes import free_port, with_descendants
 from tests.e2e.loopback_http import CHUNK_S, CHUNKS, LoopbackHttp, SlowReplica, answer
 from tests.harness import manifests_of, render_routed, stack_config
 from twin.routing import (
@@ -286,10 +286,9 @@ def _timeout(deployment: dict[str, Any]) -> int:
     return int(command[command.index("--request-timeout-secs") + 1])
 
 
-def _worker_processes(master_pid: int) -> list[int]:
-    """The nginx master's children (its worker processes)."""
-    children = Path(f"/proc/{master_pid}/task/{master_pid}/children").read_text().split()
-    return [int(pid) for pid in children]
+def _worker_processes(master_pid: int) -> set[int]:
+    """The processes below the nginx master (its workers)."""
+    return with_descendants({master_pid}) - {master_pid}
 
 
 def test_the_front_runs_one_worker_per_core_of_its_limit_as_the_pod_renders_it(tmp_path: Path) -> None:

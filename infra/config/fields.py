@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any
@@ -61,6 +62,13 @@ def quantity_value(text: str) -> Decimal | None:
         return number.scaleb(exponent)
     except InvalidOperation:
         return None
+
+
+def whole_cores(cpu: str) -> int:
+    """The cores a validated CPU quantity holds, a part counted whole, at least one (threads, workers)."""
+    cores = quantity_value(cpu)
+    assert cores is not None, cpu  # CpuQuantity (or a literal of ours) validated it
+    return max(1, math.ceil(cores))
 
 
 def _quantity_text(value: Any) -> Any:

@@ -39,7 +39,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import Routing, StackConfig, longest_generation_seconds
-from infra.config.fields import quantity_value
+from infra.config.fields import whole_cores
 from infra.scheduling import Placement
 from infra.serving import kuberay
 from infra.serving.drain import PROXY_DRAIN_SECONDS
@@ -241,9 +241,7 @@ def router_plans(cfg: StackConfig) -> dict[str, RouterPlan]:
 
 def runtime_threads(cpu_request: str) -> int:
     """The router's runtime threads for a CPU request: one per core it holds, a part counted whole."""
-    cores = quantity_value(cpu_request)
-    assert cores is not None, cpu_request  # CpuQuantity validated it
-    return max(1, math.ceil(cores))
+    return whole_cores(cpu_request)
 
 
 def runtime_env(routing: Routing) -> dict[str, str]:

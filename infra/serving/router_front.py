@@ -27,10 +27,9 @@ scratch directory (`FrontAddresses`), on Debian's nginx.
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 
-from infra.config.fields import quantity_value
+from infra.config.fields import whole_cores
 from infra.serving.ports import RAY_PORTS, Port
 from workloads.inference_server.catalog import RequestLimits
 from workloads.inference_server.guard import CHAT_PATH, COMPLETIONS_PATH, body_cap, error_body
@@ -64,9 +63,7 @@ FRONT_MEMORY = "128Mi"
 
 def worker_processes(cpu_limit: str) -> int:
     """nginx's workers for a CPU limit: one per core the front may use at once, a part counted whole."""
-    cores = quantity_value(cpu_limit)
-    assert cores is not None, cpu_limit
-    return max(1, math.ceil(cores))
+    return whole_cores(cpu_limit)
 
 
 # One worker (half a core of limit): each worker takes thousands of
