@@ -98,18 +98,35 @@ def vllm_stream_events(chunks: int) -> list[bytes]:
     return [*(event(i) for i in range(chunks)), b"data: [DONE]\n\n"]
 
 
-def make_app(chunks: int, events: list[bytes] | None = None) -> Any:
-    """The dummy app: reads the body, then streams ``events`` (or ``chunks`` short chat chunks)."""
+def make_app(chunks: int, events: list[bytes] | None = None, *, vllm_usage: bool = False) -> Any:
+    """The dummy app: reads the body, then streams ``events`` (or ``chunks`` short chat chunks).
+
+    With ``vllm_usage`` it leaves the usage in the request state as vLLM's
+    serving code does (its own ``RequestResponseMetadata``: set on
+    ``raw_request.state`` before the first chunk, ``final_usage_info`` after
+    the last one), which is where the server stack's accounting reads a
+    finished answer's tokens.
+    """
     sent = events or [b'data: {"choices":[{"delta":{"content":"tok"}}]}\n\n'] * chunks
+    if vllm_usage:
+        from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
+        from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         more = True
         while more:
             message = await receive()
             more = message.get("more_body", False)
+        metadata = None
+        if vllm_usage:
+            # What Starlette's `request.state` writes to: the scope's "state" dict.
+            metadata = RequestResponseMetadata(request_id="cmpl-bench")
+            scope.setdefault("state", {})["request_metadata"] = metadata
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         for chunk in sent:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if metadata is not None:
+            metadata.final_usage_info = UsageInfo(prompt_tokens=8, completion_tokens=chunks, total_tokens=8 + chunks)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     return app
@@ -173,8 +190,9 @@ async def drive(app: Any, body: bytes, n: int, path: str = "/v1/chat/completions
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        # A scope of its own each time, as the server gives each request (the accounting adds a request id).
-        scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": list(headers)}
+        # A scope of its own each time, as the server gives each request (the accounting adds a
+        # request id), with the request state uvicorn gives each one (a copy of the app's).
+        scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": list(headers), "state": {}}
         await app(scope, receive, send)
     elapsed = time.perf_counter() - started
     if statuses != {200}:
@@ -204,7 +222,7 @@ def measure(
         body, path = chat_body(prompt_bytes), "/v1/chat/completions"
     else:
         assert workdir is not None
-        inner = make_app(chunks, vllm_stream_events(chunks))
+        inner = make_app(chunks, vllm_stream_events(chunks), vllm_usage=True)
         guarded = server_stack(inner, limits, workdir)
         body, path = completion_body(prompt_bytes), "/v1/completions"
     per = max(1, requests // batches)

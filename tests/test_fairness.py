@@ -30,7 +30,7 @@ from inference_server.catalog import Catalog, KeyFairness, RequestLimits
 from inference_server.fairness import (
     ACCESS_LOGGER,
     MAX_EVENT_BYTES,
-    STREAM_BATCH,
+    STREAM_HOLD_BYTES,
     AnswerReader,
     InflightLimiter,
     KeyAccounting,
@@ -161,6 +161,8 @@ class Engine:
         self.hold = False
         self.started = 0
         self.stream_usage = False
+        # The texts of a stream's steps after its role chunk.
+        self.texts = ["a", "b", "c"]
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         body = b""
@@ -177,7 +179,7 @@ class Engine:
             await send(
                 {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
             )
-            for i, text in enumerate(["", "a", "b", "c"]):
+            for i, text in enumerate(["", *self.texts]):
                 delta = {"role": "assistant", "content": text} if i == 0 else {"content": text}
                 chunk = {"id": "x", "model": MODEL, "choices": [{"index": 0, "delta": delta}]}
                 await send(
@@ -490,14 +492,20 @@ def test_the_readers_count_of_a_vllm_stream_does_not_depend_on_how_it_was_cut(sp
     assert (reader.model, reader.choice_events, reader.usage) == (MODEL, 4, usage)
 
 
-def test_a_long_stream_is_counted_alike_however_its_batches_fall() -> None:
-    """Events cut across batch boundaries, and counts read mid-stream, give the count of the whole."""
-    texts = [f" t{i}" if i % 7 else "" for i in range(3 * STREAM_BATCH + 5)]
+def _long_stream() -> tuple[list[bytes], dict[str, int], int]:
+    """A vLLM stream of more than three holds' bytes, some of its steps without text."""
+    texts = [f" t{i}" if i % 7 else "" for i in range(3 * STREAM_HOLD_BYTES // 100)]
     usage = {"prompt_tokens": 3, "completion_tokens": len(texts), "total_tokens": 3 + len(texts)}
     events = _vllm_completion_stream(texts, usage)
+    assert sum(map(len, events)) > 3 * STREAM_HOLD_BYTES
+    return events, usage, sum(1 for t in texts if t)
+
+
+def test_a_long_stream_is_counted_alike_however_its_batches_fall() -> None:
+    """Events cut across batch boundaries, and counts read mid-stream, give the count of the whole."""
+    events, usage, expected = _long_stream()
     whole = b"".join(events)
-    expected = sum(1 for t in texts if t)
-    for size in (1, 13, 200, len(whole)):
+    for size in (13, 200, 5000, len(whole)):
         reader = AnswerReader()
         seen = []
         for i in range(0, len(whole), size):
@@ -512,6 +520,52 @@ def test_a_long_stream_is_counted_alike_however_its_batches_fall() -> None:
     assert reader.choice_events == 1
     reader.feed(events[2][20:], stream=True)
     assert reader.choice_events == 2
+
+
+def test_a_stream_nobody_reads_holds_at_most_its_bound() -> None:
+    """Held chunks are read once they pass the bound, not kept to the stream's end, and count the same."""
+    events, usage, expected = _long_stream()
+    reader = AnswerReader()
+    most = 0
+    for event in events:
+        reader.feed(event, stream=True)
+        most = max(most, sum(map(len, reader._pending)))
+    assert most < STREAM_HOLD_BYTES
+    assert (reader.choice_events, reader.usage) == (expected, usage)
+
+
+def test_a_stream_vllm_finished_is_never_parsed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With vLLM's usage in the request state, the held chunks are dropped unread: no per-token parsing.
+
+    A stream the client left (no usage in the state) is still read, and counted.
+    """
+    reads: list[int] = []
+    read = AnswerReader._read_events
+
+    def counted_read(self: AnswerReader) -> None:
+        reads.append(len(self._pending))
+        read(self)
+
+    monkeypatch.setattr(AnswerReader, "_read_events", counted_read)
+    h = Harness(tmp_path)
+    # Two hundred tokens: far below the bound in bytes, past any batch of a few dozen events.
+    h.engine.texts = [f" t{i}" for i in range(200)]
+    stream = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": PROMPT}]}
+    h.engine.stream_usage = True
+    assert run(h.call(SECRET_OLD, stream))[0] == 200
+    assert [n for n in reads if n] == []
+    h.engine.stream_usage = False
+    assert run(h.call(SECRET_OLD, stream))[0] == 200
+    # Read once, at the end: the role chunk, 200 tokens and [DONE].
+    assert [n for n in reads if n] == [202]
+    exact, counted = h.lines()
+    # The exact figures are the stand-in's state (3 tokens); the counted ones, its 200 events.
+    assert (exact["output_tokens"], exact["tokens"], counted["output_tokens"], counted["tokens"]) == (
+        3,
+        "exact",
+        200,
+        "counted",
+    )
 
 
 def test_an_event_that_never_ends_is_kept_only_to_its_bound() -> None:
