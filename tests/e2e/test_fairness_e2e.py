@@ -390,6 +390,29 @@ def test_each_request_is_logged_and_counted_by_key_id_without_keys_or_prompts(gu
     assert line["key_id"] == "victim" and line["model"] == MODEL_ID and line["status"] == 200
     assert (line["prompt_tokens"], line["output_tokens"]) == (usage["prompt_tokens"], usage["completion_tokens"])
     assert line["tokens"] == "exact" and line["output_tokens"] == 3
+
+    # A stream without `include_usage`: its answer carries no usage, and the
+    # count is still exact, from vLLM's own request state (which is why the
+    # accounting never parses a stream vLLM finished).
+    with httpx.stream(
+        "POST",
+        guarded.base_url + "/completions",
+        json={"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, "stream": True},
+        headers={**_auth(VICTIM_SECRET), "X-Request-Id": "fairness-e2e-stream"},
+        timeout=TIMEOUT_S,
+    ) as streamed:
+        assert streamed.status_code == 200
+        events = [chunk for chunk in streamed.iter_lines() if chunk.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and not any('"usage"' in event for event in events)
+    deadline = time.monotonic() + 10
+    while '"fairness-e2e-stream"' not in guarded.log() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    lines = [json.loads(line) for line in guarded.log().splitlines() if line.startswith('{"request_id"')]
+    (line,) = [entry for entry in lines if entry["request_id"] == "fairness-e2e-stream"]
+    assert (line["stream"], line["tokens"], line["output_tokens"]) == (True, "exact", 5)
+    assert line["prompt_tokens"] is not None and line["prompt_tokens"] > 0
+
+    log = guarded.log()
     assert {entry["key_id"] for entry in lines} >= {"hog", "victim"}
     assert HOG_SECRET not in log and VICTIM_SECRET not in log
     assert not [entry for entry in lines if PROMPT in json.dumps(entry)]
