@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from benchmarks import guard_overhead, render_scale, serving_overhead
 from benchmarks.render_scale import ScaleResults
@@ -150,19 +151,69 @@ def headline_table(results: ServingResults) -> str:
     return "\n".join(lines)
 
 
-def router_rows(results: ServingResults) -> list[tuple[str, str, int, str, str, float, bool]]:
-    """(figure, attribute, c, ratio|diff, against, target, at least?) of the routing tier's table."""
-    rows: list[tuple[str, str, int, str, str, float, bool]] = []
-    if 1 in results.concurrency and "project" in results.variants:
+class RouterRow(NamedTuple):
+    """One figure of the routing tier's table: the routed variant paired with ``against`` in each round."""
+
+    name: str
+    attr: str
+    concurrency: int
+    how: str  # "ratio" or "diff"
+    against: str
+    target: float | None  # None: shown, not judged
+    at_least: bool = False
+    fmt: str = "{:+.1f}"
+
+    @property
+    def shown(self) -> str:
+        return "{:.2f}x" if self.how == "ratio" else self.fmt
+
+
+def router_rows(results: ServingResults) -> list[RouterRow]:
+    """The routing tier's table: the criterion's figures, then where the hop's cost goes under load.
+
+    The criterion's: the TTFT the router adds at c=1 and its requests/s
+    against bare vLLM under load. Then, against the direct layout it fronts:
+    its requests/s (the hop alone), the measured server's own CPU a request
+    (isolated, that server fills its one core under load, so its rate is
+    that core over this CPU: a hop that makes the server spend more a
+    request, for example by reaching the engine's batch later, costs rate
+    there), and the CPU the router and its front spend a request (on the
+    other core here, in the router's own pods on a cluster).
+    """
+    rows: list[RouterRow] = []
+    direct = "project" in results.variants
+    if 1 in results.concurrency and direct:
         rows.append(
-            ("TTFT p50 the router adds, ms", "ttft_p50_ms", 1, "diff", "project", ROUTER_ADDED_TTFT_TARGET_MS, False)
+            RouterRow("TTFT p50 the router adds, ms", "ttft_p50_ms", 1, "diff", "project", ROUTER_ADDED_TTFT_TARGET_MS)
         )
+    loads = [c for c in ROUTER_RPS_CONCURRENCY if c in results.concurrency]
     if "bare" in results.variants:
         rows += [
-            ("req/s ratio to bare vLLM", "rps", c, "ratio", "bare", RPS_RATIO_TARGET, True)
-            for c in ROUTER_RPS_CONCURRENCY
-            if c in results.concurrency
+            RouterRow("req/s ratio to bare vLLM", "rps", c, "ratio", "bare", RPS_RATIO_TARGET, at_least=True)
+            for c in loads
         ]
+    if direct:
+        for c in loads:
+            rows += [
+                RouterRow("req/s, routed / project (the hop alone)", "rps", c, "ratio", "project", None),
+                RouterRow(
+                    "the measured server's CPU a request, routed / project",
+                    "server_cpu_ms_per_request",
+                    c,
+                    "ratio",
+                    "project",
+                    None,
+                ),
+                RouterRow(
+                    "CPU ms a request of the router and its front",
+                    "hop_cpu_ms_per_request",
+                    c,
+                    "diff",
+                    "project",
+                    None,
+                    fmt="{:.2f}",
+                ),
+            ]
     return rows
 
 
@@ -175,18 +226,24 @@ def router_table(results: ServingResults) -> str:
         return "No routing-tier figures: the run needs the project variant or bare vLLM beside the routed one."
     lines = [
         f"{_label('routed')}, paired within each round: median [min, max] over rounds, the median's 95% "
-        "bootstrap interval; the verdict is on the median.",
+        "bootstrap interval; the verdict is on the median. The rows without a target say where the hop's "
+        "cost goes, against the project's layout the router fronts.",
         "",
         "| figure | c | measured | median's 95% interval | target | verdict |",
         "|---|---|---|---|---|---|",
     ]
-    for name, attr, concurrency, how, against, target, at_least in rows:
-        values = _paired(results, "routed", concurrency, attr, how, against)
-        fmt = "{:.2f}x" if how == "ratio" else "{:+.1f}"
-        bound = (">= " if at_least else "<= ") + (f"{target:.2f}x" if how == "ratio" else f"{target:.0f} ms")
+    for row in rows:
+        values = _paired(results, "routed", row.concurrency, row.attr, row.how, row.against)
+        if row.target is None:
+            bound, said = "-", "-"
+        else:
+            bound = (">= " if row.at_least else "<= ") + (
+                f"{row.target:.2f}x" if row.how == "ratio" else f"{row.target:.0f} ms"
+            )
+            said = judged(values, row.target, row.at_least)
         lines.append(
-            f"| {name} | {concurrency} | {spread(values, fmt)} | {interval(values, fmt)} | {bound} | "
-            f"{judged(values, target, at_least)} |"
+            f"| {row.name} | {row.concurrency} | {spread(values, row.shown)} | {interval(values, row.shown)} "
+            f"| {bound} | {said} |"
         )
     return "\n".join(lines)
 

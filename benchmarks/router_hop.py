@@ -44,12 +44,11 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.server_tree import ROUTER, ROUTER_FRONT  # noqa: E402
 from benchmarks.serving_overhead import cpu_by_role  # noqa: E402
 from localserve.processes import free_port, with_descendants  # noqa: E402
 from twin.routing import RouterSpec  # noqa: E402
 
-ROUTER_ROLE = "router"
-FRONT_ROLE = "router front"
 # One streamed event as vLLM's completions route writes it for one token.
 EVENT = (
     b'data: {"id":"cmpl-0","object":"text_completion","created":0,"model":"m",'
@@ -166,8 +165,8 @@ def measure(threads: int, workers: int, args: argparse.Namespace, replica: str, 
                     args.requests,
                     chunks,
                     seconds,
-                    used.get(ROUTER_ROLE, 0.0),
-                    used.get(FRONT_ROLE, 0.0),
+                    used.get(ROUTER, 0.0),
+                    used.get(ROUTER_FRONT, 0.0),
                 )
                 rounds.append(hop)
                 print(

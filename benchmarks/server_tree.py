@@ -21,6 +21,10 @@ from workloads.inference_server.vllm_main import API_SERVER_TITLE
 FORWARD_PASS = "vLLM worker (forward pass)"
 ENGINE_CORE = "vLLM engine core"
 API_SERVER = "vLLM API server"
+# The routed layout's hop: vllm-router and its nginx front.
+ROUTER = "router"
+ROUTER_FRONT = "router front"
+HOP_ROLES = (ROUTER, ROUTER_FRONT)
 # Which part of a server a process is, from the title Ray and vLLM give it
 # (first match wins).
 ROLES = (
@@ -33,10 +37,10 @@ ROLES = (
     ("vllm.entrypoints.openai.api_server", API_SERVER),
     ("guarded_serve.py", "launcher"),
     # vllm-router titles itself once it runs; before that, its module's name.
-    ("vllm::router", "router"),
-    ("vllm_router", "router"),
+    ("vllm::router", ROUTER),
+    ("vllm_router", ROUTER),
     # The router's front (nginx: "nginx: master process ...", "nginx: worker process").
-    ("nginx: ", "router front"),
+    ("nginx: ", ROUTER_FRONT),
     # The model gateway (python -m inference_server.gateway).
     ("inference_server.gateway", "gateway"),
     ("ProxyActor", "Serve proxy"),

@@ -72,6 +72,7 @@ from benchmarks.pinning import PinCheck, Pinner, busy_shares, cpu_times  # noqa:
 from benchmarks.server_tree import (  # noqa: E402
     API_SERVER,
     FORWARD_PASS,
+    HOP_ROLES,
     process_role,
     roles_of,
     wait_for_tree,
@@ -774,6 +775,14 @@ class Cell:
 
     def forward_ms_per_token(self) -> float:
         return self.cpu_ms_per_token(FORWARD_PASS)
+
+    def server_cpu_ms_per_request(self) -> float:
+        """The measured server's own CPU a request served: on its core when isolated, what bounds its rate there."""
+        return self.server_cpu_ms / max(1, self.completed)
+
+    def hop_cpu_ms_per_request(self) -> float:
+        """The router's and its front's CPU a request served (none for a variant without them)."""
+        return sum(self.cpu_ms.get(role, 0.0) for role in HOP_ROLES) / max(1, self.completed)
 
     def server_core_share(self) -> float:
         """Share of one core the measured server's own processes used during the cell."""

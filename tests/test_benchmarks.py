@@ -27,6 +27,8 @@ from benchmarks.server_tree import (
     API_SERVER,
     ENGINE_CORE,
     FORWARD_PASS,
+    ROUTER,
+    ROUTER_FRONT,
     ServerTreeError,
     process_role,
     wait_for_tree,
@@ -118,7 +120,9 @@ def test_isolate_puts_every_thread_of_the_server_on_its_core_and_the_rest_on_the
             proc.wait()
 
 
-def _cell(variant: str, rnd: int, concurrency: int, rps: float, ttft_ms: float = 10.0) -> Cell:
+def _cell(
+    variant: str, rnd: int, concurrency: int, rps: float, ttft_ms: float = 10.0, server_cpu_ms: float = 0.0
+) -> Cell:
     return Cell(
         variant=variant,
         concurrency=concurrency,
@@ -137,6 +141,7 @@ def _cell(variant: str, rnd: int, concurrency: int, rps: float, ttft_ms: float =
         e2el_p99_ms=60.0,
         output_tokens=320,
         cpu_ms={FORWARD_PASS: 100.0, ENGINE_CORE: 50.0},
+        server_cpu_ms=server_cpu_ms,
     )
 
 
@@ -195,6 +200,26 @@ def test_the_routing_tier_is_judged_on_its_hop_against_the_direct_layout_and_its
     assert "| req/s ratio to bare vLLM | 8 | 0.97x [0.97x, 0.97x] | [0.97x, 0.97x] | >= 0.95x | **PASS** |" in table
     assert "| req/s ratio to bare vLLM | 32 | 0.90x [0.90x, 0.90x] | [0.90x, 0.90x] | >= 0.95x | **MISS** |" in table
     assert router_table(ServingResults(**{**results.__dict__, "variants": ["project", "bare"]})) == ""
+
+
+def test_the_routing_tiers_table_says_where_the_hops_cost_went_under_load() -> None:
+    # c=32, three rounds: routed serves 0.96x, 0.94x and 0.95x of the project's req/s in its round,
+    # its measured server spends 1.05x the project's CPU a request, and the router and its front
+    # 6 and 4 ms over the cell's 10 requests (1.00 ms a request); the direct layout has no hop.
+    cells = []
+    for rnd, ratio in enumerate([0.96, 0.94, 0.95]):
+        cells += [_cell("bare", rnd, 32, 100.0), _cell("project", rnd, 32, 98.0, server_cpu_ms=80.0)]
+        routed = _cell("routed", rnd, 32, 98.0 * ratio, server_cpu_ms=84.0)
+        routed.cpu_ms = {**routed.cpu_ms, ROUTER: 6.0, ROUTER_FRONT: 4.0}
+        cells.append(routed)
+    results = _three_rounds(["project", "routed", "bare"], [32], cells)
+    table = router_table(results)
+    assert "| req/s, routed / project (the hop alone) | 32 | 0.95x [0.94x, 0.96x] | [0.94x, 0.96x] | - | - |" in table
+    assert "| the measured server's CPU a request, routed / project | 32 | 1.05x [1.05x, 1.05x] |" in table
+    assert "| CPU ms a request of the router and its front | 32 | 1.00 [1.00, 1.00] |" in table
+    # Without the direct layout in the run, none of the three (bare alone judges the rate).
+    alone = ServingResults(**{**results.__dict__, "variants": ["routed", "bare"]})
+    assert "the hop alone" not in router_table(alone) and "req/s ratio to bare vLLM | 32" in router_table(alone)
 
 
 def test_the_medians_interval_narrows_with_rounds_and_is_the_same_each_time() -> None:

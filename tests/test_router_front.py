@@ -40,7 +40,7 @@ from twin.routing import (
     start_front,
     start_router,
 )
-from workloads.inference_server.guard import LIMITED_PATHS, body_cap
+from workloads.inference_server.guard import LIMITED_PATHS, SERVER_ERROR, body_cap, server_message
 from workloads.inference_server.vllm_guard import SERVED_PATHS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -313,3 +313,122 @@ def test_the_front_runs_one_worker_per_core_of_its_limit_as_the_pod_renders_it(t
         finally:
             child.stop()
             scratch.cleanup()
+
+
+def _server_error(answer: httpx.Response, status: int) -> None:
+    """``answer`` is ``status`` in the OpenAI shape, with the guard's fixed message for it."""
+    assert answer.status_code == status, answer.text[:300]
+    assert answer.headers["content-type"].startswith("application/json")
+    assert answer.json() == {
+        "error": {"message": server_message(status), "type": SERVER_ERROR, "param": None, "code": None}
+    }
+
+
+def test_when_no_replica_answers_the_routers_own_500_leaves_without_the_replicas_address(tmp_path: Path) -> None:
+    import socket
+
+    class Dropping(SlowReplica):
+        """Reads the request, then is gone without a word: a pod killed mid-request."""
+
+        @override
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    replica = LoopbackHttp(Dropping)
+    spec = prod_router()
+    router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log", spec.front, env=spec.env)
+    try:
+        body = {"model": "m", "prompt": "x", "max_tokens": 4}
+        # The router's own answer, asked behind the front: it names the replica it could not reach.
+        direct = httpx.post(f"http://127.0.0.1:{router.router_port}/v1/completions", json=body, timeout=60)
+        assert direct.status_code == 500 and replica.base_url.removeprefix("http://") in direct.text
+        through = httpx.post(router.base_url + "/completions", json=body, timeout=60)
+    finally:
+        router.stop()
+        replica.stop()
+    _server_error(through, 500)
+    assert replica.base_url.removeprefix("http://") not in through.text
+
+
+def test_what_the_replicas_answer_passes_the_front_as_it_is(tmp_path: Path) -> None:
+    # The replicas' guard answers in the OpenAI shape already: a key over its cap (429), a model
+    # waking (503 with Retry-After) and a bad request (400) reach the caller unchanged.
+    answers = {
+        429: (b'{"error": {"message": "key over its cap", "type": "rate_limit_exceeded"}}', {}),
+        503: (b'{"error": {"message": "waking", "type": "server_error"}}', {"retry-after": "7"}),
+        400: (b'{"error": {"message": "bad temperature", "type": "invalid_request_error"}}', {}),
+    }
+
+    class Answering(SlowReplica):
+        @override
+        def do_POST(self) -> None:
+            asked = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+            body, headers = answers[int(asked["prompt"])]
+            self.send_response(int(asked["prompt"]))
+            for name, value in {**headers, "content-type": "application/json"}.items():
+                self.send_header(name, value)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    replica = LoopbackHttp(Answering)
+    spec = prod_router()
+    router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log", spec.front, env=spec.env)
+    try:
+        got = {
+            status: httpx.post(router.base_url + "/completions", json={"model": "m", "prompt": str(status)}, timeout=60)
+            for status in answers
+        }
+    finally:
+        router.stop()
+        replica.stop()
+    for status, (body, headers) in answers.items():
+        assert got[status].status_code == status and got[status].content == body
+        assert all(got[status].headers.get(name) == value for name, value in headers.items())
+
+
+def test_nginxs_own_502_and_504_leave_in_the_openai_shape(tmp_path: Path) -> None:
+    import socket
+    import threading
+
+    # 502: no router behind the front (its port closed).
+    front, port, scratch = start_front(prod_router().front, free_port(), tmp_path / "front.log")
+    try:
+        _wait_listening(port)
+        gone = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=30)
+    finally:
+        front.stop(grace_s=5)
+        scratch.cleanup()
+    _server_error(gone, 502)
+
+    # 504: a router that takes the request and never answers, past the front's timeout (1 s here).
+    silent = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: held.append(silent.accept()[0]), daemon=True).start()
+    quick = replace(prod_router().front, request_timeout_s=1)
+    front, port, scratch = start_front(quick, silent.getsockname()[1], tmp_path / "front-timeout.log")
+    try:
+        _wait_listening(port)
+        late = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=30)
+    finally:
+        front.stop(grace_s=5)
+        scratch.cleanup()
+        silent.close()
+        for conn in held:
+            conn.close()
+    _server_error(late, 504)
+
+
+def _wait_listening(port: int, timeout_s: float = 10.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"nothing listens on {port}")

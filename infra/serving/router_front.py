@@ -32,7 +32,15 @@ from dataclasses import dataclass
 from infra.config.fields import whole_cores
 from infra.serving.ports import RAY_PORTS, Port
 from workloads.inference_server.catalog import RequestLimits
-from workloads.inference_server.guard import CHAT_PATH, COMPLETIONS_PATH, body_cap, error_body
+from workloads.inference_server.guard import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    INVALID_REQUEST,
+    SERVER_ERROR,
+    body_cap,
+    error_body,
+    server_message,
+)
 
 # What clients reach: the port name and number the replicas' servers use, so
 # the load balancer's target port and the clients' URL do not change.
@@ -113,8 +121,19 @@ def _quoted(body: bytes) -> str:
     return f"'{text}'"
 
 
-def _error(status: int, message: str, type_: str, code: str) -> str:
+def _error(status: int, message: str, type_: str, code: str | None) -> str:
     return f"return {status} {_quoted(error_body(message, type_=type_, param=None, code=code))};"
+
+
+# The 5xx answers the front writes itself, in place of the router's and nginx's own:
+# the router's 500 when no replica answered names the replica's address in its
+# body ("Request failed: error sending request for url (http://<pod IP>:8000/...)"),
+# and nginx's 502 and 504 (the router gone, or silent past the timeout) are HTML
+# pages. The replicas' guard already answers every 5xx with a fixed message
+# (guard.openai_error), so the front replaces these with the same ones. 503 is
+# not replaced: the router's own (no ready replica, a full queue) names nothing
+# behind it and the replicas' carries its Retry-After.
+REPLACED_ERRORS = (500, 502, 504)
 
 
 @dataclass(frozen=True)
@@ -170,7 +189,15 @@ http {{
         locations = "\n".join(self._location(path, method) for path, method in ROUTES.items())
         not_found = _error(404, "Not found: this endpoint serves the OpenAI API", "not_found_error", "not_found")
         too_large = _error(
-            413, f"The request body exceeds {self.max_body_bytes} bytes", "invalid_request_error", "body_too_large"
+            413, f"The request body exceeds {self.max_body_bytes} bytes", INVALID_REQUEST, "body_too_large"
+        )
+        replaced_pages = "\n".join(f"        error_page {status} @status_{status};" for status in REPLACED_ERRORS)
+        replaced_locations = "\n".join(
+            f"""
+        location @status_{status} {{
+            {_error(status, server_message(status), SERVER_ERROR, None)}
+        }}"""
+            for status in REPLACED_ERRORS
         )
         return f"""    server {{
         listen {listen} reuseport;
@@ -184,12 +211,17 @@ http {{
         proxy_read_timeout {self.request_timeout_s}s;
         proxy_send_timeout {self.request_timeout_s}s;
         error_page 413 @too_large;
+        # The router's own 500 names a replica's address; nginx's own 502 and
+        # 504 are HTML. Each is answered here in the OpenAI shape instead.
+        proxy_intercept_errors on;
+{replaced_pages}
 
 {locations}
 
         location @too_large {{
             {too_large}
         }}
+{replaced_locations}
 
         location / {{
             {not_found}
@@ -198,7 +230,7 @@ http {{
 
     @staticmethod
     def _location(path: str, method: str) -> str:
-        wrong_method = _error(405, f"{path} takes {method}", "invalid_request_error", "method_not_allowed")
+        wrong_method = _error(405, f"{path} takes {method}", INVALID_REQUEST, "method_not_allowed")
         return f"""        location = {path} {{
             if ($request_method != {method}) {{
                 {wrong_method}

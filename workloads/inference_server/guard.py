@@ -635,6 +635,12 @@ _SERVER_MESSAGES = {
     503: "The server is overloaded or not ready yet. Please retry your request.",
     504: "The model did not answer in time. Please retry your request.",
 }
+_SERVER_FAULT = "The server had an error while processing your request."
+
+
+def server_message(status: int) -> str:
+    """The fixed message of a 5xx answer: what went wrong behind the API is never shown to its caller."""
+    return _SERVER_MESSAGES.get(status, _SERVER_FAULT)
 
 
 def openai_error(status: int, raw: bytes) -> bytes:
@@ -679,7 +685,7 @@ def openai_error(status: int, raw: bytes) -> bytes:
         code = _STATUS_CODES.get(status)
     if status >= 500:
         type_ = SERVER_ERROR
-        message = _SERVER_MESSAGES.get(status, "The server had an error while processing your request.")
+        message = server_message(status)
     else:
         given = error.get("type")
         type_ = given if given in OPENAI_ERROR_TYPES else INVALID_REQUEST
