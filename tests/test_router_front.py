@@ -389,32 +389,32 @@ def test_what_the_replicas_answer_passes_the_front_as_it_is(tmp_path: Path) -> N
         assert all(got[status].headers.get(name) == value for name, value in headers.items())
 
 
+def _asked_through_front(plan: FrontPlan, router_port: int, log: Path) -> httpx.Response:
+    """One completion request through a front started for it in front of ``router_port``."""
+    front, port, scratch = start_front(plan, router_port, log)
+    try:
+        _wait_listening(port)
+        return httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=30)
+    finally:
+        front.stop(grace_s=5)
+        scratch.cleanup()
+
+
 def test_nginxs_own_502_and_504_leave_in_the_openai_shape(tmp_path: Path) -> None:
     import socket
     import threading
 
     # 502: no router behind the front (its port closed).
-    front, port, scratch = start_front(prod_router().front, free_port(), tmp_path / "front.log")
-    try:
-        _wait_listening(port)
-        gone = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=30)
-    finally:
-        front.stop(grace_s=5)
-        scratch.cleanup()
-    _server_error(gone, 502)
+    _server_error(_asked_through_front(prod_router().front, free_port(), tmp_path / "front.log"), 502)
 
     # 504: a router that takes the request and never answers, past the front's timeout (1 s here).
     silent = socket.create_server(("127.0.0.1", 0))
     held: list[socket.socket] = []
     threading.Thread(target=lambda: held.append(silent.accept()[0]), daemon=True).start()
     quick = replace(prod_router().front, request_timeout_s=1)
-    front, port, scratch = start_front(quick, silent.getsockname()[1], tmp_path / "front-timeout.log")
     try:
-        _wait_listening(port)
-        late = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=30)
+        late = _asked_through_front(quick, silent.getsockname()[1], tmp_path / "front-timeout.log")
     finally:
-        front.stop(grace_s=5)
-        scratch.cleanup()
         silent.close()
         for conn in held:
             conn.close()
