@@ -132,7 +132,8 @@ def _error(status: int, message: str, type_: str, code: str | None) -> str:
 # pages. The replicas' guard already answers every 5xx with a fixed message
 # (guard.openai_error), so the front replaces these with the same ones. 503 is
 # not replaced: the router's own (no ready replica, a full queue) names nothing
-# behind it and the replicas' carries its Retry-After.
+# behind it and the replicas' carries its Retry-After. Once nginx intercepts,
+# a replica's 413 gets the front's own 413 too (the same cap, body_cap).
 REPLACED_ERRORS = (500, 502, 504)
 
 
