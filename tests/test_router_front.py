@@ -13,6 +13,7 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -124,15 +125,28 @@ def prod_router() -> RouterSpec:
     return next(iter(router_specs(ROOT / "Pulumi.prod.yaml").values()))
 
 
+@contextmanager
+def prod_router_before(
+    handler: type[BaseHTTPRequestHandler], tmp_path: Path
+) -> Iterator[tuple[TwinRouter, LoopbackHttp]]:
+    """Prod's rendered router and its front, in front of one loopback replica served by ``handler``."""
+    replica = LoopbackHttp(handler)
+    spec = prod_router()
+    try:
+        router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log", spec.front, env=spec.env)
+        try:
+            yield router, replica
+        finally:
+            router.stop()
+    finally:
+        replica.stop()
+
+
 @pytest.fixture
 def routed(tmp_path: Path) -> Iterator[tuple[TwinRouter, Seen, LoopbackHttp]]:
     seen = Seen()
-    replica = LoopbackHttp(recording_replica(seen))
-    spec = prod_router()
-    router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log", spec.front, env=spec.env)
-    yield router, seen, replica
-    router.stop()
-    replica.stop()
+    with prod_router_before(recording_replica(seen), tmp_path) as (router, replica):
+        yield router, seen, replica
 
 
 def test_without_its_front_the_pinned_routers_control_routes_hand_the_traffic_to_anyone(
@@ -336,20 +350,15 @@ def test_when_no_replica_answers_the_routers_own_500_leaves_without_the_replicas
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
 
-    replica = LoopbackHttp(Dropping)
-    spec = prod_router()
-    router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log", spec.front, env=spec.env)
-    try:
-        body = {"model": "m", "prompt": "x", "max_tokens": 4}
+    body = {"model": "m", "prompt": "x", "max_tokens": 4}
+    with prod_router_before(Dropping, tmp_path) as (router, replica):
+        address = replica.base_url.removeprefix("http://")
         # The router's own answer, asked behind the front: it names the replica it could not reach.
         direct = httpx.post(f"http://127.0.0.1:{router.router_port}/v1/completions", json=body, timeout=60)
-        assert direct.status_code == 500 and replica.base_url.removeprefix("http://") in direct.text
+        assert direct.status_code == 500 and address in direct.text
         through = httpx.post(router.base_url + "/completions", json=body, timeout=60)
-    finally:
-        router.stop()
-        replica.stop()
     _server_error(through, 500)
-    assert replica.base_url.removeprefix("http://") not in through.text
+    assert address not in through.text
 
 
 def test_what_the_replicas_answer_passes_the_front_as_it_is(tmp_path: Path) -> None:
@@ -375,17 +384,11 @@ def test_what_the_replicas_answer_passes_the_front_as_it_is(tmp_path: Path) -> N
             self.end_headers()
             self.wfile.write(body)
 
-    replica = LoopbackHttp(Answering)
-    spec = prod_router()
-    router, _ = start_router(spec.command, [replica.base_url], tmp_path / "router.log", spec.front, env=spec.env)
-    try:
+    with prod_router_before(Answering, tmp_path) as (router, _):
         got = {
             status: httpx.post(router.base_url + "/completions", json={"model": "m", "prompt": str(status)}, timeout=60)
             for status in answers
         }
-    finally:
-        router.stop()
-        replica.stop()
     for status, (body, headers) in answers.items():
         if status == 413:
             assert got[status].status_code == 413 and got[status].json()["error"]["code"] == "body_too_large"
