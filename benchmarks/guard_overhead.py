@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -40,7 +39,7 @@ if str(REPO / "workloads") not in sys.path:
     sys.path.insert(0, str(REPO / "workloads"))
 
 from inference_server.catalog import RequestLimits  # noqa: E402
-from inference_server.fairness import ACCESS_LOGGER  # noqa: E402
+from inference_server.fairness import AccessLog  # noqa: E402
 from inference_server.guard import ApiGuard, ApiKeys  # noqa: E402
 from inference_server.vllm_guard import (  # noqa: E402
     DRAIN_FILE_ENV,
@@ -141,11 +140,6 @@ def server_stack(app: Any, limits: RequestLimits, workdir: Path) -> VllmServerGu
     settings = ServerGuardSettings(
         api_keys_file=None, api_keys_env=KEYS_ENV, limits=limits, model_ids=[MODEL], replica_inflight_cap=1000
     )
-    log = logging.getLogger(ACCESS_LOGGER)
-    # The server's handler writes to its stderr: the same work, but not 20000 lines on this terminal.
-    log.handlers = [logging.StreamHandler(open(workdir / "access.log", "a", buffering=1, encoding="utf-8"))]  # noqa: SIM115
-    log.setLevel(logging.INFO)
-    log.propagate = False
     environ = {
         KEYS_ENV: KEYS,
         SETTINGS_ENV: settings.model_dump_json(),
@@ -155,7 +149,7 @@ def server_stack(app: Any, limits: RequestLimits, workdir: Path) -> VllmServerGu
     saved = {k: os.environ.get(k) for k in environ}
     os.environ.update(environ)
     try:
-        return VllmServerGuard(app)
+        stack = VllmServerGuard(app)
     finally:
         # The keys stay readable: ApiKeys reads its variable on each reload.
         for key, value in saved.items():
@@ -164,6 +158,10 @@ def server_stack(app: Any, limits: RequestLimits, workdir: Path) -> VllmServerGu
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+    # The server writes its lines to its stderr: the same writes, to a file rather than this terminal.
+    stack.accounting.log.close()
+    stack.accounting.log = AccessLog(os.open(workdir / "access.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND))
+    return stack
 
 
 async def drive(app: Any, body: bytes, n: int, path: str = "/v1/chat/completions") -> float:

@@ -8,7 +8,6 @@ that raced the server's start, a layout that did not hold, a wrong verdict.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import subprocess
@@ -334,18 +333,8 @@ def test_the_gateways_process_is_counted_as_the_gateway(tmp_path: Path) -> None:
         gateway.stop(grace_s=5)
 
 
-@pytest.fixture
-def access_log_handlers() -> Iterator[None]:
-    log = logging.getLogger(guard_overhead.ACCESS_LOGGER)
-    saved = list(log.handlers)
-    yield
-    for handler in log.handlers:
-        handler.close()
-    log.handlers = saved
-
-
 def test_the_server_stack_is_timed_serving_vllms_events_through_all_of_it(
-    tmp_path: Path, access_log_handlers: None, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What the per-request figure of the vllm-server process times: every request served and accounted."""
     pytest.importorskip("vllm")

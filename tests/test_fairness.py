@@ -7,10 +7,13 @@ capacity rules that hold the caps in bounds are at the end.
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import logging
+import os
+import subprocess
+import sys
 import typing
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,9 +31,9 @@ from inference_server.api_keys import (
 )
 from inference_server.catalog import Catalog, KeyFairness, RequestLimits
 from inference_server.fairness import (
-    ACCESS_LOGGER,
     MAX_EVENT_BYTES,
     STREAM_HOLD_BYTES,
+    AccessLog,
     AnswerReader,
     InflightLimiter,
     KeyAccounting,
@@ -215,11 +218,11 @@ class Harness:
         self.keys = ApiKeys(str(path), "UNUSED", environ={})
         self.engine = Engine()
         self.registry = CollectorRegistry()
-        self.stream = io.StringIO()
-        log = logging.getLogger(f"{ACCESS_LOGGER}.test.{id(self)}")
-        log.handlers[:] = [logging.StreamHandler(self.stream)]
-        log.setLevel(logging.INFO)
-        log.propagate = False
+        # The server's own writer, on a file instead of its stderr.
+        self.log_path = tmp_path / "access.log"
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        weakref.finalize(self, os.close, fd)
+        log = AccessLog(fd)
         guard = ApiGuard(self.engine, keys=self.keys, limits=RequestLimits(max_tokens=64), model_ids=[MODEL])
         self.app = KeyAccounting(
             guard,
@@ -232,7 +235,7 @@ class Harness:
         )
 
     def lines(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.stream.getvalue().splitlines()]
+        return [json.loads(line) for line in self.log_path.read_text().splitlines()]
 
     def metric(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, labels) or 0.0
@@ -372,12 +375,34 @@ def test_the_log_line_names_the_key_and_counts_tokens_without_the_prompt_or_the_
     assert (line["prompt_tokens"], line["output_tokens"], line["tokens"]) == (9, 5, "exact")
     assert line["latency_ms"] >= 0 and line["first_byte_ms"] is not None and line["stream"] is False
     assert headers[b"x-request-id"].decode() == line["request_id"] and len(line["request_id"]) == 32
-    text = h.stream.getvalue()
+    text = h.log_path.read_text()
     for secret in (SECRET_A, SECRET_B, SECRET_OLD, PROMPT, "hello"):
         assert secret not in text
     assert h.metric("ray_llm_api_key_requests_total", key_id="team-a", model=MODEL, status="200") == 1
     assert h.metric("ray_llm_api_key_prompt_tokens_total", key_id="team-a", model=MODEL) == 9
     assert h.metric("ray_llm_api_key_generation_tokens_total", key_id="team-a", model=MODEL) == 5
+
+
+def test_access_lines_reach_stderr_as_json_past_vllms_decorated_sys_stderr() -> None:
+    """vLLM's API server puts "(APIServer pid=N) " before what passes sys.stderr; the access lines stay JSON."""
+    code = """
+import json, sys
+from inference_server.fairness import AccessLog
+write = sys.stderr.write
+sys.stderr.write = lambda text: write("(APIServer pid=1) " + text)  # what vLLM's decorate_logs does
+log = AccessLog()
+sys.stderr.write("through sys.stderr\\n")
+sys.stderr.flush()
+for i in range(3):
+    log.write(json.dumps({"request": i, "path": "/v1/" + "x" * 5000 * i}))
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "workloads")}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    assert lines[0] == "(APIServer pid=1) through sys.stderr"
+    # Each line whole, the long ones too, and nothing before it.
+    assert [json.loads(line)["request"] for line in lines[1:]] == [0, 1, 2]
 
 
 def test_stream_tokens_come_from_vllms_request_state_else_are_counted(tmp_path: Path) -> None:
@@ -418,7 +443,7 @@ def test_refusals_of_the_guard_are_logged_and_counted_too(tmp_path: Path) -> Non
     unknown, bad = h.lines()
     assert (unknown["key_id"], unknown["status"], unknown["model"]) == (None, 401, None)
     assert (bad["key_id"], bad["status"]) == ("team-b", 400)
-    assert "not-a-key" not in h.stream.getvalue()
+    assert "not-a-key" not in h.log_path.read_text()
     assert h.metric("ray_llm_api_key_requests_total", key_id="", model="", status="401") == 1
     assert h.metric("ray_llm_api_key_requests_total", key_id="team-b", model="", status="400") == 1
     assert h.app.limiter.in_flight() == 0

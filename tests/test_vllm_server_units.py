@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 from inference_server.autoscale import ONGOING_METRIC, POLICY_PATH, ongoing_requests_policy
 from inference_server.catalog import Catalog
-from inference_server.vllm_guard import DRAIN_FILE_ENV, NODE_DRAIN_FILE_ENV, SETTINGS_ENV, VllmServerGuard
+from inference_server.vllm_guard import (
+    DRAIN_FILE_ENV,
+    DRAIN_REREAD_S,
+    NODE_DRAIN_FILE_ENV,
+    SETTINGS_ENV,
+    VllmServerGuard,
+)
 from pydantic import ValidationError
 
 from localserve.processes import STAT_STATE, stat_fields
@@ -164,12 +170,28 @@ def test_a_draining_replica_closes_each_connection_after_its_answer(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A keep-alive client would stay on the draining server: each answer tells it to reconnect (through the LB)."""
+    now = [1000.0]
+    monkeypatch.setattr(VllmServerGuard, "clock", staticmethod(lambda: now[0]))
     app, _, drain = guard(monkeypatch, tmp_path)
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     assert b"connection" not in _headers_of(app, "/v1/chat/completions", body=chat)
     drain.touch()
+    # A request goes by the files' last reading until it is DRAIN_REREAD_S old...
+    now[0] += DRAIN_REREAD_S - 0.01
+    assert b"connection" not in _headers_of(app, "/v1/chat/completions", body=chat)
+    now[0] += 0.01
     assert _headers_of(app, "/v1/chat/completions", body=chat)[b"connection"] == b"close"
+
+
+def test_the_readiness_probe_reads_the_drain_files_afresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """...while /health reads them each time: the probe fails at once, and the next answer closes its connection."""
+    monkeypatch.setattr(VllmServerGuard, "clock", staticmethod(lambda: 1000.0))
+    app, _, drain = guard(monkeypatch, tmp_path)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    assert b"connection" not in _headers_of(app, "/v1/chat/completions", body=chat)
+    drain.touch()
     assert _headers_of(app, "/health", method="GET")[b"connection"] == b"close"
+    assert _headers_of(app, "/v1/chat/completions", body=chat)[b"connection"] == b"close"
 
 
 def test_the_pods_drain_file_drains_every_server_of_the_pod(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ every answer, the guard's refusals included. For each request it:
    The slot is taken before the body is read (a refused request costs a
    header parse) and held until the answer ends: for a stream, its last
    chunk, or the client going away (the app's call returns then);
-3. writes one JSON line to the ``inference_server.access`` logger: request
+3. writes one JSON line to the server's stderr (:class:`AccessLog`): request
    id, key id, model, status, prompt and output tokens, latency and time to
    the first byte; never a prompt, an answer or a key;
 4. counts requests by status and prompt and generation tokens per key id and
@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import re
-import sys
 import threading
 import time
 import uuid
@@ -64,7 +63,6 @@ from .guard import (
     send_json,
 )
 
-ACCESS_LOGGER = "inference_server.access"
 # The metric names as Prometheus shows them in both layouts. Under
 # serve-ingress Ray's metrics agent prefixes `ray_` to the names given to
 # ray.util.metrics (as it does for vLLM's); under vllm-server the counters are
@@ -107,6 +105,8 @@ _EMPTY_DELTA = re.compile(rb'"(?:content|text)":\s*""')
 # and `in` on bytes costs a tenth of a pattern search. Nearly every event is
 # a token's, with neither, so the per-token loop runs no pattern at all.
 _USAGE_KEY = b'"usage":'
+# One decoder for every answer: it holds no state between calls, and making one costs as much as its use.
+_JSON = json.JSONDecoder()
 _EMPTY_STRING = b'""'
 
 Refused = Literal["key", "replica"]
@@ -253,40 +253,35 @@ class RayKeyMetrics:
             self.generation_tokens.inc(output_tokens, tags=tags)
 
 
-class _JsonLine(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return record.getMessage()
+class AccessLog:
+    """The access log: one JSON object a line, each line one ``write(2)`` of its own on a copy of stderr.
 
+    Not through Python's ``logging``: a line through a Logger (a record, the
+    caller's frame looked up, the handler's lock, a formatter, a flush) cost
+    about 27 us a request in the vllm-server process's middleware
+    (``python -m benchmarks.guard_overhead``), against about 4 us for the
+    same line written here, on the core the engine shares. The line is
+    written at once, not buffered: a replica that dies keeps every line of
+    the requests it answered, and a line of at most ``PIPE_BUF`` bytes
+    written in one call does not interleave with other writers' on a pipe.
 
-def _own_stderr() -> Any:
-    """A line-buffered stream on a copy of file descriptor 2.
-
-    vLLM's API server patches ``sys.stdout.write`` and ``sys.stderr.write``
-    to put "(APIServer pid=N) " before every line (``decorate_logs``); a
-    line that starts so is no longer JSON to a log pipeline. Its own file
-    object on the same descriptor is left alone, and a line written in one
-    call does not interleave with other writers'.
+    Its own descriptor, a copy of 2: vLLM's API server patches
+    ``sys.stdout.write`` and ``sys.stderr.write`` to put
+    "(APIServer pid=N) " before every line (``decorate_logs``); a line that
+    starts so is no longer JSON to a log pipeline.
     """
-    try:
-        return os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8")
-    except OSError:
-        return sys.stderr
 
+    def __init__(self, fd: int | None = None) -> None:
+        self.fd = os.dup(2) if fd is None else fd
 
-def access_logger(stream: Any = None) -> logging.Logger:
-    """The access logger, writing one JSON object a line to stderr unless it already has a handler.
+    def write(self, line: str) -> None:
+        data = memoryview((line + "\n").encode("utf-8"))
+        while data:
+            # A blocking descriptor writes the whole line unless a signal cuts it short.
+            data = data[os.write(self.fd, data) :]
 
-    Its own handler, not the root's: vLLM configures only its `vllm` logger
-    and Ray only its own, so INFO lines of another logger would be dropped.
-    """
-    log = logging.getLogger(ACCESS_LOGGER)
-    if not log.handlers:
-        handler = logging.StreamHandler(stream or _own_stderr())
-        handler.setFormatter(_JsonLine())
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
-    return log
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 @dataclass
@@ -458,7 +453,7 @@ def _last_usage_object(data: bytes) -> int:
 def _decode_object(data: bytes | bytearray) -> dict[str, Any] | None:
     """The JSON object ``data`` begins with, or None when it does not begin with a whole one."""
     try:
-        value, _ = json.JSONDecoder().raw_decode(data.decode("utf-8", "replace"))
+        value, _ = _JSON.raw_decode(data.decode("utf-8", "replace"))
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
@@ -470,7 +465,7 @@ def _decode_string_after(data: bytes, mark: bytes) -> str | None:
         return None
     rest = data[at + len(mark) :].lstrip()
     try:
-        value, _ = json.JSONDecoder().raw_decode(rest.decode("utf-8", "replace"))
+        value, _ = _JSON.raw_decode(rest.decode("utf-8", "replace"))
     except ValueError:
         return None
     return value if isinstance(value, str) else None
@@ -524,7 +519,7 @@ class KeyAccounting:
         model_ids: Collection[str] = (),
         default_model: str | None = None,
         metrics: KeyMetrics | None = None,
-        log: logging.Logger | None = None,
+        log: AccessLog | None = None,
         clock: Any = time.monotonic,
     ) -> None:
         self.app = app
@@ -534,7 +529,7 @@ class KeyAccounting:
         self.model_ids = frozenset(model_ids)
         self.default_model = default_model
         self.metrics = metrics
-        self.log = log or access_logger()
+        self.log = log or AccessLog()
         self.clock = clock
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -638,7 +633,7 @@ class KeyAccounting:
             # The app ended without answering: the client went away first (what nginx logs as 499).
             record.status = 499
         try:
-            self.log.info(record.line())
+            self.log.write(record.line())
             # A render is the request router preparing a client's request, not a request of the
             # key's own: logged, but not counted again in the key's requests.
             if self.metrics is not None and record.path not in RENDER_PATHS:

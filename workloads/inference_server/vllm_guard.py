@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from functools import cache
 from typing import Any
 
@@ -41,6 +42,14 @@ DRAIN_FILE_ENV = "INFERENCE_DRAIN_FILE"
 # its preStop hook creates when the pod is deleted (a NewCluster upgrade
 # removing the old cluster, a node drain), whether or not Ray can still reach its GCS.
 HEALTH_PATH = "/health"
+# How old the drain files' reading a request goes by may be. /health reads
+# them afresh each time, so the readiness probe (and the request router's
+# health check) sees a drain at once; other requests read them at most this
+# often, so answers start closing their connections within this much of it,
+# far inside the drain notice. Two stat(2) calls on each request cost about
+# 6 us of the API server's CPU, on the core the engine shares
+# (``python -m benchmarks.guard_overhead``).
+DRAIN_REREAD_S = 0.5
 # The routes this layout serves: the ones Serve LLM's OpenAI ingress serves
 # and the guard's limits cover. vLLM's server has many more (the Responses and
 # Anthropic APIs, token-level generate, elastic scaling, profiling), whose
@@ -97,6 +106,9 @@ def _served(path: str) -> bool:
 class VllmServerGuard(ApiGuard):
     """:class:`ApiGuard` configured from :data:`SETTINGS_ENV`, counting prompts with vLLM's tokenizer."""
 
+    # When the drain files were read (a test moves it on).
+    clock = staticmethod(time.monotonic)
+
     def __init__(self, app: Any) -> None:
         raw = os.environ.get(SETTINGS_ENV)
         if not raw:
@@ -111,7 +123,7 @@ class VllmServerGuard(ApiGuard):
             count_prompt_tokens=self._count_prompt_tokens,
         )
         # Outside the guard's checks, so its refusals are logged and counted too.
-        self._accounting = KeyAccounting(
+        self.accounting = KeyAccounting(
             self._guarded,
             keys=self.keys,
             fairness=settings.fairness,
@@ -122,17 +134,31 @@ class VllmServerGuard(ApiGuard):
         )
         self._state: Any = None
         self._drain_files = [f for f in (os.environ.get(DRAIN_FILE_ENV), os.environ.get(NODE_DRAIN_FILE_ENV)) if f]
+        self._draining = False
+        self._drain_read_at = float("-inf")
 
-    def draining(self) -> bool:
-        """Whether the replica (its own file) or its whole pod (the preStop hook's file) is draining."""
-        return any(os.path.exists(f) for f in self._drain_files)
+    def draining(self, *, afresh: bool = False) -> bool:
+        """Whether the replica (its own file) or its whole pod (the preStop hook's file) is draining.
+
+        Read from the files ``afresh``, or when the last reading is
+        :data:`DRAIN_REREAD_S` old; a file, once there, stays until the server stops.
+        """
+        now = self.clock()
+        if afresh or now - self._drain_read_at >= DRAIN_REREAD_S:
+            self._drain_read_at = now
+            self._draining = any(os.path.exists(f) for f in self._drain_files)
+        return self._draining
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if self._state is None and scope.get("app") is not None:
             # The FastAPI app, whose state holds vLLM's handlers once it started.
             self._state = scope["app"].state
-        if scope.get("type") == "http" and self.draining():
-            if self._path(scope) == HEALTH_PATH:
+        if scope.get("type") != "http":
+            await self.accounting(scope, receive, send)
+            return
+        path = self._path(scope)
+        if self.draining(afresh=path == HEALTH_PATH):
+            if path == HEALTH_PATH:
                 body = error_body("the replica is draining", type_="unavailable", param=None, code="draining")
                 await send_json(send, 503, body, [(b"connection", b"close")])
                 return
@@ -140,15 +166,13 @@ class VllmServerGuard(ApiGuard):
             # keep-alive connection would otherwise stay on this server (a
             # load balancer moves only new connections) until it stops.
             send = _closing(send)
-        if scope.get("type") == "http" and not _served(self._path(scope)):
+        if not _served(path):
             # What the OpenAI API itself answers for a route it does not have.
             method = str(scope.get("method", "GET")).upper()
-            body = error_body(
-                f"Invalid URL ({method} {self._path(scope)})", type_=INVALID_REQUEST, param=None, code=None
-            )
+            body = error_body(f"Invalid URL ({method} {path})", type_=INVALID_REQUEST, param=None, code=None)
             await send_json(send, 404, body)
             return
-        await self._accounting(scope, receive, send)
+        await self.accounting(scope, receive, send)
 
     async def _guarded(self, scope: Any, receive: Any, send: Any) -> None:
         await super().__call__(scope, receive, send)
