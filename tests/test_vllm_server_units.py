@@ -176,10 +176,10 @@ def test_a_draining_replica_closes_each_connection_after_its_answer(
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     assert b"connection" not in _headers_of(app, "/v1/chat/completions", body=chat)
     drain.touch()
-    # A request goes by the files' last reading until it is DRAIN_REREAD_S old...
-    now[0] += DRAIN_REREAD_S - 0.01
+    # A request goes by the files' last reading (the first request's, at 1000.0) until it is DRAIN_REREAD_S old...
+    now[0] = 1000.0 + DRAIN_REREAD_S * 0.98
     assert b"connection" not in _headers_of(app, "/v1/chat/completions", body=chat)
-    now[0] += 0.01
+    now[0] = 1000.0 + DRAIN_REREAD_S
     assert _headers_of(app, "/v1/chat/completions", body=chat)[b"connection"] == b"close"
 
 
