@@ -20,6 +20,14 @@ swapped in, a keep-alive client sends ``--requests``
 streamed completions at ``--concurrency``, and the report gives the router's
 and the front's CPU per request and per chunk, from /proc, over rounds.
 
+Each round also sends the same requests to the stand-in directly, before or
+after the hop's (alternated), so the report gives the hop's latency too: the
+rate through it over the rate without it, and the milliseconds it adds to a
+request at that concurrency. With the client on the hop's core (``pinned``)
+that is what the routed cell of `serving_overhead` pays for the hop at
+c=8, where the rate follows each request's time, with the real server's
+noise taken away.
+
 Layouts: ``shared`` lets the router and its front run on every core (as a
 pod whose limit is above its request may); ``pinned`` holds them and the
 client on core 0 and the stand-in on the last core, as `serving_overhead`
@@ -123,10 +131,23 @@ class HopRound:
     seconds: float
     router_us_per_request: float
     front_us_per_request: float
+    # The same requests sent to the stand-in without the hop, in the same round.
+    direct_seconds: float
+    concurrency: int
 
     @property
     def hop_us_per_chunk(self) -> float:
         return (self.router_us_per_request + self.front_us_per_request) * self.requests / max(1, self.chunks)
+
+    @property
+    def rate_vs_direct(self) -> float:
+        """Requests/s through the hop over requests/s without it."""
+        return self.direct_seconds / self.seconds
+
+    @property
+    def added_ms_per_request(self) -> float:
+        """What the hop adds to each request's time: with ``concurrency`` in flight, the rate is c over it."""
+        return (self.seconds - self.direct_seconds) * self.concurrency / self.requests * 1e3
 
 
 def prod_router() -> RouterSpec:
@@ -152,11 +173,18 @@ def measure(threads: int, workers: int, args: argparse.Namespace, replica: str, 
                 for pid in pids | {os.getpid()}:
                     os.sched_setaffinity(pid, {0})
             url = f"{router.base_url}/completions"
+            direct = f"{replica}/v1/completions"
             asyncio.run(drive(url, args.concurrency, WARMUP_REQUESTS))
-            for _ in range(args.rounds):
+            asyncio.run(drive(direct, args.concurrency, WARMUP_REQUESTS))
+            for index in range(args.rounds):
+                # Before the hop's requests or after them, alternated, so a drift of the machine falls on both alike.
+                direct_first = index % 2 == 1
+                direct_seconds = _direct_round(direct, args) if direct_first else 0.0
                 before = cpu_by_role(pids)
                 seconds, chunks = asyncio.run(drive(url, args.concurrency, args.requests))
                 after = cpu_by_role(pids)
+                if not direct_first:
+                    direct_seconds = _direct_round(direct, args)
                 used = {role: (after.get(role, 0.0) - before.get(role, 0.0)) * 1e6 / args.requests for role in after}
                 hop = HopRound(
                     threads,
@@ -167,6 +195,8 @@ def measure(threads: int, workers: int, args: argparse.Namespace, replica: str, 
                     seconds,
                     used.get(ROUTER, 0.0),
                     used.get(ROUTER_FRONT, 0.0),
+                    direct_seconds,
+                    args.concurrency,
                 )
                 rounds.append(hop)
                 print(
@@ -174,12 +204,21 @@ def measure(threads: int, workers: int, args: argparse.Namespace, replica: str, 
                     f"router {hop.router_us_per_request:6.0f} us/request, "
                     f"front {hop.front_us_per_request:6.0f} us/request, "
                     f"hop {hop.hop_us_per_chunk:5.1f} us/chunk, "
-                    f"{args.requests / seconds:6.1f} requests/s",
+                    f"{args.requests / seconds:6.1f} requests/s "
+                    f"({hop.rate_vs_direct:.3f}x direct, {hop.added_ms_per_request:+.1f} ms a request)",
                     flush=True,
                 )
         finally:
             router.stop()
             os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+
+
+def _direct_round(url: str, args: argparse.Namespace) -> float:
+    """Seconds the round's requests take sent to the stand-in itself, every answer read whole."""
+    seconds, chunks = asyncio.run(drive(url, args.concurrency, args.requests))
+    if chunks != args.requests * (args.events + 1):
+        raise RuntimeError(f"the stand-in answered {chunks} chunks to {args.requests} requests")
+    return seconds
 
 
 def summary(rounds: list[HopRound]) -> list[str]:
@@ -193,7 +232,10 @@ def summary(rounds: list[HopRound]) -> list[str]:
             f"threads={threads} front workers={workers}: "
             f"router {statistics.median(router):.0f} us/request [{min(router):.0f}, {max(router):.0f}], "
             f"front {statistics.median(front):.0f} [{min(front):.0f}, {max(front):.0f}], "
-            f"hop {statistics.median(r.hop_us_per_chunk for r in mine):.1f} us/chunk ({len(mine)} rounds)"
+            f"hop {statistics.median(r.hop_us_per_chunk for r in mine):.1f} us/chunk, "
+            f"rate {statistics.median(r.rate_vs_direct for r in mine):.3f}x direct "
+            f"[{min(r.rate_vs_direct for r in mine):.3f}, {max(r.rate_vs_direct for r in mine):.3f}], "
+            f"{statistics.median(r.added_ms_per_request for r in mine):+.1f} ms a request ({len(mine)} rounds)"
         )
     return lines
 

@@ -28,7 +28,14 @@ from infra.config.routing import ROUTING_KEY_HEADER
 from infra.mocks import fake_digest
 from infra.serving import router_front
 from infra.serving.router import FRONT_CONFIG_DIGEST, router_name
-from infra.serving.router_front import LIVENESS_PATH, READINESS_PATH, ROUTES, FrontPlan, config_digest
+from infra.serving.router_front import (
+    LIVENESS_PATH,
+    READINESS_PATH,
+    ROUTER_BODY_GROWTH,
+    ROUTES,
+    FrontPlan,
+    config_digest,
+)
 from localserve.processes import free_port, with_descendants
 from tests.e2e.loopback_http import CHUNK_S, CHUNKS, LoopbackHttp, SlowReplica, answer
 from tests.harness import manifests_of, render_routed, stack_config
@@ -41,7 +48,7 @@ from twin.routing import (
     start_front,
     start_router,
 )
-from workloads.inference_server.guard import LIMITED_PATHS, SERVER_ERROR, body_cap, server_message
+from workloads.inference_server.guard import LIMITED_PATHS, SERVER_ERROR, body_cap, server_message, too_large
 from workloads.inference_server.vllm_guard import SERVED_PATHS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,8 +243,9 @@ def test_a_body_the_replicas_guard_would_refuse_is_refused_at_the_front(
     routed: tuple[TwinRouter, Seen, LoopbackHttp],
 ) -> None:
     router, seen, _ = routed
-    cap = body_cap(load_stack_file(ROOT / "Pulumi.prod.yaml").serving.limits)
-    assert prod_router().front.max_body_bytes == cap
+    guards = body_cap(load_stack_file(ROOT / "Pulumi.prod.yaml").serving.limits)
+    cap = prod_router().front.max_body_bytes
+    assert cap == guards - ROUTER_BODY_GROWTH
 
     def sized(n: int) -> bytes:
         head = b'{"model": "m", "prompt": "'
@@ -247,13 +255,64 @@ def test_a_body_the_replicas_guard_would_refuse_is_refused_at_the_front(
     url = router.base_url + "/completions"
     over = httpx.post(url, content=sized(cap + 1), headers={"content-type": "application/json"}, timeout=30)
     assert over.status_code == 413
-    assert over.json()["error"]["code"] == "body_too_large"
+    # The guard's own answer, word for word, with the front's cap in it.
+    assert over.json()["error"] == json.loads(too_large(cap).body())["error"]
     assert seen.api() == []
     at = httpx.post(url, content=sized(cap), headers={"content-type": "application/json"}, timeout=30)
     assert at.status_code == 200
-    # The router writes the body out again with its own defaults added, so a little larger.
+    # The router writes the body out again with its own defaults added: larger, and still
+    # within what the replicas' guard accepts.
     (passed,) = seen.api()
-    assert cap <= passed["bytes"] < cap + 1024
+    assert cap < passed["bytes"] <= guards
+
+
+# Bodies as callers send them, compact (the router's own writing is): the router's
+# defaults are added once a body, whatever it holds.
+GROWN_BODIES = {
+    "a completion": ("/completions", {"model": "m", "prompt": "hi"}),
+    "a completion of token ids": ("/completions", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 5}),
+    "a chat": ("/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+    "a long chat": ("/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}] * 200}),
+    "a chat of parts": (
+        "/chat/completions",
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 200}]},
+    ),
+    "a chat with tools and their calls": (
+        "/chat/completions",
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "s"},
+                {
+                    "role": "assistant",
+                    "content": "b",
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}] * 50,
+                },
+                {"role": "tool", "tool_call_id": "c", "content": "r"},
+            ],
+            "tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {}}} for i in range(50)],
+            "stop": ["x"] * 50,
+            "temperature": 0.5,
+        },
+    ),
+}
+
+
+def test_the_router_grows_a_body_by_its_defaults_alone_within_the_fronts_allowance(
+    routed: tuple[TwinRouter, Seen, LoopbackHttp],
+) -> None:
+    router, seen, _ = routed
+    grown = {}
+    for name, (path, body) in GROWN_BODIES.items():
+        sent = json.dumps(body, separators=(",", ":")).encode()
+        answer = httpx.post(router.base_url + path, content=sent, headers={"content-type": "application/json"})
+        assert answer.status_code == 200, (name, answer.text)
+        grown[name] = seen.api()[-1]["bytes"] - len(sent)
+    print(f"\n[router-front] bytes the router added: {grown}")
+    # The same defaults on every body of a route, however many messages, parts, tools or stops it holds.
+    assert len({grown[name] for name, (path, _) in GROWN_BODIES.items() if path == "/completions"}) == 1
+    assert len({grown[name] for name, (path, _) in GROWN_BODIES.items() if path == "/chat/completions"}) == 1
+    assert 0 < max(grown.values()) <= ROUTER_BODY_GROWTH / 2
 
 
 def test_the_front_passes_only_what_the_replicas_serve_and_the_routers_probes() -> None:
@@ -391,7 +450,7 @@ def test_what_the_replicas_answer_passes_the_front_as_it_is(tmp_path: Path) -> N
         }
     for status, (body, headers) in answers.items():
         if status == 413:
-            assert got[status].status_code == 413 and got[status].json()["error"]["code"] == "body_too_large"
+            assert got[status].status_code == 413 and got[status].json()["error"]["code"] == "request_too_large"
             continue
         assert got[status].status_code == status and got[status].content == body
         assert all(got[status].headers.get(name) == value for name, value in headers.items())

@@ -24,6 +24,16 @@ def test_the_hop_is_measured_through_the_rendered_router_and_front(tmp_path: Pat
         # Both processes of the hop were found and worked (/proc counts 10 ms ticks: 600 answers cost more).
         assert r["router_us_per_request"] > 0
         assert r["front_us_per_request"] > 0
+        # The same requests went to the stand-in without the hop, in the same round.
+        assert r["direct_seconds"] > 0 and r["concurrency"] == 8
+
+
+def test_the_hops_latency_is_the_rate_without_it_over_the_rate_through_it() -> None:
+    # 1000 requests at c=8: 25 s through the hop, 20 s without it. With 8 in flight each
+    # request took 200 ms against 160 ms: 40 ms more, and the rate is 0.8x.
+    hop = router_hop.HopRound(1, "pinned", 1, 1000, 33000, 25.0, 900.0, 600.0, direct_seconds=20.0, concurrency=8)
+    assert hop.rate_vs_direct == pytest.approx(0.8)
+    assert hop.added_ms_per_request == pytest.approx(40.0)
 
 
 def test_rendered_names_the_count_prods_stack_renders_and_counts_are_kept_once() -> None:
@@ -43,15 +53,22 @@ def test_a_count_that_is_not_positive_is_refused_in_one_line(word: str) -> None:
 
 
 def test_the_summary_gives_each_settings_median_and_spread() -> None:
+    # 10 requests a round at c=8, 1 s through the hop; `d` seconds without it.
     rounds = [
-        router_hop.HopRound(t, "shared", w, 10, 330, 1.0, r, f)
-        for t, w, r, f in [(1, 1, 900, 800), (1, 1, 1000, 700), (1, 1, 950, 900), (2, 1, 1400, 1000), (1, 2, 900, 900)]
+        router_hop.HopRound(t, "shared", w, 10, 330, 1.0, r, f, direct_seconds=d, concurrency=8)
+        for t, w, r, f, d in [
+            (1, 1, 900, 800, 0.9),
+            (1, 1, 1000, 700, 0.95),
+            (1, 1, 950, 900, 0.8),
+            (2, 1, 1400, 1000, 1.0),
+            (1, 2, 900, 900, 0.5),
+        ]
     ]
     assert router_hop.summary(rounds) == [
-        "threads=1 front workers=1: router 950 us/request [900, 1000], front 800 [700, 900], hop 51.5 us/chunk "
-        "(3 rounds)",
-        "threads=2 front workers=1: router 1400 us/request [1400, 1400], front 1000 [1000, 1000], hop 72.7 us/chunk "
-        "(1 rounds)",
-        "threads=1 front workers=2: router 900 us/request [900, 900], front 900 [900, 900], hop 54.5 us/chunk "
-        "(1 rounds)",
+        "threads=1 front workers=1: router 950 us/request [900, 1000], front 800 [700, 900], hop 51.5 us/chunk, "
+        "rate 0.900x direct [0.800, 0.950], +80.0 ms a request (3 rounds)",
+        "threads=2 front workers=1: router 1400 us/request [1400, 1400], front 1000 [1000, 1000], hop 72.7 us/chunk, "
+        "rate 1.000x direct [1.000, 1.000], +0.0 ms a request (1 rounds)",
+        "threads=1 front workers=2: router 900 us/request [900, 900], front 900 [900, 900], hop 54.5 us/chunk, "
+        "rate 0.500x direct [0.500, 0.500], +400.0 ms a request (1 rounds)",
     ]

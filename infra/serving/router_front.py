@@ -40,6 +40,7 @@ from workloads.inference_server.guard import (
     body_cap,
     error_body,
     server_message,
+    too_large,
 )
 
 # What clients reach: the port name and number the replicas' servers use, so
@@ -86,6 +87,18 @@ WORKER_CONNECTIONS = 4096
 # Idle keep-alive connections to the router (on loopback, so cheap to hold):
 # without them every request would open one.
 UPSTREAM_KEEPALIVE = 256
+# What the router adds to a body it passes on. It reads each request into
+# its own types and writes it out again with their defaults spelled out
+# ("echo": false, "skip_special_tokens": true, ...): 124 bytes on a
+# completion and 234 on a chat with the pinned router, however many messages,
+# parts, tools or stops the request holds (tests/test_router_front.py
+# measures them). The front holds the replicas' cap less this, so every body
+# it admits is one their guard admits after the router: the caller meets one
+# cap. Only a number written again longer grows a body further (a whole
+# number becomes a float, "1" -> "1.0"), so a request needs hundreds of such
+# fields (a large logit_bias) to outgrow the allowance; the guard then
+# answers with the same 413 the front would have.
+ROUTER_BODY_GROWTH = 1024
 # Scratch space nginx needs writable (its pid and temp files); an emptyDir in the pod.
 POD_SCRATCH = "/tmp"
 CONFIG_DIR = "/etc/nginx/front"
@@ -133,13 +146,13 @@ def _error(status: int, message: str, type_: str, code: str | None) -> str:
 # (guard.openai_error), so the front replaces these with the same ones. 503 is
 # not replaced: the router's own (no ready replica, a full queue) names nothing
 # behind it and the replicas' carries its Retry-After. Once nginx intercepts,
-# a replica's 413 gets the front's own 413 too (the same cap, body_cap).
+# a replica's 413 gets the front's own 413 too (the same body as the guard's).
 REPLACED_ERRORS = (500, 502, 504)
 
 
 @dataclass(frozen=True)
 class FrontPlan:
-    """The front of one router: the body cap the replicas' guard holds, and how long a request may take."""
+    """The front of one router: the body cap it holds for the replicas' guard, and how long a request may take."""
 
     max_body_bytes: int
     request_timeout_s: int
@@ -148,8 +161,9 @@ class FrontPlan:
 
     @staticmethod
     def of(limits: RequestLimits, request_timeout_s: int) -> FrontPlan:
-        """The front for the stack's request limits: it refuses what every replica's guard would."""
-        return FrontPlan(body_cap(limits), request_timeout_s)
+        """The front for the stack's request limits: it refuses what every replica's guard would once
+        the router has added its defaults (:data:`ROUTER_BODY_GROWTH`)."""
+        return FrontPlan(body_cap(limits) - ROUTER_BODY_GROWTH, request_timeout_s)
 
     def config(self, at: FrontAddresses = POD_ADDRESSES) -> str:
         """nginx.conf: the API's routes to the router, everything else 404."""
@@ -189,9 +203,10 @@ http {{
     def _server(self, listen: str) -> str:
         locations = "\n".join(self._location(path, method) for path, method in ROUTES.items())
         not_found = _error(404, "Not found: this endpoint serves the OpenAI API", "not_found_error", "not_found")
-        too_large = _error(
-            413, f"The request body exceeds {self.max_body_bytes} bytes", INVALID_REQUEST, "body_too_large"
-        )
+        # The replicas' guard's own 413, word for word: the caller meets one
+        # cap with one answer, whichever of the two holds it.
+        refused = too_large(self.max_body_bytes)
+        over_cap = f"return {refused.status} {_quoted(refused.body())};"
         replaced_pages = "\n".join(f"        error_page {status} @status_{status};" for status in REPLACED_ERRORS)
         replaced_locations = "\n".join(
             f"""
@@ -220,7 +235,7 @@ http {{
 {locations}
 
         location @too_large {{
-            {too_large}
+            {over_cap}
         }}
 {replaced_locations}
 

@@ -142,6 +142,30 @@ def _auth(secret: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {secret}"}
 
 
+def _access_lines(server: Guarded, request_id: str, since: int = 0) -> list[dict[str, Any]]:
+    """The server's access lines past offset ``since`` of its log, once the one for ``request_id`` is written.
+
+    Each test reads only the lines of its own requests, so it holds whichever
+    tests ran before it.
+    """
+    deadline = time.monotonic() + 10
+    while f'"{request_id}"' not in server.log()[since:] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [json.loads(line) for line in server.log()[since:].splitlines() if line.startswith('{"request_id"')]
+
+
+def _counter(server: Guarded, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` on the metrics port whose labels include ``labels``."""
+    with urllib.request.urlopen(server.metrics_url, timeout=TIMEOUT_S) as metrics:
+        text = metrics.read().decode()
+    total = 0.0
+    for sample in re.finditer(rf"^{name}\{{([^}}]*)\}} ([0-9.e+]+)$", text, re.M):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', sample.group(1)))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(sample.group(2))
+    return total
+
+
 def _long_stream() -> dict[str, Any]:
     return {
         "model": MODEL_ID,
@@ -214,6 +238,10 @@ async def _burst(
 
 
 def test_a_key_over_its_cap_gets_429_while_another_key_is_served(guarded: Guarded) -> None:
+    since = len(guarded.log())
+    refused_before = _counter(guarded, "ray_llm_api_key_requests_total", key_id="hog", status="429")
+    generated_before = _counter(guarded, "ray_llm_api_key_generation_tokens_total", key_id="hog", model=MODEL_ID)
+
     async def scenario() -> tuple[list[httpx.Response], httpx.Response]:
         async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
             started = asyncio.Event()
@@ -239,10 +267,20 @@ def test_a_key_over_its_cap_gets_429_while_another_key_is_served(guarded: Guarde
     again = httpx.post(
         guarded.base_url + "/completions",
         json={"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 2},
-        headers=_auth(HOG_SECRET),
+        headers={**_auth(HOG_SECRET), "X-Request-Id": "fairness-e2e-hog-again"},
         timeout=TIMEOUT_S,
     )
     assert again.status_code == 200, again.text
+    # The refusal and the streams are attributed to hog, in the access log
+    # and the per-key counters, by its id and never its key.
+    lines = _access_lines(guarded, "fairness-e2e-hog-again", since)
+    statuses = sorted(line["status"] for line in lines if line["key_id"] == "hog")
+    assert statuses == [200] * (HOG_CAP + 1) + [429], statuses
+    assert HOG_SECRET not in guarded.log()
+    assert _counter(guarded, "ray_llm_api_key_requests_total", key_id="hog", status="429") - refused_before == 1
+    generated = _counter(guarded, "ray_llm_api_key_generation_tokens_total", key_id="hog", model=MODEL_ID)
+    # The capped streams' tokens, and the one more request's (up to 2).
+    assert HOG_CAP * HOG_STREAM_TOKENS <= generated - generated_before <= HOG_CAP * HOG_STREAM_TOKENS + 2
 
 
 def _outcome(status: int) -> str:
@@ -368,6 +406,9 @@ def test_another_keys_ttft_stays_within_twice_its_value_beside_a_full_cap_while_
 
 
 def test_each_request_is_logged_and_counted_by_key_id_without_keys_or_prompts(guarded: Guarded) -> None:
+    since = len(guarded.log())
+    served_before = _counter(guarded, "ray_llm_api_key_requests_total", key_id="victim", model=MODEL_ID, status="200")
+    prompted_before = _counter(guarded, "ray_llm_api_key_prompt_tokens_total", key_id="victim", model=MODEL_ID)
     response = httpx.post(
         guarded.base_url + "/chat/completions",
         json={
@@ -380,11 +421,7 @@ def test_each_request_is_logged_and_counted_by_key_id_without_keys_or_prompts(gu
         timeout=TIMEOUT_S,
     )
     assert response.status_code == 200 and response.headers["x-request-id"] == "fairness-e2e-1"
-    deadline = time.monotonic() + 10
-    while '"fairness-e2e-1"' not in guarded.log() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    log = guarded.log()
-    lines = [json.loads(line) for line in log.splitlines() if line.startswith('{"request_id"')]
+    lines = _access_lines(guarded, "fairness-e2e-1", since)
     (line,) = [entry for entry in lines if entry["request_id"] == "fairness-e2e-1"]
     usage = response.json()["usage"]
     assert line["key_id"] == "victim" and line["model"] == MODEL_ID and line["status"] == 200
@@ -404,31 +441,16 @@ def test_each_request_is_logged_and_counted_by_key_id_without_keys_or_prompts(gu
         assert streamed.status_code == 200
         events = [chunk for chunk in streamed.iter_lines() if chunk.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and not any('"usage"' in event for event in events)
-    deadline = time.monotonic() + 10
-    while '"fairness-e2e-stream"' not in guarded.log() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    lines = [json.loads(line) for line in guarded.log().splitlines() if line.startswith('{"request_id"')]
+    lines = _access_lines(guarded, "fairness-e2e-stream", since)
     (line,) = [entry for entry in lines if entry["request_id"] == "fairness-e2e-stream"]
     assert (line["stream"], line["tokens"], line["output_tokens"]) == (True, "exact", 5)
     assert line["prompt_tokens"] is not None and line["prompt_tokens"] > 0
 
     log = guarded.log()
-    assert {entry["key_id"] for entry in lines} >= {"hog", "victim"}
-    assert HOG_SECRET not in log and VICTIM_SECRET not in log
+    assert VICTIM_SECRET not in log
     assert not [entry for entry in lines if PROMPT in json.dumps(entry)]
-
-    with urllib.request.urlopen(guarded.metrics_url, timeout=TIMEOUT_S) as metrics:
-        text = metrics.read().decode()
-
-    def value(name: str, **labels: str) -> float:
-        total = 0.0
-        for sample in re.finditer(rf"^{name}\{{([^}}]*)\}} ([0-9.e+]+)$", text, re.M):
-            found = dict(re.findall(r'(\w+)="([^"]*)"', sample.group(1)))
-            if all(found.get(k) == v for k, v in labels.items()):
-                total += float(sample.group(2))
-        return total
-
-    assert value("ray_llm_api_key_requests_total", key_id="hog", status="429") >= 1
-    assert value("ray_llm_api_key_requests_total", key_id="victim", model=MODEL_ID, status="200") >= 1
-    assert value("ray_llm_api_key_prompt_tokens_total", key_id="victim", model=MODEL_ID) >= usage["prompt_tokens"]
-    assert value("ray_llm_api_key_generation_tokens_total", key_id="hog", model=MODEL_ID) >= HOG_CAP * HOG_STREAM_TOKENS
+    assert line["key_id"] == "victim"
+    served = _counter(guarded, "ray_llm_api_key_requests_total", key_id="victim", model=MODEL_ID, status="200")
+    assert served - served_before == 2
+    prompted = _counter(guarded, "ray_llm_api_key_prompt_tokens_total", key_id="victim", model=MODEL_ID)
+    assert prompted - prompted_before == usage["prompt_tokens"] + line["prompt_tokens"]
