@@ -339,7 +339,9 @@ def test_the_server_stack_is_timed_serving_vllms_events_through_all_of_it(
     """What the per-request figure of the vllm-server process times: every request served and accounted."""
     pytest.importorskip("vllm")
     case = guard_overhead.measure(8, 5, requests=20, batches=2, stack="server", workdir=tmp_path)
-    assert case.stack == "server" and case.added_us > 0
+    # Both sides were timed. Not their difference: ten requests a batch on a machine running
+    # other tests beside this one can time the stack under the app alone (a CI run saw -109 us).
+    assert case.stack == "server" and case.bare_us > 0 and case.guarded_us > 0
     lines = [json.loads(line) for line in (tmp_path / "access.log").read_text().splitlines()]
     # Warm-up and two batches, each request through the accounting: the key named, its tokens
     # the ones the stand-in left in the request state as vLLM's serving code does.
