@@ -134,8 +134,13 @@ def _quoted(body: bytes) -> str:
     return f"'{text}'"
 
 
+def _returned(status: int, body: bytes) -> str:
+    """nginx's directive answering ``status`` with ``body``."""
+    return f"return {status} {_quoted(body)};"
+
+
 def _error(status: int, message: str, type_: str, code: str | None) -> str:
-    return f"return {status} {_quoted(error_body(message, type_=type_, param=None, code=code))};"
+    return _returned(status, error_body(message, type_=type_, param=None, code=code))
 
 
 # The 5xx answers the front writes itself, in place of the router's and nginx's own:
@@ -206,7 +211,7 @@ http {{
         # The replicas' guard's own 413, word for word: the caller meets one
         # cap with one answer, whichever of the two holds it.
         refused = too_large(self.max_body_bytes)
-        over_cap = f"return {refused.status} {_quoted(refused.body())};"
+        over_cap = _returned(refused.status, refused.body())
         replaced_pages = "\n".join(f"        error_page {status} @status_{status};" for status in REPLACED_ERRORS)
         replaced_locations = "\n".join(
             f"""

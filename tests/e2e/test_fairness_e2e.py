@@ -20,7 +20,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import re
 import statistics
 import sys
 import time
@@ -32,6 +31,8 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from localserve.processes import Child, child_env, free_port
 from localserve.server import MAX_MODEL_LEN, MODEL_ID, catalog_for
@@ -154,16 +155,20 @@ def _access_lines(server: Guarded, request_id: str, since: int = 0) -> list[dict
     return [json.loads(line) for line in server.log()[since:].splitlines() if line.startswith('{"request_id"')]
 
 
-def _counter(server: Guarded, name: str, **labels: str) -> float:
-    """The sum of the samples of ``name`` on the metrics port whose labels include ``labels``."""
+def _scrape(server: Guarded) -> list[Sample]:
+    """Every sample on the server's metrics port, read once."""
     with urllib.request.urlopen(server.metrics_url, timeout=TIMEOUT_S) as metrics:
         text = metrics.read().decode()
-    total = 0.0
-    for sample in re.finditer(rf"^{name}\{{([^}}]*)\}} ([0-9.e+]+)$", text, re.M):
-        found = dict(re.findall(r'(\w+)="([^"]*)"', sample.group(1)))
-        if all(found.get(k) == v for k, v in labels.items()):
-            total += float(sample.group(2))
-    return total
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def _grown(before: list[Sample], after: list[Sample], name: str, **labels: str) -> float:
+    """How much the samples of ``name`` whose labels include ``labels`` grew, summed, between two scrapes."""
+
+    def total(samples: list[Sample]) -> float:
+        return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    return total(after) - total(before)
 
 
 def _long_stream() -> dict[str, Any]:
@@ -238,9 +243,7 @@ async def _burst(
 
 
 def test_a_key_over_its_cap_gets_429_while_another_key_is_served(guarded: Guarded) -> None:
-    since = len(guarded.log())
-    refused_before = _counter(guarded, "ray_llm_api_key_requests_total", key_id="hog", status="429")
-    generated_before = _counter(guarded, "ray_llm_api_key_generation_tokens_total", key_id="hog", model=MODEL_ID)
+    since, before = len(guarded.log()), _scrape(guarded)
 
     async def scenario() -> tuple[list[httpx.Response], httpx.Response]:
         async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
@@ -277,10 +280,11 @@ def test_a_key_over_its_cap_gets_429_while_another_key_is_served(guarded: Guarde
     statuses = sorted(line["status"] for line in lines if line["key_id"] == "hog")
     assert statuses == [200] * (HOG_CAP + 1) + [429], statuses
     assert HOG_SECRET not in guarded.log()
-    assert _counter(guarded, "ray_llm_api_key_requests_total", key_id="hog", status="429") - refused_before == 1
-    generated = _counter(guarded, "ray_llm_api_key_generation_tokens_total", key_id="hog", model=MODEL_ID)
+    after = _scrape(guarded)
+    assert _grown(before, after, "ray_llm_api_key_requests_total", key_id="hog", status="429") == 1
     # The capped streams' tokens, and the one more request's (up to 2).
-    assert HOG_CAP * HOG_STREAM_TOKENS <= generated - generated_before <= HOG_CAP * HOG_STREAM_TOKENS + 2
+    generated = _grown(before, after, "ray_llm_api_key_generation_tokens_total", key_id="hog", model=MODEL_ID)
+    assert HOG_CAP * HOG_STREAM_TOKENS <= generated <= HOG_CAP * HOG_STREAM_TOKENS + 2
 
 
 def _outcome(status: int) -> str:
@@ -406,9 +410,7 @@ def test_another_keys_ttft_stays_within_twice_its_value_beside_a_full_cap_while_
 
 
 def test_each_request_is_logged_and_counted_by_key_id_without_keys_or_prompts(guarded: Guarded) -> None:
-    since = len(guarded.log())
-    served_before = _counter(guarded, "ray_llm_api_key_requests_total", key_id="victim", model=MODEL_ID, status="200")
-    prompted_before = _counter(guarded, "ray_llm_api_key_prompt_tokens_total", key_id="victim", model=MODEL_ID)
+    since, before = len(guarded.log()), _scrape(guarded)
     response = httpx.post(
         guarded.base_url + "/chat/completions",
         json={
@@ -450,7 +452,7 @@ def test_each_request_is_logged_and_counted_by_key_id_without_keys_or_prompts(gu
     assert VICTIM_SECRET not in log
     assert not [entry for entry in lines if PROMPT in json.dumps(entry)]
     assert line["key_id"] == "victim"
-    served = _counter(guarded, "ray_llm_api_key_requests_total", key_id="victim", model=MODEL_ID, status="200")
-    assert served - served_before == 2
-    prompted = _counter(guarded, "ray_llm_api_key_prompt_tokens_total", key_id="victim", model=MODEL_ID)
-    assert prompted - prompted_before == usage["prompt_tokens"] + line["prompt_tokens"]
+    after, victim = _scrape(guarded), {"key_id": "victim", "model": MODEL_ID}
+    assert _grown(before, after, "ray_llm_api_key_requests_total", **victim, status="200") == 2
+    prompted = _grown(before, after, "ray_llm_api_key_prompt_tokens_total", **victim)
+    assert prompted == usage["prompt_tokens"] + line["prompt_tokens"]
