@@ -45,6 +45,7 @@ from benchmarks.serving_overhead import (
     client_target,
     cpu_by_role,
     start_all,
+    stop_all,
 )
 
 PROFILED_ROLES = (API_SERVER, "Serve VllmServer replica", "Serve proxy", "Serve ingress replica")
@@ -277,8 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                 print_cell(cell)
     finally:
         pinner.restore(set().union(*(s.pids() for s in servers.values())))
-        for server in servers.values():
-            server.stop()
+        stop_all(servers)
     (RESULTS / f"profile-{args.layout}.json").write_text(json.dumps(cells, indent=2) + "\n")
     print("\nrequests/s by round:")
     for variant in variants:

@@ -178,7 +178,11 @@ def router_rows(results: ServingResults) -> list[RouterRow]:
     that core over this CPU: a hop that makes the server spend more a
     request, for example by reaching the engine's batch later, costs rate
     there), and the CPU the router and its front spend a request (on the
-    other core here, in the router's own pods on a cluster).
+    other core here, in the router's own pods on a cluster). Last, that
+    rate split in two from the server's own metrics: the engine steps it
+    took a request (how the hop left its batches filled) and the time a step
+    took (the core's speed in that cell, which drifts from cell to cell on a
+    shared machine, and the work each step carried).
     """
     rows: list[RouterRow] = []
     direct = "project" in results.variants
@@ -212,6 +216,22 @@ def router_rows(results: ServingResults) -> list[RouterRow]:
                     "project",
                     None,
                     fmt="{:.2f}",
+                ),
+                RouterRow(
+                    "the server's engine steps a request, routed / project",
+                    "engine_steps_per_request",
+                    c,
+                    "ratio",
+                    "project",
+                    None,
+                ),
+                RouterRow(
+                    "the server's time an engine step, routed / project",
+                    "ms_per_engine_step",
+                    c,
+                    "ratio",
+                    "project",
+                    None,
                 ),
             ]
     return rows
@@ -395,6 +415,15 @@ def serving_tables(results: ServingResults) -> str:
 
 def failed_requests(results: ServingResults) -> int:
     return sum(c.failed for c in results.cells)
+
+
+def unread_steps(results: ServingResults) -> list[str]:
+    """The cells of a variant whose server's metrics are read (serving_overhead.STEPS_READ) that got no steps."""
+    return [
+        f"{c.variant} c={c.concurrency} round {c.round + 1}"
+        for c in results.cells
+        if c.variant in serving_overhead.STEPS_READ and c.completed and c.engine_steps <= 0
+    ]
 
 
 # --------------------------------------------------------------------------- render
@@ -696,6 +725,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {out / 'report.md'} and {out / 'report.png'}")
     if serving is not None and failed_requests(serving):
         print(f"{failed_requests(serving)} requests failed: see the tables and {out / 'client.log'}")
+        return 1
+    if serving is not None and not args.from_json and unread_steps(serving):
+        print("no engine steps read from the server's metrics for: " + ", ".join(unread_steps(serving)))
         return 1
     return 0
 

@@ -43,6 +43,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import resource
 import signal
@@ -172,6 +173,9 @@ class Server:
     upstream_url: str | None = None
     # Started with the server and stopped before it (the router).
     companions: list[Child] = field(default_factory=list)
+    # Another variant's server this one sits in front of (routed over project's):
+    # stopping this one stops only its companions, the owner stops the server.
+    shares_server_of: str | None = None
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -208,6 +212,18 @@ class Server:
             return {pid for pid, role in roles.items() if role == API_SERVER}
         return {pid for pid, role in roles.items() if role in REQUEST_PATH_ROLES}
 
+    def metrics_url(self) -> str | None:
+        """Where the measured server's own vLLM metrics are read (None for a variant without them here)."""
+        if self.address_dir is not None:
+            measured = self.upstream_url or self.base_url
+            return next(
+                (str(r["metrics_url"]) for r in replica_addresses(self.address_dir) if str(r.get("url")) == measured),
+                None,
+            )
+        if self.variant == "bare":
+            return self.root_url() + "/metrics"
+        return None
+
     def server_tree(self, timeout_s: float = TREE_TIMEOUT_S) -> set[int]:
         """The measured server's processes, waited for until its engine core and forward pass show."""
         return wait_for_tree(self.server_roots, timeout_s=timeout_s, what=self.variant)
@@ -216,10 +232,15 @@ class Server:
         return {pid for pid in self.server_tree() if process_role(pid) == FORWARD_PASS}
 
     def stop(self) -> None:
-        started = {pid: _start_time(pid) for pid in self.pids()}
+        if self.shares_server_of is not None:
+            pids = with_descendants({c.proc.pid for c in self.companions if c.proc.poll() is None})
+        else:
+            pids = self.pids()
+        started = {pid: _start_time(pid) for pid in pids}
         for companion in self.companions:
             companion.stop(grace_s=10)
-        self.child.stop()
+        if self.shares_server_of is None:
+            self.child.stop()
         # Whatever the launcher's teardown did not reach (a process in a session
         # of its own): ours by process id and start time, never by name.
         for pid, when in started.items():
@@ -315,7 +336,9 @@ def start_vllm_server(
     return Server(variant, local.base_url, api_key, local.child, seconds, address_dir=local.address_dir)
 
 
-def start_routed(work: Path, model_dir: Path, replicas: int = 1, variant: str = "routed") -> Server:
+def start_routed(
+    work: Path, model_dir: Path, replicas: int = 1, variant: str = "routed", base: Server | None = None
+) -> Server:
     """The default layout behind the router prod's render runs, in front of the measured replica alone.
 
     The router's command is the one ``serving.routing`` renders for prod's
@@ -325,6 +348,12 @@ def start_routed(work: Path, model_dir: Path, replicas: int = 1, variant: str = 
     ``project`` is the router's hop; on a cluster the router runs in pods of
     its own, so here it runs on the load generator's core, like every process
     that is not the measured server.
+
+    With ``base`` (the project variant's server, when the run has one) the
+    router fronts that very replica: one model has one cluster, as on a real
+    one, so ``routed`` and ``project`` are the same server with and without
+    the hop, and no second idle cluster (15% of a core of Ray's loops)
+    shares the load generator's core with every cell.
     """
     from twin.routing import router_specs, start_router
 
@@ -332,7 +361,19 @@ def start_routed(work: Path, model_dir: Path, replicas: int = 1, variant: str = 
     if not specs:
         raise RuntimeError("routed: Pulumi.prod.yaml has no vllm-server service for a router to front")
     spec = next(iter(specs.values()))
-    server = start_vllm_server(work, model_dir, variant, replicas)
+    if base is None:
+        server = start_vllm_server(work, model_dir, variant, replicas)
+    else:
+        server = Server(
+            variant,
+            base.base_url,
+            base.api_key,
+            base.child,
+            0.0,
+            address_dir=base.address_dir,
+            shares_server_of=base.variant,
+        )
+        (work / variant).mkdir()
     try:
         started = time.monotonic()
         upstream = server.base_url
@@ -350,7 +391,7 @@ def start_routed(work: Path, model_dir: Path, replicas: int = 1, variant: str = 
     return server
 
 
-def start_gateway_variant(work: Path, model_dir: Path, replicas: int = 1) -> Server:
+def start_gateway_variant(work: Path, model_dir: Path, replicas: int = 1, base: Server | None = None) -> Server:
     """The routed layout with the model gateway prod's render runs (`serving.gateway`) in front of its router.
 
     The gateway's settings are the rendered ones (twin/gateway.py), with the
@@ -366,7 +407,7 @@ def start_gateway_variant(work: Path, model_dir: Path, replicas: int = 1) -> Ser
     rendered = next((spec.gateway for spec in specs.values() if spec.gateway is not None), None)
     if rendered is None:
         raise RuntimeError("gateway: Pulumi.prod.yaml has fewer than two vllm-server services for a gateway")
-    server = start_routed(work, model_dir, replicas, variant="gateway")
+    server = start_routed(work, model_dir, replicas, variant="gateway", base=base)
     try:
         started = time.monotonic()
         closed = f"http://127.0.0.1:{free_port()}"
@@ -521,15 +562,20 @@ def start_bare(work: Path, model_dir: Path) -> Server:
     return server
 
 
-def start(variant: str, work: Path, model_dir: Path, replicas: int = 1) -> Server:
+# Variants that put a hop in front of the project's server: started over the
+# project variant's own server when the run has one (start_routed).
+FRONTED = ("routed", "gateway")
+
+
+def start(variant: str, work: Path, model_dir: Path, replicas: int = 1, base: Server | None = None) -> Server:
     if variant == "bare":
         return start_bare(work, model_dir)
     if variant == "project":
         return start_vllm_server(work, model_dir, replicas=replicas)
     if variant == "routed":
-        return start_routed(work, model_dir, replicas)
+        return start_routed(work, model_dir, replicas, base=base)
     if variant == "gateway":
-        return start_gateway_variant(work, model_dir, replicas)
+        return start_gateway_variant(work, model_dir, replicas, base=base)
     if variant == "guarded":
         return start_guarded(work, model_dir)
     if variant in INGRESS_VARIANTS:
@@ -541,20 +587,33 @@ def start_all(variants: list[str], work: Path, model_dir: Path, replicas: int, l
     """Every variant's server, started at once (their starts are not measured); all stopped if one fails."""
     servers: dict[str, Server] = {}
     errors: list[str] = []
+    # A fronted variant waits for the project's server when the run has one, and fronts it.
+    over_project = [v for v in variants if v in FRONTED and "project" in variants]
     with ThreadPoolExecutor(max_workers=len(variants)) as pool:
-        futures = {v: pool.submit(start, v, work, model_dir, replicas) for v in variants}
-        for variant, future in futures.items():
-            try:
-                server = servers[variant] = future.result()
-                log(f"[serving] {variant} ready in {server.start_seconds:.0f}s at {server.base_url}")
-            except Exception as err:  # the others are stopped below all the same
-                errors.append(f"{variant}: {err}")
-    if errors:
-        for server in servers.values():
-            server.stop()
+        for batch in ([v for v in variants if v not in over_project], over_project):
+            base = servers.get("project")
+            if batch is over_project and base is None:
+                break  # the project's server did not start: its error is already recorded
+            futures = {
+                v: pool.submit(start, v, work, model_dir, replicas, base if v in over_project else None) for v in batch
+            }
+            for variant, future in futures.items():
+                try:
+                    server = servers[variant] = future.result()
+                    log(f"[serving] {variant} ready in {server.start_seconds:.0f}s at {server.base_url}")
+                except Exception as err:  # the others are stopped below all the same
+                    errors.append(f"{variant}: {err}")
+    if errors or len(servers) < len(variants):
+        stop_all(servers)
         raise RuntimeError("server start failed: " + "; ".join(errors))
     # The order asked for, not the order they became ready in.
     return {v: servers[v] for v in variants}
+
+
+def stop_all(servers: dict[str, Server]) -> None:
+    """Every server, the ones in front of another's first (they stop only their own processes)."""
+    for server in sorted(servers.values(), key=lambda s: s.shares_server_of is None):
+        server.stop()
 
 
 # What someone else's server or local cluster runs: an e2e server test's
@@ -761,6 +820,10 @@ class Cell:
     # Busy share of each CPU during the cell (every process on the machine).
     cpu_busy: list[float] = field(default_factory=list)
     pin: dict[str, Any] = field(default_factory=dict)
+    # The measured server's engine steps during the cell and the tokens they
+    # computed (its own vllm:iteration_tokens_total histogram; 0 when unread).
+    engine_steps: float = 0.0
+    engine_step_tokens: float = 0.0
 
     def tokens(self) -> int:
         return self.output_tokens or self.completed * MAX_TOKENS
@@ -783,6 +846,14 @@ class Cell:
     def hop_cpu_ms_per_request(self) -> float:
         """The router's and its front's CPU a request served (none for a variant without them)."""
         return sum(self.cpu_ms.get(role, 0.0) for role in HOP_ROLES) / max(1, self.completed)
+
+    def engine_steps_per_request(self) -> float:
+        """The server's engine steps a request served: how its batches filled, whatever the core's speed."""
+        return self.engine_steps / self.completed if self.engine_steps and self.completed else math.nan
+
+    def ms_per_engine_step(self) -> float:
+        """Wall ms an engine step took: the core's speed in the cell and the work each step carries."""
+        return self.duration_s * 1e3 / self.engine_steps if self.engine_steps else math.nan
 
     def server_core_share(self) -> float:
         """Share of one core the measured server's own processes used during the cell."""
@@ -839,12 +910,15 @@ def measure(
 ) -> Cell:
     """One cell of vLLM's client against ``server``, with the CPU of its processes read around it."""
     pids = server.pids() | tree
+    metrics = server.metrics_url()
+    steps_before = engine_steps(metrics)
     before = cpu_by_pid(pids)
     own_before, busy_before = _own_cpu_s(), cpu_times()
     result = vllm_client.run(client_target(server, model_dir), concurrency, prompts, client_log)
     busy = busy_shares(busy_before, cpu_times())
     own = _own_cpu_s() - own_before
     after = cpu_by_pid(pids)
+    steps_after = engine_steps(metrics)
     cell = cell_from_result(result, server.variant, concurrency, rnd, prompts, layout)
     for pid, (role, seconds) in after.items():
         used = (seconds - before.get(pid, (role, 0.0))[1]) * 1e3
@@ -853,7 +927,43 @@ def measure(
             cell.server_cpu_ms += used
     cell.loadgen_cpu_ms = own * 1e3
     cell.cpu_busy = busy
+    if steps_before is not None and steps_after is not None:
+        cell.engine_steps = steps_after[0] - steps_before[0]
+        cell.engine_step_tokens = steps_after[1] - steps_before[1]
     return cell
+
+
+# The variants whose measured server's own metrics are read (Server.metrics_url).
+STEPS_READ = ("project", "routed", "gateway", "bare")
+# vLLM's histogram of the tokens each engine step computed: its count is the steps taken.
+ENGINE_STEPS = "vllm:iteration_tokens_total"
+
+
+def engine_steps(metrics_url: str | None) -> tuple[float, float] | None:
+    """The server's engine steps so far and the tokens they computed, from its own metrics (None if unread).
+
+    Under load a server alone on its core never idles between steps, so its
+    requests/s is one over (steps a request x time a step): the first says
+    how a variant filled the engine's batches, the second how fast the core
+    ran them, which on a shared machine drifts from cell to cell.
+    """
+    if metrics_url is None:
+        return None
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=10) as answer:
+            text = answer.read().decode(errors="replace")
+    except (OSError, ValueError):
+        return None
+    count = total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == ENGINE_STEPS + "_count":
+                count += sample.value
+            elif sample.name == ENGINE_STEPS + "_sum":
+                total += sample.value
+    return count, total
 
 
 # --------------------------------------------------------------------------- run
@@ -992,8 +1102,7 @@ def run(
                     )
     finally:
         pinner.restore(everything_of(servers))
-        for server in servers.values():
-            server.stop()
+        stop_all(servers)
     return ServingResults(
         variants=variants,
         rounds=rounds,

@@ -211,11 +211,26 @@ def test_the_routing_tiers_table_says_where_the_hops_cost_went_under_load() -> N
         routed = _cell("routed", rnd, 32, 98.0 * ratio, server_cpu_ms=84.0)
         routed.cpu_ms = {**routed.cpu_ms, ROUTER: 6.0, ROUTER_FRONT: 4.0}
         cells.append(routed)
+        # The server's own steps: 40 for the project's 10 requests, 42 behind the router (1.05x);
+        # so a step took 10/98/40 s directly and 10/(98 x ratio)/42 s routed.
+        cells[-2].engine_steps, routed.engine_steps = 40.0, 42.0
     results = _three_rounds(["project", "routed", "bare"], [32], cells)
     table = router_table(results)
     assert "| req/s, routed / project (the hop alone) | 32 | 0.95x [0.94x, 0.96x] | [0.94x, 0.96x] | - | - |" in table
     assert "| the measured server's CPU a request, routed / project | 32 | 1.05x [1.05x, 1.05x] |" in table
     assert "| CPU ms a request of the router and its front | 32 | 1.00 [1.00, 1.00] |" in table
+    assert "| the server's engine steps a request, routed / project | 32 | 1.05x [1.05x, 1.05x] |" in table
+    # Steps x time a step is the rate: 1 / (1.05 x 1/0.95) = 0.95x, the hop alone's median.
+    assert "| the server's time an engine step, routed / project | 32 | 1.00x [0.99x, 1.01x] |" in table
+    # An old run's cells, or a server whose metrics were not read, have no steps: left out, not 0x or inf.
+    unread = _cell("routed", 0, 32, 90.0)
+    assert math.isnan(unread.engine_steps_per_request()) and math.isnan(unread.ms_per_engine_step())
+    cells[1].engine_steps = 0.0  # round 0's project cell
+    fewer = router_table(_three_rounds(["project", "routed", "bare"], [32], cells))
+    assert (
+        "| the server's engine steps a request, routed / project | 32 | 1.05x [1.05x, 1.05x] | [1.05x, 1.05x] |"
+        in fewer
+    )
     # Without the direct layout in the run, none of the three (bare alone judges the rate).
     alone = ServingResults(**{**results.__dict__, "variants": ["routed", "bare"]})
     assert "the hop alone" not in router_table(alone) and "req/s ratio to bare vLLM | 32" in router_table(alone)
@@ -353,3 +368,48 @@ def test_the_server_stack_is_timed_serving_vllms_events_through_all_of_it(
     monkeypatch.setattr(guard_overhead, "KEY", "not-a-key-" + "z" * 40)
     with pytest.raises(RuntimeError, match=r"answered \[401\]"):
         guard_overhead.measure(8, 5, requests=20, batches=2, stack="server", workdir=tmp_path)
+
+
+def test_the_servers_engine_steps_are_read_from_vllms_own_histogram(tmp_path: Path) -> None:
+    import http.server
+    import threading
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from benchmarks.report import unread_steps
+    from benchmarks.serving_overhead import ENGINE_STEPS, engine_steps
+
+    # The histogram as vLLM exports it (one series per engine), in the exposition format prometheus_client writes.
+    registry = CollectorRegistry()
+    steps = Histogram(ENGINE_STEPS, "tokens a step", ["model_name", "engine"], buckets=(1, 8, 32), registry=registry)
+    for tokens in (64, 8, 8, 8):
+        steps.labels("tiny", "0").observe(tokens)
+    steps.labels("tiny", "1").observe(5)
+    page = generate_latest(registry)
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("content-length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        # Both engines' steps and tokens, not the buckets' counts.
+        assert engine_steps(url) == (5.0, 93.0)
+    finally:
+        server.shutdown()
+        server.server_close()
+    # A server that does not answer, or none to ask: unread, not zero steps.
+    assert engine_steps(url) is None
+    assert engine_steps(None) is None
+    # A run whose servers' steps went unread says which cells (the quick check fails on it).
+    cells = [_cell("project", 0, 8, 40.0), _cell("guarded", 0, 8, 40.0), _cell("bare", 0, 8, 40.0)]
+    cells[2].engine_steps = 30.0
+    assert unread_steps(_three_rounds(["project", "guarded", "bare"], [8], cells)) == ["project c=8 round 1"]
