@@ -154,7 +154,8 @@ whatif: system-deps-twin $(VENV)/.bench
 	PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks.whatif --stack $(STACK) --trace $(TRACE)
 
 # The same code path once and small (project, routed and bare, one round): under 3 min
-# once the venv exists; fails on a failed request or a CPU layout that did not hold.
+# once the venv exists; fails on a failed request, a CPU layout that did not hold,
+# or a server whose engine steps went unread.
 bench-quick: system-deps-twin $(VENV)/.bench
 	PYTHONUNBUFFERED=1 $(BIN)/python -m benchmarks --quick --out build/bench-quick
 

@@ -226,10 +226,14 @@ def measure(
     per = max(1, requests // batches)
     bare_t: list[float] = []
     guard_t: list[float] = []
-    asyncio.run(drive(guarded, body, per // 4 + 1, path))  # warm both paths
-    for _ in range(batches):
-        bare_t.append(asyncio.run(drive(inner, body, per, path)) / per * 1e6)
-        guard_t.append(asyncio.run(drive(guarded, body, per, path)) / per * 1e6)
+    try:
+        asyncio.run(drive(guarded, body, per // 4 + 1, path))  # warm both paths
+        for _ in range(batches):
+            bare_t.append(asyncio.run(drive(inner, body, per, path)) / per * 1e6)
+            guard_t.append(asyncio.run(drive(guarded, body, per, path)) / per * 1e6)
+    finally:
+        if isinstance(guarded, VllmServerGuard):
+            guarded.accounting.log.close()  # the access file server_stack opened
     added = [g - b for g, b in zip(guard_t, bare_t, strict=True)]
     return GuardCase(
         stack, prompt_bytes, chunks, median(bare_t), median(guard_t), median(added), min(added), max(added)

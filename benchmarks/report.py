@@ -180,9 +180,9 @@ def router_rows(results: ServingResults) -> list[RouterRow]:
     there), and the CPU the router and its front spend a request (on the
     other core here, in the router's own pods on a cluster). Last, that
     rate split in two from the server's own metrics: the engine steps it
-    took a request (how the hop left its batches filled) and the time a step
+    took a request (how full the hop left its batches) and the time a step
     took (the core's speed in that cell, which drifts from cell to cell on a
-    shared machine, and the work each step carried).
+    shared machine, the work each step carried, and any wait between steps).
     """
     rows: list[RouterRow] = []
     direct = "project" in results.variants
@@ -658,7 +658,8 @@ def main(argv: list[str] | None = None) -> int:
         "--quick",
         action="store_true",
         help="every stage once and small (project, routed and bare, 1 round, 1 replica, 2 render sizes): a check that "
-        "the benchmark runs, not a measurement; fails on any failed request or layout that did not hold",
+        "the benchmark runs, not a measurement; fails on any failed request, layout that did not hold or "
+        "server whose engine steps went unread",
     )
     parser.add_argument("--skip-serving", action="store_true")
     parser.add_argument("--skip-render", action="store_true")

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import statistics
@@ -150,8 +151,9 @@ class HopRound:
         return (self.seconds - self.direct_seconds) * self.concurrency / self.requests * 1e3
 
 
+@functools.cache
 def prod_router() -> RouterSpec:
-    """The router prod's stack renders (its first vllm-server service's)."""
+    """The router prod's stack renders (its first vllm-server service's), rendered once a process."""
     from twin.routing import router_specs
 
     return next(iter(router_specs(REPO / "Pulumi.prod.yaml").values()))

@@ -942,10 +942,10 @@ ENGINE_STEPS = "vllm:iteration_tokens_total"
 def engine_steps(metrics_url: str | None) -> tuple[float, float] | None:
     """The server's engine steps so far and the tokens they computed, from its own metrics (None if unread).
 
-    Under load a server alone on its core never idles between steps, so its
-    requests/s is one over (steps a request x time a step): the first says
-    how a variant filled the engine's batches, the second how fast the core
-    ran them, which on a shared machine drifts from cell to cell.
+    Over a cell, requests/s is one over (steps a request x time a step):
+    the first says how full a variant kept the engine's batches, whatever
+    the core's speed; the second holds that speed (which on a shared machine
+    drifts from cell to cell), each step's work, and any wait between steps.
     """
     if metrics_url is None:
         return None

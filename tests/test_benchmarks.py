@@ -7,6 +7,7 @@ that raced the server's start, a layout that did not hold, a wrong verdict.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -364,10 +365,24 @@ def test_the_server_stack_is_timed_serving_vllms_events_through_all_of_it(
     assert {(x["status"], x["key_id"] is not None, x["model"], x["output_tokens"], x["tokens"]) for x in lines} == {
         (200, True, guard_overhead.MODEL, 5, "exact")
     }
+    # The access file the stack wrote to is closed once it is timed.
+    assert _open_files_under(tmp_path) == []
     # A stack that refuses answers without the app: that is not what is timed.
     monkeypatch.setattr(guard_overhead, "KEY", "not-a-key-" + "z" * 40)
     with pytest.raises(RuntimeError, match=r"answered \[401\]"):
         guard_overhead.measure(8, 5, requests=20, batches=2, stack="server", workdir=tmp_path)
+    assert _open_files_under(tmp_path) == []
+
+
+def _open_files_under(folder: Path) -> list[str]:
+    """This process's descriptors open on a file under ``folder``."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(str(folder)):
+                found.append(target)
+    return found
 
 
 def test_the_servers_engine_steps_are_read_from_vllms_own_histogram(tmp_path: Path) -> None:
