@@ -385,11 +385,8 @@ def _open_files_under(folder: Path) -> list[str]:
     return found
 
 
-def test_the_servers_engine_steps_are_read_from_vllms_own_histogram(tmp_path: Path) -> None:
-    import http.server
-    import threading
-
-    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+def test_the_servers_engine_steps_are_read_from_vllms_own_histogram() -> None:
+    from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
     from benchmarks.report import unread_steps
     from benchmarks.serving_overhead import ENGINE_STEPS, engine_steps
@@ -400,20 +397,8 @@ def test_the_servers_engine_steps_are_read_from_vllms_own_histogram(tmp_path: Pa
     for tokens in (64, 8, 8, 8):
         steps.labels("tiny", "0").observe(tokens)
     steps.labels("tiny", "1").observe(5)
-    page = generate_latest(registry)
-
-    class Metrics(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("content-length", str(len(page)))
-            self.end_headers()
-            self.wfile.write(page)
-
-        def log_message(self, *_: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # Served by prometheus_client's exporter: vLLM exports its metrics with the same library.
+    server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
         # Both engines' steps and tokens, not the buckets' counts.
