@@ -195,16 +195,17 @@ class Server:
         roots |= {c.proc.pid for c in self.companions if c.proc.poll() is None}
         return with_descendants(roots | {self.child.proc.pid})
 
+    def measured_replicas(self) -> list[dict[str, object]]:
+        """What the measured replica published: the one whose address the client (or the router in front) uses."""
+        assert self.address_dir is not None
+        measured = self.upstream_url or self.base_url
+        return [r for r in replica_addresses(self.address_dir) if str(r.get("url")) == measured]
+
     def server_roots(self) -> set[int]:
         """The processes the measured server's tree hangs from (may be empty while it starts)."""
         if self.address_dir is not None:
-            # The replica whose address the client (or the router in front) uses: its published server process.
-            measured = self.upstream_url or self.base_url
-            return {
-                int(str(r["pid"]))
-                for r in replica_addresses(self.address_dir)
-                if r.get("pid") and str(r.get("url")) == measured
-            }
+            # The measured replica's published server process.
+            return {int(str(r["pid"])) for r in self.measured_replicas() if r.get("pid")}
         if self.variant == "bare":
             return {self.child.proc.pid}
         roles = roles_of(self.pids())
@@ -215,11 +216,7 @@ class Server:
     def metrics_url(self) -> str | None:
         """Where the measured server's own vLLM metrics are read (None for a variant without them here)."""
         if self.address_dir is not None:
-            measured = self.upstream_url or self.base_url
-            return next(
-                (str(r["metrics_url"]) for r in replica_addresses(self.address_dir) if str(r.get("url")) == measured),
-                None,
-            )
+            return next((str(r["metrics_url"]) for r in self.measured_replicas()), None)
         if self.variant == "bare":
             return self.root_url() + "/metrics"
         return None
@@ -589,21 +586,22 @@ def start_all(variants: list[str], work: Path, model_dir: Path, replicas: int, l
     errors: list[str] = []
     # A fronted variant waits for the project's server when the run has one, and fronts it.
     over_project = [v for v in variants if v in FRONTED and "project" in variants]
+
+    def collect(futures: dict[str, Any]) -> None:
+        for variant, future in futures.items():
+            try:
+                server = servers[variant] = future.result()
+                log(f"[serving] {variant} ready in {server.start_seconds:.0f}s at {server.base_url}")
+            except Exception as err:  # the others are stopped below all the same
+                errors.append(f"{variant}: {err}")
+
     with ThreadPoolExecutor(max_workers=len(variants)) as pool:
-        for batch in ([v for v in variants if v not in over_project], over_project):
-            base = servers.get("project")
-            if batch is over_project and base is None:
-                break  # the project's server did not start: its error is already recorded
-            futures = {
-                v: pool.submit(start, v, work, model_dir, replicas, base if v in over_project else None) for v in batch
-            }
-            for variant, future in futures.items():
-                try:
-                    server = servers[variant] = future.result()
-                    log(f"[serving] {variant} ready in {server.start_seconds:.0f}s at {server.base_url}")
-                except Exception as err:  # the others are stopped below all the same
-                    errors.append(f"{variant}: {err}")
-    if errors or len(servers) < len(variants):
+        collect({v: pool.submit(start, v, work, model_dir, replicas) for v in variants if v not in over_project})
+        # Without the project's server (its error is recorded) nothing is fronted, and the run stops below.
+        if "project" in servers:
+            base = servers["project"]
+            collect({v: pool.submit(start, v, work, model_dir, replicas, base) for v in over_project})
+    if errors:
         stop_all(servers)
         raise RuntimeError("server start failed: " + "; ".join(errors))
     # The order asked for, not the order they became ready in.
